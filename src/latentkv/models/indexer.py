@@ -1,0 +1,90 @@
+"""The DSA "lightning indexer": picks, per query, the `index_topk` past tokens worth attending to.
+
+    k_t        = RoPE(LayerNorm(W_k x_t))                      cached per full layer   # [T, D_i]
+    q_s[h]     = RoPE(W_qb q_resid_s)[h]                                               # [h_i, D_i]
+    I[s, t]    = sum_h w_s[h] * relu(q_s[h] . k_t / sqrt(D_i)),  w_s = W_w x_s / sqrt(h_i)
+    selected_s = top-k_t I[s, t] over the causal past
+
+It only changes anything once the context exceeds `index_topk`; below that every causal token
+is selected and the scores are not computed at all (the keys are still cached). "shared"
+layers reuse the selection of the previous "full" layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from latentkv.config import DsaConfig
+from latentkv.models.layers import broadcast_heads, linear, rope_half, rope_interleaved
+
+# Budget for one [S_tile, h_i, T] block of head scores, in float32 elements.
+INDEX_BLOCK_ELEMENTS = 8 * 1024 * 1024
+
+
+@dataclass
+class IndexerWeights:
+    wq_b: torch.Tensor  # [h_i * D_i, q_lora]
+    wk: torch.Tensor  # [D_i, D]
+    k_norm_weight: torch.Tensor  # [D_i]
+    k_norm_bias: torch.Tensor  # [D_i]
+    weights_proj: torch.Tensor  # [h_i, D]  (kept in float32, as transformers does)
+
+
+class Indexer:
+    def __init__(self, dsa: DsaConfig, rope_dim: int, w: IndexerWeights):
+        self.w = w
+        self.topk = dsa.index_topk
+        self.n_heads = dsa.index_n_heads
+        self.head_dim = dsa.index_head_dim
+        self.rope_dim = rope_dim
+        self.rope = rope_interleaved if dsa.rope_interleave else rope_half
+        self.scale = self.head_dim**-0.5
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Indexer keys for new tokens: x [S, D] -> [S, D_i] (float32)."""
+        k = F.layer_norm(linear(x, self.w.wk), (self.head_dim,), self.w.k_norm_weight, self.w.k_norm_bias, 1e-6)
+        k_rot, k_pass = k.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([self.rope(k_rot, cos, sin), k_pass], dim=-1).float()
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        start: int,
+    ) -> torch.Tensor | None:
+        """Which tokens each of the S queries (positions start..) may attend to.
+
+        Returns None when every causal token is selected (context <= index_topk); for one query
+        the [k] selected indices; for several a boolean [S, T] mask.
+        """
+        S, T = x.shape[0], keys.shape[0]
+        if T <= self.topk:
+            return None
+        q = linear(q_resid, self.w.wq_b).view(S, self.n_heads, self.head_dim)
+        q_rot, q_pass = q.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        q_rot = self.rope(q_rot, broadcast_heads(cos, q_rot), broadcast_heads(sin, q_rot))
+        q = torch.cat([q_rot, q_pass], dim=-1).float()  # [S, h_i, D_i]
+        weights = linear(x.float(), self.w.weights_proj) * self.n_heads**-0.5  # [S, h_i]
+
+        if S == 1:
+            return self._scores(q, weights, keys)[0].topk(self.topk).indices
+        mask = torch.zeros(S, T, dtype=torch.bool)
+        tile = max(1, INDEX_BLOCK_ELEMENTS // (self.n_heads * T))
+        for s0 in range(0, S, tile):
+            s1 = min(S, s0 + tile)
+            scores = self._scores(q[s0:s1], weights[s0:s1], keys)  # [s, T]
+            future = torch.arange(T)[None, :] > torch.arange(start + s0, start + s1)[:, None]
+            scores.masked_fill_(future, float("-inf"))
+            mask[s0:s1].scatter_(1, scores.topk(self.topk, dim=-1).indices, True)
+        return mask
+
+    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """I[s, t] = sum_h w[s, h] relu(q[s, h] . k_t * scale): [s, h_i, D_i] x [T, D_i] -> [s, T]."""
+        head_scores = torch.relu(torch.matmul(q, keys.T) * self.scale)  # [s, h_i, T]
+        return torch.matmul(weights.unsqueeze(1), head_scores).squeeze(1)

@@ -1,0 +1,162 @@
+"""Checkpoint reading: safetensors (single file or sharded), memory-mapped and lazy.
+
+Every tensor is a view into a copy-on-write mmap of its file, so opening a checkpoint reads
+nothing but the headers and a model is never held twice in RAM: converting a tensor (dtype,
+fp8 block dequantization, fusing) makes the only private copy. The translation from
+transformers' tensor names to ours happens in named steps in `models/weights.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, with the file and the reason."""
+
+
+class _SafetensorsFile:
+    """One .safetensors file: its parsed header and a copy-on-write mmap of the data."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: too short to be a safetensors file")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: header length {header_len} is implausible")
+            self.header_bytes = fh.read(header_len)
+            try:
+                header = json.loads(self.header_bytes)
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+            size = fh.seek(0, 2)
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self.metadata = header.pop("__metadata__", {}) or {}
+        self.entries: dict[str, dict] = header
+        self.data_start = 8 + header_len
+        for name, entry in header.items():
+            start, end = entry["data_offsets"]
+            if entry["dtype"] not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
+            if self.data_start + end > size or start > end:
+                raise CheckpointError(f"{path}: tensor {name} lies outside the file (truncated?)")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        start, end = entry["data_offsets"]
+        shape = entry["shape"]
+        if end == start:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=end - start, offset=self.data_start + start)
+        if sys.byteorder != "little":  # safetensors is little-endian; so is every machine we target
+            raise CheckpointError("big-endian hosts are not supported")
+        return flat.view(dtype).view(shape)
+
+
+class Checkpoint:
+    """Named tensors of a model directory, read lazily. `get` returns an mmap-backed view."""
+
+    def __init__(self, directory: str | Path, progress: bool = False):
+        self.directory = Path(directory)
+        files = self._shard_files()
+        self._files: list[_SafetensorsFile] = []
+        self._where: dict[str, _SafetensorsFile] = {}
+        iterator = files
+        if progress and len(files) > 1:
+            from tqdm import tqdm
+
+            iterator = tqdm(files, desc="opening shards", unit="shard", file=sys.stderr)
+        for path in iterator:
+            shard = _SafetensorsFile(path)
+            self._files.append(shard)
+            for name in shard.entries:
+                if name in self._where:
+                    raise CheckpointError(f"tensor {name} appears in both {self._where[name].path} and {path}")
+                self._where[name] = shard
+
+    def _shard_files(self) -> list[Path]:
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: unreadable shard index ({exc})") from None
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (self.directory / n).exists()]
+            if missing:
+                raise CheckpointError(f"{index} names shards that are missing: {', '.join(missing)}")
+            return [self.directory / n for n in names]
+        single = self.directory / "model.safetensors"
+        if single.exists():
+            return [single]
+        found = sorted(self.directory.glob("*.safetensors"))
+        if not found:
+            raise CheckpointError(f"no safetensors weights in {self.directory}")
+        return found
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def keys(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._where[name].entries[name]["shape"])
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise CheckpointError(f"checkpoint in {self.directory} has no tensor {name!r}")
+        return self._where[name].tensor(name)
+
+    def fingerprint(self) -> str:
+        """SHA-256 over every shard's safetensors header: names, dtypes, shapes and offsets."""
+        digest = hashlib.sha256()
+        for shard in self._files:
+            digest.update(shard.header_bytes)
+        return digest.hexdigest()
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An fp8 weight with one inverse scale per (block_out x block_in) tile, as float32.
+
+    DeepSeek-V3 / GLM-5 fp8 checkpoints store `w_fp8 = w / s` per 128x128 tile and
+    `weight_scale_inv = s`; the last tiles may be partial.
+    """
+    out_dim, in_dim = weight.shape
+    bo, bi = block
+    need = (-(-out_dim // bo), -(-in_dim // bi))
+    if tuple(scale_inv.shape) != need:
+        raise CheckpointError(
+            f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {need} for a "
+            f"{out_dim}x{in_dim} weight in {bo}x{bi} blocks"
+        )
+    scales = scale_inv.float().repeat_interleave(bo, 0)[:out_dim].repeat_interleave(bi, 1)[:, :in_dim]
+    return weight.float() * scales

@@ -1,0 +1,126 @@
+"""Multi-head Latent Attention (MLA), absorbed, over a latent cache.
+
+Symbols (as in docs and DESIGN.md):
+    H heads, Lkv kv_lora_rank, R qk_rope_head_dim, P qk_nope_head_dim, V v_head_dim, T cached tokens.
+
+    c_t = RMSNorm(W_DKV x_t)[:Lkv]                latent row, cached         # [T, Lkv]
+    r_t = RoPE(W_DKV x_t [Lkv:], pos_t)           shared rope key, cached    # [T, R]
+    W_UK, W_UV = split(kv_b_proj) per head                                   # [H, P, Lkv], [H, V, Lkv]
+    q = W_UQ RMSNorm(W_DQ x)  ->  q_nope [H, P], q_rope = RoPE(..) [H, R]
+    q_abs[h] = W_UK[h]^T q_nope[h]                                           # [H, Lkv]
+    s[h, t]  = (q_abs[h] . c_t + q_rope[h] . r_t) * scale
+    o[h]     = W_UV[h] (sum_t softmax(s[h])_t c_t)                          # [H, V]
+    out      = W_O concat_h o[h]
+
+The cache row is [c | r], so the score is one product of [q_abs | q_rope] with the row.
+Prefill uses the same absorbed form, tiled along the queries so the score block stays a few
+MB however long the prompt. With DSA, a query attends only to the tokens its indexer chose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from latentkv.config import ModelConfig
+from latentkv.models.layers import broadcast_heads, linear, rms_norm, rope_half, rope_interleaved
+
+# Budget for one score block [H, S_tile, T] in float32 elements (~32 MB).
+SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
+
+
+@dataclass
+class MLAWeights:
+    q_a: torch.Tensor | None  # [q_lora, D]      (None when the model has no q-LoRA)
+    q_a_norm: torch.Tensor | None  # [q_lora]
+    q_b: torch.Tensor  # [H*(P+R), q_lora or D]
+    kv_a: torch.Tensor  # [Lkv+R, D]
+    kv_a_norm: torch.Tensor  # [Lkv]
+    w_uk: torch.Tensor  # [H, P, Lkv]
+    w_uv_t: torch.Tensor  # [H, Lkv, V]  (W_UV transposed for the batched product)
+    o: torch.Tensor  # [D, H*V]
+    q_a_bias: torch.Tensor | None = None
+    kv_a_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+class MLA:
+    """One layer's attention. `project` makes queries and cache rows; `attend` reads the cache."""
+
+    def __init__(self, cfg: ModelConfig, w: MLAWeights, scale: float):
+        self.w = w
+        self.H, self.P, self.R, self.V = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.Lkv = cfg.kv_lora_rank
+        self.scale = scale
+        self.rope = rope_interleaved if cfg.rope_interleave else rope_half
+        # The q-LoRA / kv-a norms are built without the config's eps in transformers (1e-6).
+        self.lora_eps = 1e-6
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [S, D] -> (query [H, S, Lkv+R], cache rows [S, Lkv+R], q_resid [S, q_lora] or None)."""
+        w = self.w
+        S = x.shape[0]
+        if w.q_a is not None:
+            q_resid = rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, self.lora_eps)
+            q = linear(q_resid, w.q_b)
+        else:
+            q_resid = None
+            q = linear(x, w.q_b)
+        q = q.view(S, self.H, self.P + self.R)
+        q_nope, q_rope = q.split([self.P, self.R], dim=-1)  # [S, H, P], [S, H, R]
+        q_rope = self.rope(q_rope, broadcast_heads(cos, q_rope), broadcast_heads(sin, q_rope))
+
+        kv = linear(x, w.kv_a, w.kv_a_bias)  # [S, Lkv+R]
+        c, r = kv.split([self.Lkv, self.R], dim=-1)
+        rows = torch.cat([rms_norm(c, w.kv_a_norm, self.lora_eps), self.rope(r, cos, sin)], dim=-1)
+
+        q_abs = torch.matmul(q_nope.transpose(0, 1), w.w_uk)  # [H, S, P] @ [H, P, Lkv] -> [H, S, Lkv]
+        query = torch.cat([q_abs, q_rope.transpose(0, 1)], dim=-1)  # [H, S, Lkv+R]
+        return query, rows, q_resid
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        rows: torch.Tensor,
+        start: int,
+        selected: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of S queries at positions start..start+S-1 over rows [T, Lkv+R]; -> [S, D].
+
+        `selected` (DSA): for decode (S == 1) the [k] token indices to attend to; for S > 1 a
+        boolean [S, T] mask of allowed tokens (causality is applied here in both cases).
+        """
+        H, S, _ = query.shape
+        if S == 1 and selected is not None:
+            rows = rows.index_select(0, selected)
+            selected = None
+        T = rows.shape[0]
+        tile = max(1, SCORE_BLOCK_ELEMENTS // max(1, H * T))
+        latent = rows[:, : self.Lkv]
+        parts = []
+        for s0 in range(0, S, tile):
+            s1 = min(S, s0 + tile)
+            scores = torch.matmul(query[:, s0:s1], rows.T) * self.scale  # [H, s, T]
+            if S > 1:
+                scores.masked_fill_(~_allowed(start + s0, s1 - s0, T, selected, s0), float("-inf"))
+            parts.append(torch.matmul(torch.softmax(scores, dim=-1), latent))  # [H, s, Lkv]
+        ctx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return self.output(ctx)
+
+    def output(self, ctx: torch.Tensor) -> torch.Tensor:
+        """Latent context [H, S, Lkv] -> W_UV per head -> o_proj: [S, D]."""
+        H, S, _ = ctx.shape
+        heads = torch.matmul(ctx, self.w.w_uv_t)  # [H, S, V]
+        return linear(heads.transpose(0, 1).reshape(S, H * self.V), self.w.o, self.w.o_bias)
+
+
+def _allowed(q_start: int, n: int, T: int, selected: torch.Tensor | None, row0: int) -> torch.Tensor:
+    """[n, T] mask for queries at positions q_start.. : causal, and DSA-selected if given."""
+    positions = torch.arange(q_start, q_start + n)[:, None]
+    mask = torch.arange(T)[None, :] <= positions
+    if selected is not None:
+        mask &= selected[row0 : row0 + n]
+    return mask

@@ -1,0 +1,199 @@
+"""Checkpoint -> model, in named steps at the load boundary.
+
+1. read: every tensor by the name transformers writes (`model.layers.{i}.self_attn.q_a_proj.weight`);
+2. dequantize: fp8 block-quantized weights (`weight_scale_inv`) become float;
+3. check: every shape against the config, with the tensor's name in the error;
+4. reshape: `kv_b_proj` split into W_UK / W_UV per head, gate+up fused, experts stacked per layer;
+5. cast: matrices to the chosen weight dtype (f32 or bf16); norms, router and biases stay f32.
+
+Layer indices come from the config; the MTP layers past `num_hidden_layers` are not loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from latentkv.config import ModelConfig
+from latentkv.models.indexer import Indexer, IndexerWeights
+from latentkv.models.layers import SwiGLU
+from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
+from latentkv.models.mla import MLA, MLAWeights
+from latentkv.models.layers import softmax_scale
+from latentkv.models.model import Block, Model
+from latentkv.models.moe import MoE, ExpertStore, Router, RouterWeights
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+class _Reader:
+    """Fetches, dequantizes, checks and casts tensors from a checkpoint."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, block_size: tuple[int, int] | None):
+        self.ckpt = ckpt
+        self.dtype = dtype
+        self.block_size = block_size
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.ckpt
+
+    def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.ckpt.get(name)
+        self.used.add(name)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale_name = name.removesuffix("weight") + "weight_scale_inv"
+            if scale_name not in self.ckpt:
+                raise CheckpointError(f"{name} is fp8 but the checkpoint has no {scale_name}")
+            if self.block_size is None:
+                raise CheckpointError(f"{name} is fp8 but config.json has no quantization_config.weight_block_size")
+            t = dequantize_fp8_blocks(t, self.ckpt.get(scale_name), self.block_size)
+            self.used.add(scale_name)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{name} has shape {tuple(t.shape)} but the config implies {tuple(shape)}; "
+                "is config.json the one these weights were saved with?"
+            )
+        return t
+
+    def matrix(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A weight used in a matmul: cast to the compute dtype (a view when it already is)."""
+        return self.raw(name, shape).to(self.dtype).contiguous()
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Norm weights, biases, router: always float32."""
+        return self.raw(name, shape).float().contiguous()
+
+    def optional_vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.vector(name, shape) if self.has(name) else None
+
+
+def load_model(directory: str | Path, weight_dtype: str = "f32", progress: bool = False) -> Model:
+    directory = Path(directory)
+    cfg = ModelConfig.from_hf(directory)
+    raw_cfg = json.loads((directory / "config.json").read_text())
+    block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
+    ckpt = Checkpoint(directory, progress=progress)
+    return build_model(cfg, ckpt, weight_dtype, tuple(block) if block else None, progress)
+
+
+def build_model(
+    cfg: ModelConfig,
+    ckpt: Checkpoint,
+    weight_dtype: str = "f32",
+    block_size: tuple[int, int] | None = None,
+    progress: bool = False,
+) -> Model:
+    if weight_dtype not in DTYPES:
+        raise ValueError(f"weight dtype {weight_dtype!r} not in {sorted(DTYPES)}")
+    rd = _Reader(ckpt, DTYPES[weight_dtype], block_size)
+    D, V = cfg.hidden_size, cfg.vocab_size
+    embed = rd.matrix("model.embed_tokens.weight", (V, D))
+    layers = range(cfg.num_layers)
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
+    blocks = [_block(cfg, rd, i) for i in layers]
+    norm = rd.vector("model.norm.weight", (D,))
+    if cfg.tie_word_embeddings or not rd.has("lm_head.weight"):
+        lm_head = embed
+    else:
+        lm_head = rd.matrix("lm_head.weight", (V, D))
+    return Model(cfg, embed, blocks, norm, lm_head)
+
+
+def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
+    p = f"model.layers.{i}."
+    D = cfg.hidden_size
+    attn = MLA(cfg, _mla_weights(cfg, rd, p + "self_attn."), softmax_scale(cfg.rope, cfg.qk_head_dim))
+    indexer = None
+    if cfg.dsa is not None and cfg.dsa.indexer_types[i] == "full":
+        indexer = Indexer(cfg.dsa, cfg.qk_rope_head_dim, _indexer_weights(cfg, rd, p + "self_attn.indexer."))
+    if cfg.mlp_layer_types[i] == "sparse":
+        mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.")
+    else:
+        mlp = _swiglu(rd, p + "mlp.", D, cfg.intermediate_size)
+    return Block(
+        attn_norm=rd.vector(p + "input_layernorm.weight", (D,)),
+        attn=attn,
+        indexer=indexer,
+        mlp_norm=rd.vector(p + "post_attention_layernorm.weight", (D,)),
+        mlp=mlp,
+    )
+
+
+def _mla_weights(cfg: ModelConfig, rd: _Reader, p: str) -> MLAWeights:
+    D, H = cfg.hidden_size, cfg.num_heads
+    P, R, V, Lkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank:
+        q_a = rd.matrix(p + "q_a_proj.weight", (cfg.q_lora_rank, D))
+        q_a_norm = rd.vector(p + "q_a_layernorm.weight", (cfg.q_lora_rank,))
+        q_b = rd.matrix(p + "q_b_proj.weight", (H * (P + R), cfg.q_lora_rank))
+    else:
+        q_a = q_a_norm = None
+        q_b = rd.matrix(p + "q_proj.weight", (H * (P + R), D))
+    kv_b = rd.raw(p + "kv_b_proj.weight", (H * (P + V), Lkv)).float().view(H, P + V, Lkv)
+    dtype = rd.dtype
+    return MLAWeights(
+        q_a=q_a,
+        q_a_norm=q_a_norm,
+        q_b=q_b,
+        kv_a=rd.matrix(p + "kv_a_proj_with_mqa.weight", (Lkv + R, D)),
+        kv_a_norm=rd.vector(p + "kv_a_layernorm.weight", (Lkv,)),
+        # The absorbed products run in float32: they are small next to the projections.
+        w_uk=kv_b[:, :P, :].contiguous(),  # [H, P, Lkv]
+        w_uv_t=kv_b[:, P:, :].transpose(1, 2).contiguous(),  # [H, Lkv, V]
+        o=rd.matrix(p + "o_proj.weight", (D, H * V)).to(dtype),
+        q_a_bias=rd.optional_vector(p + "q_a_proj.bias", (cfg.q_lora_rank or 0,)),
+        kv_a_bias=rd.optional_vector(p + "kv_a_proj_with_mqa.bias", (Lkv + R,)),
+        o_bias=rd.optional_vector(p + "o_proj.bias", (D,)),
+    )
+
+
+def _indexer_weights(cfg: ModelConfig, rd: _Reader, p: str) -> IndexerWeights:
+    dsa = cfg.dsa
+    assert dsa is not None
+    D, Di, Hi = cfg.hidden_size, dsa.index_head_dim, dsa.index_n_heads
+    q_in = cfg.q_lora_rank or D
+    return IndexerWeights(
+        wq_b=rd.matrix(p + "wq_b.weight", (Hi * Di, q_in)),
+        wk=rd.matrix(p + "wk.weight", (Di, D)),
+        k_norm_weight=rd.vector(p + "k_norm.weight", (Di,)),
+        k_norm_bias=rd.vector(p + "k_norm.bias", (Di,)),
+        weights_proj=rd.vector(p + "weights_proj.weight", (Hi, D)),
+    )
+
+
+def _swiglu(rd: _Reader, p: str, D: int, inter: int) -> SwiGLU:
+    gate = rd.raw(p + "gate_proj.weight", (inter, D))
+    up = rd.raw(p + "up_proj.weight", (inter, D))
+    gate_up = torch.cat([gate, up], dim=0).to(rd.dtype)  # [2I, D]
+    return SwiGLU(gate_up, rd.matrix(p + "down_proj.weight", (D, inter)))
+
+
+def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
+    D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    router = Router(
+        cfg,
+        RouterWeights(
+            weight=rd.vector(p + "gate.weight", (E, D)),
+            bias=(
+                rd.vector(p + "gate.e_score_correction_bias", (E,))
+                if rd.has(p + "gate.e_score_correction_bias")
+                else torch.zeros(E)
+            ),
+        ),
+    )
+    if rd.has(p + "experts.gate_up_proj"):  # transformers' fused in-memory layout
+        gate_up = rd.raw(p + "experts.gate_up_proj", (E, 2 * I, D)).to(rd.dtype)
+        down = rd.raw(p + "experts.down_proj", (E, D, I)).to(rd.dtype)
+        experts = [SwiGLU(gate_up[e], down[e]) for e in range(E)]
+    else:
+        experts = [_swiglu(rd, f"{p}experts.{e}.", D, I) for e in range(E)]
+    shared = None
+    if cfg.n_shared_experts:
+        shared = _swiglu(rd, p + "shared_experts.", D, I * cfg.n_shared_experts)
+    return MoE(router, ExpertStore(experts), shared)
