@@ -319,3 +319,11 @@ def env_threads() -> int | None:
     """LATENTKV_THREADS, an alias of --threads."""
     value = os.environ.get("LATENTKV_THREADS")
     return int(value) if value else None
+
+
+def cache_root() -> Path:
+    """The user's cache directory for latentkv: $LATENTKV_CACHE, else $XDG_CACHE_HOME or ~/.cache."""
+    if explicit := os.environ.get("LATENTKV_CACHE"):
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "latentkv"

@@ -1,0 +1,145 @@
+"""Generation as layered generators.
+
+    generate_step   token ids: one batched prefill pass, then one decode pass per token
+    stream_generate text deltas + the final stats
+    generate        the whole result at once
+
+Timing follows llama.cpp's convention: prompt tok/s is prompt tokens over the prefill pass;
+generation tok/s counts decode passes (the first token comes from the prefill logits).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from latentkv.engine.sampling import SamplingParams, sample
+from latentkv.kv.cache import LatentCache
+from latentkv.models.model import Model
+from latentkv.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_passes: int = 0
+    decode_seconds: float = 0.0
+    kv_bytes: int = 0
+    kv_bytes_per_token_layer: int = 0
+    index_kv_bytes: int = 0
+    kv_cache_dtype: str = "f32"
+    finish_reason: str = ""
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_passes / self.decode_seconds if self.decode_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["prompt_tps"] = round(self.prompt_tps, 2)
+        out["decode_tps"] = round(self.decode_tps, 2)
+        return out
+
+    def line(self) -> str:
+        return (
+            f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | "
+            f"generated: {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s | "
+            f"KV: {self.kv_bytes:,} bytes ({self.kv_cache_dtype}, "
+            f"{self.kv_bytes_per_token_layer} B/token/layer; indexer keys {self.index_kv_bytes:,} bytes)"
+        )
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str | None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def generate_step(
+    model: Model,
+    prompt: list[int],
+    cache: LatentCache,
+    sampling: SamplingParams,
+    stats: GenerationStats,
+) -> Iterator[int]:
+    """Yield generated token ids forever; the caller decides when to stop."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    vocab = model.cfg.vocab_size
+    if bad := [t for t in prompt if not 0 <= t < vocab]:
+        raise ValueError(f"token ids out of range for a vocabulary of {vocab}: {bad[:5]}")
+    generator = None if sampling.greedy else sampling.generator()
+    t0 = time.perf_counter()
+    logits = model.forward(torch.tensor(prompt, dtype=torch.long), cache)[-1]
+    stats.prompt_tokens += len(prompt)
+    stats.prompt_seconds += time.perf_counter() - t0
+    while True:
+        token = sample(logits, sampling, generator)
+        yield token
+        t0 = time.perf_counter()
+        logits = model.forward(torch.tensor([token], dtype=torch.long), cache)[-1]
+        stats.decode_seconds += time.perf_counter() - t0
+        stats.decode_passes += 1
+
+
+def stream_generate(
+    model: Model,
+    prompt: list[int],
+    max_tokens: int,
+    sampling: SamplingParams,
+    tokenizer: Tokenizer | None = None,
+    cache: LatentCache | None = None,
+    stop_ids: tuple[int, ...] | None = None,
+) -> Iterator[tuple[int, str, GenerationStats]]:
+    """Yield (token, text delta, stats) per generated token; stats are final after the last."""
+    cache = cache if cache is not None else model.make_cache()
+    stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
+    stats = GenerationStats(kv_cache_dtype=cache.codec, kv_bytes_per_token_layer=cache.bytes_per_token_layer())
+    decoder = StreamDecoder(tokenizer) if tokenizer else None
+    limit = model.cfg.max_position_embeddings - len(prompt)
+    if max_tokens > limit:
+        max_tokens = max(limit, 0)
+    stats.finish_reason = "length"
+    if max_tokens > 0:
+        for token in generate_step(model, prompt, cache, sampling, stats):
+            stats.generated_tokens += 1
+            done = token in stop or stats.generated_tokens >= max_tokens
+            if token in stop:
+                stats.finish_reason = "stop"
+            delta = decoder.push(token) if decoder and token not in stop else ""
+            if done and decoder:
+                delta += decoder.flush()
+            if done:
+                stats.kv_bytes, stats.index_kv_bytes = cache.nbytes(), cache.index_nbytes()
+            yield token, delta, stats
+            if done:
+                break
+
+
+def generate(
+    model: Model,
+    prompt: list[int],
+    max_tokens: int,
+    sampling: SamplingParams | None = None,
+    tokenizer: Tokenizer | None = None,
+    cache: LatentCache | None = None,
+    stop_ids: tuple[int, ...] | None = None,
+) -> GenerationResult:
+    sampling = sampling or SamplingParams()
+    tokens: list[int] = []
+    text: list[str] = []
+    stats = GenerationStats()
+    for token, delta, stats in stream_generate(model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids):
+        tokens.append(token)
+        text.append(delta)
+    return GenerationResult(tokens, "".join(text) if tokenizer else None, stats)

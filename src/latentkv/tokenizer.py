@@ -1,0 +1,99 @@
+"""Tokenizer: a model directory's tokenizer.json through the `tokenizers` library."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.exists():
+            raise TokenizerError(f"no tokenizer.json at {path}; pass token ids instead (--prompt-ids)")
+        self._tok = _HFTokenizer.from_file(str(path))
+        self.chat_template = _chat_template(path.parent)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a multi-byte character still arriving
+            return ""
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta
+
+
+def _chat_template(directory: Path) -> str | None:
+    jinja = directory / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    config = directory / "tokenizer_config.json"
+    if config.exists():
+        template = json.loads(config.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def byte_level_tokenizer_json() -> str:
+    """A tokenizer.json whose 256 tokens are the 256 bytes (GPT-2's byte-to-unicode map)."""
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = _bytes_to_unicode()
+    assert set(byte_chars.values()) == set(alphabet)
+    vocab = {byte_chars[b]: b for b in range(256)}
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str(pretty=True)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
