@@ -91,10 +91,16 @@ class ModelConfig:
             raise ConfigError("invalid model config: " + "; ".join(problems))
 
     def _problems(self):
-        positive = (
-            "vocab_size hidden_size num_layers num_heads kv_lora_rank qk_nope_head_dim "
-            "qk_rope_head_dim v_head_dim"
-        ).split()
+        positive = [
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ]
         for name in positive:
             if getattr(self, name) <= 0:
                 yield f"{name} must be positive (got {getattr(self, name)})"
@@ -166,9 +172,7 @@ class ModelConfig:
 def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
-        raise ConfigError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
-        )
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
     family = FAMILIES[model_type]
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
@@ -181,9 +185,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         default_dense = 1 if model_type == "glm4_moe_lite" else 3
         n_dense = min(int(raw.get("first_k_dense_replace", default_dense) or 0), n_layers)
         freq = int(raw.get("moe_layer_freq", 1) or 1)
-        mlp_types = [
-            "sparse" if (i >= n_dense and i % freq == 0) else "dense" for i in range(n_layers)
-        ]
+        mlp_types = ["sparse" if (i >= n_dense and i % freq == 0) else "dense" for i in range(n_layers)]
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 

@@ -104,7 +104,9 @@ def stream_generate(
     """Yield (token, text delta, stats) per generated token; stats are final after the last."""
     cache = cache if cache is not None else model.make_cache()
     stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
-    stats = GenerationStats(kv_cache_dtype=cache.codec, kv_bytes_per_token_layer=cache.bytes_per_token_layer())
+    stats = GenerationStats(
+        kv_cache_dtype=cache.codec, kv_bytes_per_token_layer=cache.bytes_per_token_layer()
+    )
     decoder = StreamDecoder(tokenizer) if tokenizer else None
     limit = model.cfg.max_position_embeddings - len(prompt)
     if max_tokens > limit:
@@ -139,7 +141,9 @@ def generate(
     tokens: list[int] = []
     text: list[str] = []
     stats = GenerationStats()
-    for token, delta, stats in stream_generate(model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids):
+    for token, delta, stats in stream_generate(
+        model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids
+    ):
         tokens.append(token)
         text.append(delta)
     return GenerationResult(tokens, "".join(text) if tokenizer else None, stats)

@@ -44,7 +44,7 @@ _SEED_SHAPE: dict[str, Any] = dict(
     qk_nope_head_dim=24,
     qk_rope_head_dim=8,
     v_head_dim=32,
-    max_position_embeddings=512,
+    max_position_embeddings=4096,
     bos_token_id=0,
     eos_token_id=1,
 )
@@ -208,13 +208,17 @@ def check(spec: OracleSpec, directory: Path, reference: dict[str, Any] | None = 
     tf_hits = int((tf_logits.argmax(-1) == hf_logits.argmax(-1)).sum())
     greedy_hits = sum(int(a == b) for a, b in zip(greedy, live["greedy"], strict=True))
     diff = float((tf_logits - hf_logits).abs().max())
-    ref_ok = reference is None or all(
-        reference[k] == live[k] for k in ("prompt_ids", "greedy", "tf_argmax")
-    )
+    ref_ok = reference is None or all(reference[k] == live[k] for k in ("prompt_ids", "greedy", "tf_argmax"))
     n = len(sequence)
     ok = tf_hits == n and greedy_hits == GREEDY_TOKENS and diff <= LOGIT_TOLERANCE and ref_ok
     return OracleRow(
-        spec.name, f"{tf_hits}/{n}", f"{greedy_hits}/{GREEDY_TOKENS}", diff, ref_ok, time.perf_counter() - t0, ok
+        spec.name,
+        f"{tf_hits}/{n}",
+        f"{greedy_hits}/{GREEDY_TOKENS}",
+        diff,
+        ref_ok,
+        time.perf_counter() - t0,
+        ok,
     )
 
 

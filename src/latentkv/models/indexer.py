@@ -45,7 +45,9 @@ class Indexer:
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Indexer keys for new tokens: x [S, D] -> [S, D_i] (float32)."""
-        k = F.layer_norm(linear(x, self.w.wk), (self.head_dim,), self.w.k_norm_weight, self.w.k_norm_bias, 1e-6)
+        k = F.layer_norm(
+            linear(x, self.w.wk), (self.head_dim,), self.w.k_norm_weight, self.w.k_norm_bias, 1e-6
+        )
         k_rot, k_pass = k.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([self.rope(k_rot, cos, sin), k_pass], dim=-1).float()
 
@@ -64,7 +66,7 @@ class Indexer:
         the [k] selected indices; for several a boolean [S, T] mask.
         """
         S, T = x.shape[0], keys.shape[0]
-        if T <= self.topk:
+        if self.topk >= T:
             return None
         q = linear(q_resid, self.w.wq_b).view(S, self.n_heads, self.head_dim)
         q_rot, q_pass = q.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)

@@ -75,7 +75,9 @@ class _SafetensorsFile:
         shape = entry["shape"]
         if end == start:
             return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=end - start, offset=self.data_start + start)
+        flat = torch.frombuffer(
+            self._mm, dtype=torch.uint8, count=end - start, offset=self.data_start + start
+        )
         if sys.byteorder != "little":  # safetensors is little-endian; so is every machine we target
             raise CheckpointError("big-endian hosts are not supported")
         return flat.view(dtype).view(shape)
@@ -99,7 +101,9 @@ class Checkpoint:
             self._files.append(shard)
             for name in shard.entries:
                 if name in self._where:
-                    raise CheckpointError(f"tensor {name} appears in both {self._where[name].path} and {path}")
+                    raise CheckpointError(
+                        f"tensor {name} appears in both {self._where[name].path} and {path}"
+                    )
                 self._where[name] = shard
 
     def _shard_files(self) -> list[Path]:
@@ -144,7 +148,9 @@ class Checkpoint:
         return digest.hexdigest()
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
     """An fp8 weight with one inverse scale per (block_out x block_in) tile, as float32.
 
     DeepSeek-V3 / GLM-5 fp8 checkpoints store `w_fp8 = w / s` per 128x128 tile and

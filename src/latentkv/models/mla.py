@@ -50,7 +50,12 @@ class MLA:
 
     def __init__(self, cfg: ModelConfig, w: MLAWeights, scale: float):
         self.w = w
-        self.H, self.P, self.R, self.V = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.H, self.P, self.R, self.V = (
+            cfg.num_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
         self.Lkv = cfg.kv_lora_rank
         self.scale = scale
         self.rope = rope_interleaved if cfg.rope_interleave else rope_half

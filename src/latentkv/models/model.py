@@ -95,7 +95,7 @@ class Model:
 
 def _tensors(obj, depth: int = 0):
     """Every tensor reachable from the model's plain-object tree (for counting parameters)."""
-    if depth > 6:
+    if depth > 12:
         return
     if isinstance(obj, torch.Tensor):
         yield obj

@@ -47,7 +47,9 @@ class Router:
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False).indices, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(self.n_experts // self.n_group, dim=1), float("-inf"))
+            choice = choice.masked_fill(
+                ~keep.repeat_interleave(self.n_experts // self.n_group, dim=1), float("-inf")
+            )
         idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, idx)
         if self.norm:

@@ -8,8 +8,11 @@ from latentkv.config import cache_root
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 BUILTINS = {
-    "tiny": "GLM-5 architecture, random weights, the seed system's oracle shape (7M parameters, byte tokenizer)",
+    "tiny": "GLM-5 architecture, random weights, the seed system's oracle shape (1.2M parameters, byte tokenizer)",
+    "slice": "GLM-5's real attention widths, 2 layers, 8 experts, random weights (1.1B parameters; "
+    "built into the cache directory on first use, 4.4 GB)",
 }
+BUILT_ON_DEMAND = {"slice"}
 
 
 class ModelNotFound(ValueError):
@@ -18,7 +21,13 @@ class ModelNotFound(ValueError):
 
 def builtin_path(name: str) -> Path:
     if name not in BUILTINS:
-        raise ModelNotFound(f"unknown builtin model {name!r}; available: {', '.join('builtin:' + n for n in BUILTINS)}")
+        raise ModelNotFound(
+            f"unknown builtin model {name!r}; available: {', '.join('builtin:' + n for n in BUILTINS)}"
+        )
+    if name in BUILT_ON_DEMAND:
+        from latentkv.models.synthetic import ensure_slice
+
+        return ensure_slice(cache_root())
     return BUILTIN_DIR / name
 
 

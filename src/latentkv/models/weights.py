@@ -18,12 +18,11 @@ import torch
 
 from latentkv.config import ModelConfig
 from latentkv.models.indexer import Indexer, IndexerWeights
-from latentkv.models.layers import SwiGLU
+from latentkv.models.layers import SwiGLU, softmax_scale
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.models.mla import MLA, MLAWeights
-from latentkv.models.layers import softmax_scale
 from latentkv.models.model import Block, Model
-from latentkv.models.moe import MoE, ExpertStore, Router, RouterWeights
+from latentkv.models.moe import ExpertStore, MoE, Router, RouterWeights
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,7 +47,9 @@ class _Reader:
             if scale_name not in self.ckpt:
                 raise CheckpointError(f"{name} is fp8 but the checkpoint has no {scale_name}")
             if self.block_size is None:
-                raise CheckpointError(f"{name} is fp8 but config.json has no quantization_config.weight_block_size")
+                raise CheckpointError(
+                    f"{name} is fp8 but config.json has no quantization_config.weight_block_size"
+                )
             t = dequantize_fp8_blocks(t, self.ckpt.get(scale_name), self.block_size)
             self.used.add(scale_name)
         if tuple(t.shape) != tuple(shape):

@@ -1,0 +1,62 @@
+"""`latentkv <command>`: argparse -> config dataclasses -> the command module, imported lazily."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("latentkv.commands.demo", "run the bundled model end to end"),
+    "generate": ("latentkv.commands.generate", "generate text from a prompt"),
+    "oracle": ("latentkv.commands.oracle", "check the engine token for token against transformers"),
+    "bench": ("latentkv.commands.bench", "benchmark prefill and decode (optionally vs transformers)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="latentkv",
+        description="Run MLA mixture-of-experts models (GLM-5, DeepSeek-V3) with a compressed latent KV cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except UserError as exc:
+        print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+class UserError(Exception):
+    """An error the user can fix; printed without a traceback."""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("latentkv")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

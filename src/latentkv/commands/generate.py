@@ -1,0 +1,94 @@
+"""`latentkv generate`: one prompt in, text and a stats line out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from latentkv.cli import UserError
+from latentkv.commands.common import add_model_arguments, engine_config, load, parse_ids
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
+    prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    from latentkv.engine.generate import stream_generate
+    from latentkv.engine.sampling import SamplingParams
+
+    if args.max_tokens < 0:
+        raise UserError("--max-tokens must be >= 0")
+    try:
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    engine = engine_config(args)
+    loaded = load(args.model, engine, quiet=args.json)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise UserError(f"{loaded.directory} has no tokenizer.json; use --prompt-ids")
+        prompt = tokenizer.encode(args.prompt)
+    else:
+        prompt = parse_ids(args.prompt_ids)
+    try:
+        stream = stream_generate(
+            model, prompt, args.max_tokens, sampling, tokenizer, stop_ids=() if args.ignore_eos else None
+        )
+        tokens, pieces, stats = [], [], None
+        for token, delta, stats in stream:
+            tokens.append(token)
+            pieces.append(delta)
+            if not args.json:
+                sys.stdout.write(delta if tokenizer else f"{token} ")
+                sys.stdout.flush()
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if stats is None:  # max_tokens 0
+        from latentkv.engine.generate import GenerationStats
+
+        stats = GenerationStats(finish_reason="length")
+    if args.json:
+        out = {
+            "model": args.model,
+            "prompt_ids": prompt,
+            "tokens": tokens,
+            "text": "".join(pieces) if tokenizer else None,
+            "stats": stats.as_dict(),
+            "kv": kv_report(model),
+        }
+        print(json.dumps(out, indent=1))
+    else:
+        print()
+        print(stats.line(), file=sys.stderr)
+    return 0
+
+
+def kv_report(model) -> dict:
+    """KV sizes per token: ours, the indexer keys, and what a per-head K/V cache would hold."""
+    cfg = model.cfg
+    cache = model.make_cache()
+    per_layer = cache.bytes_per_token_layer()
+    expanded = cfg.expanded_kv_values_per_token_layer() * 4
+    return {
+        "kv_cache_dtype": cache.codec,
+        "bytes_per_token_per_layer": per_layer,
+        "bytes_per_token": per_layer * cfg.num_layers,
+        "index_bytes_per_token": cache.index_bytes_per_token(),
+        "expanded_per_head_kv_bytes_per_token_per_layer": expanded,
+        "smaller_than_expanded": round(expanded / per_layer, 2),
+    }
