@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             model, prompt, args.max_tokens, sampling, tokenizer, stop_ids=() if args.ignore_eos else None
         )
         tokens, pieces, stats = [], [], None
-        for token, delta, stats in stream:
+        for token, delta, stats in stream:  # noqa: B007 (the last stats are the final ones)
             tokens.append(token)
             pieces.append(delta)
             if not args.json:

@@ -141,9 +141,8 @@ def generate(
     tokens: list[int] = []
     text: list[str] = []
     stats = GenerationStats()
-    for token, delta, stats in stream_generate(
-        model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids
-    ):
+    stream = stream_generate(model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids)
+    for token, delta, stats in stream:  # noqa: B007 (the last stats are the final ones)
         tokens.append(token)
         text.append(delta)
     return GenerationResult(tokens, "".join(text) if tokenizer else None, stats)
