@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.config import DsaConfig
-from latentkv.models.layers import broadcast_heads, linear, rope_half, rope_interleaved
+from latentkv.models.layers import RotaryTables, linear
 
 # Budget for one [S_tile, h_i, T] block of head scores, in float32 elements.
 INDEX_BLOCK_ELEMENTS = 8 * 1024 * 1024
@@ -27,38 +27,29 @@ INDEX_BLOCK_ELEMENTS = 8 * 1024 * 1024
 @dataclass
 class IndexerWeights:
     wq_b: torch.Tensor  # [h_i * D_i, q_lora]
-    wk: torch.Tensor  # [D_i, D]
     k_norm_weight: torch.Tensor  # [D_i]
     k_norm_bias: torch.Tensor  # [D_i]
     weights_proj: torch.Tensor  # [h_i, D]  (kept in float32, as transformers does)
 
 
 class Indexer:
-    def __init__(self, dsa: DsaConfig, rope_dim: int, w: IndexerWeights):
+    """One full layer's indexer; W_k is part of the block's fused input projection."""
+
+    def __init__(self, dsa: DsaConfig, w: IndexerWeights):
         self.w = w
         self.topk = dsa.index_topk
         self.n_heads = dsa.index_n_heads
         self.head_dim = dsa.index_head_dim
-        self.rope_dim = rope_dim
-        self.rope = rope_interleaved if dsa.rope_interleave else rope_half
+        self.interleaved = dsa.rope_interleave
         self.scale = self.head_dim**-0.5
 
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Indexer keys for new tokens: x [S, D] -> [S, D_i] (float32)."""
-        k = F.layer_norm(
-            linear(x, self.w.wk), (self.head_dim,), self.w.k_norm_weight, self.w.k_norm_bias, 1e-6
-        )
-        k_rot, k_pass = k.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([self.rope(k_rot, cos, sin), k_pass], dim=-1).float()
+    def keys(self, k_in: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
+        """Indexer keys for new tokens: W_k x [S, D_i] -> [S, D_i] (float32)."""
+        k = F.layer_norm(k_in, (self.head_dim,), self.w.k_norm_weight, self.w.k_norm_bias, 1e-6)
+        return rope.rotate(k, self.interleaved).float()
 
     def select(
-        self,
-        x: torch.Tensor,
-        q_resid: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        keys: torch.Tensor,
-        start: int,
+        self, x: torch.Tensor, q_resid: torch.Tensor, rope: RotaryTables, keys: torch.Tensor, start: int
     ) -> torch.Tensor | None:
         """Which tokens each of the S queries (positions start..) may attend to.
 
@@ -69,9 +60,7 @@ class Indexer:
         if self.topk >= T:
             return None
         q = linear(q_resid, self.w.wq_b).view(S, self.n_heads, self.head_dim)
-        q_rot, q_pass = q.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        q_rot = self.rope(q_rot, broadcast_heads(cos, q_rot), broadcast_heads(sin, q_rot))
-        q = torch.cat([q_rot, q_pass], dim=-1).float()  # [S, h_i, D_i]
+        q = rope.rotate(q, self.interleaved).float()  # [S, h_i, D_i]
         weights = linear(x.float(), self.w.weights_proj) * self.n_heads**-0.5  # [S, h_i]
 
         if S == 1:

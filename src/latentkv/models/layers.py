@@ -94,32 +94,64 @@ class Rope:
         self._cos = freqs.cos() * self.attention_scaling
         self._sin = freqs.sin() * self.attention_scaling
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each position: [S, dim/2] each."""
-        top = int(positions.max()) + 1
-        if top > self._cos.shape[0]:
-            self._grow(top)
-        return self._cos[positions], self._sin[positions]
+    def tables(self, start: int, n: int) -> RotaryTables:
+        """The rotation for positions start..start+n-1, shared by every layer of one pass."""
+        if start + n > self._cos.shape[0]:
+            self._grow(start + n)
+        return RotaryTables(self._cos[start : start + n], self._sin[start : start + n])
 
 
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x0, x1), (x2, x3), ...; the result is laid out as [evens | odds].
+# Up to this many positions a pass rotates with one small matmul per tensor (few ops, which
+# is what decode is bound by); longer passes use the elementwise form (no [S, d, d] tables).
+MATMUL_ROPE_MAX_POSITIONS = 16
 
-    The output order differs from the input's, identically for queries and keys, so every
-    q . k is the interleaved rotary product (this is also what transformers computes).
-    cos/sin: [S, dim/2], broadcast over any head axes between S and the last.
+
+class RotaryTables:
+    """RoPE for the S positions of one forward pass: `rotate` applies it to [S, ..., width] tensors.
+
+    Both layouts return the pair-split order [x_even' | x_odd'] (interleaved) or [x_lo' | x_hi']
+    (half-split), exactly as transformers does, so cached rope keys match its layout.
     """
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin  # [S, d/2]
+        self.S, self.half = cos.shape
+        self._mats: dict[tuple[bool, int], torch.Tensor] = {}
 
-def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (x_i, x_{i+d/2}) pairs: the GPT-NeoX / Llama layout."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def rotate(self, x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """Rotate the first d = 2 * half values of x's last axis; any values after them pass through."""
+        width = x.shape[-1]
+        if self.S <= MATMUL_ROPE_MAX_POSITIONS:
+            m = self._matrix(interleaved, width)  # [S, width, width]
+            shape = x.shape
+            return torch.matmul(x.reshape(self.S, -1, width), m).view(shape)
+        d = 2 * self.half
+        cos = self.cos.view(self.S, *([1] * (x.dim() - 2)), self.half)
+        sin = self.sin.view(self.S, *([1] * (x.dim() - 2)), self.half)
+        rot = x[..., :d] if width > d else x
+        x1, x2 = (
+            (rot[..., 0::2], rot[..., 1::2])
+            if interleaved
+            else (rot[..., : self.half], rot[..., self.half :])
+        )
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return torch.cat([out, x[..., d:]], dim=-1) if width > d else out
 
-
-def broadcast_heads(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """[S, d] -> [S, 1, ..., d] so it broadcasts against x = [S, ..., d]."""
-    return table.view(table.shape[0], *([1] * (x.dim() - 2)), table.shape[1])
+    def _matrix(self, interleaved: bool, width: int) -> torch.Tensor:
+        """Per position, the [width, width] matrix M with rotate(x) = x @ M."""
+        key = (interleaved, width)
+        if key not in self._mats:
+            h, d = self.half, 2 * self.half
+            m = torch.zeros(self.S, width, width)
+            i = torch.arange(h)
+            src_a, src_b = (2 * i, 2 * i + 1) if interleaved else (i, i + h)
+            c, s = self.cos, self.sin
+            m[:, src_a, i] = c  # out[i]     = a c - b s
+            m[:, src_b, i] = -s
+            m[:, src_b, i + h] = c  # out[i + h] = b c + a s
+            m[:, src_a, i + h] = s
+            if width > d:
+                j = torch.arange(d, width)
+                m[:, j, j] = 1.0
+            self._mats[key] = m
+        return self._mats[key]

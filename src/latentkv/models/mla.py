@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from latentkv.config import ModelConfig
-from latentkv.models.layers import broadcast_heads, linear, rms_norm, rope_half, rope_interleaved
+from latentkv.models.layers import RotaryTables, linear, rms_norm
 
 # Budget for one score block [H, S_tile, T] in float32 elements (~32 MB).
 SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
@@ -32,58 +32,50 @@ SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
 
 @dataclass
 class MLAWeights:
-    q_a: torch.Tensor | None  # [q_lora, D]      (None when the model has no q-LoRA)
-    q_a_norm: torch.Tensor | None  # [q_lora]
-    q_b: torch.Tensor  # [H*(P+R), q_lora or D]
-    kv_a: torch.Tensor  # [Lkv+R, D]
+    q_a_norm: torch.Tensor | None  # [q_lora]  (None: no q-LoRA, the input projection gives q directly)
+    q_b: torch.Tensor | None  # [H*(P+R), q_lora], rows pre-multiplied by the softmax scale
     kv_a_norm: torch.Tensor  # [Lkv]
     w_uk: torch.Tensor  # [H, P, Lkv]
     w_uv_t: torch.Tensor  # [H, Lkv, V]  (W_UV transposed for the batched product)
     o: torch.Tensor  # [D, H*V]
-    q_a_bias: torch.Tensor | None = None
-    kv_a_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
 
 
 class MLA:
-    """One layer's attention. `project` makes queries and cache rows; `attend` reads the cache."""
+    """One layer's attention. `project` makes queries and cache rows; `attend` reads the cache.
 
-    def __init__(self, cfg: ModelConfig, w: MLAWeights, scale: float):
+    The input projections (W_DQ, W_DKV, and the indexer's W_k) are one fused matmul owned by
+    the block; `project` receives their outputs. The softmax scale is folded into q_b.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: MLAWeights):
         self.w = w
-        self.H, self.P, self.R, self.V = (
-            cfg.num_heads,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-        )
-        self.Lkv = cfg.kv_lora_rank
-        self.scale = scale
-        self.rope = rope_interleaved if cfg.rope_interleave else rope_half
+        self.H, self.P, self.R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.V, self.Lkv = cfg.v_head_dim, cfg.kv_lora_rank
+        self.interleaved = cfg.rope_interleave
         # The q-LoRA / kv-a norms are built without the config's eps in transformers (1e-6).
         self.lora_eps = 1e-6
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, q_in: torch.Tensor, kv_in: torch.Tensor, rope: RotaryTables
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x [S, D] -> (query [H, S, Lkv+R], cache rows [S, Lkv+R], q_resid [S, q_lora] or None)."""
+        """(W_DQ x [S, q_lora] or q [S, H*(P+R)], W_DKV x [S, Lkv+R]) ->
+        (query [H, S, Lkv+R], cache rows [S, Lkv+R], q_resid [S, q_lora] or None)."""
         w = self.w
-        S = x.shape[0]
-        if w.q_a is not None:
-            q_resid = rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, self.lora_eps)
+        S = q_in.shape[0]
+        if w.q_a_norm is not None:
+            q_resid = rms_norm(q_in, w.q_a_norm, self.lora_eps)
             q = linear(q_resid, w.q_b)
         else:
-            q_resid = None
-            q = linear(x, w.q_b)
+            q_resid, q = None, q_in
         q = q.view(S, self.H, self.P + self.R)
-        q_nope, q_rope = q.split([self.P, self.R], dim=-1)  # [S, H, P], [S, H, R]
-        q_rope = self.rope(q_rope, broadcast_heads(cos, q_rope), broadcast_heads(sin, q_rope))
-
-        kv = linear(x, w.kv_a, w.kv_a_bias)  # [S, Lkv+R]
-        c, r = kv.split([self.Lkv, self.R], dim=-1)
-        rows = torch.cat([rms_norm(c, w.kv_a_norm, self.lora_eps), self.rope(r, cos, sin)], dim=-1)
-
-        q_abs = torch.matmul(q_nope.transpose(0, 1), w.w_uk)  # [H, S, P] @ [H, P, Lkv] -> [H, S, Lkv]
+        q_abs = torch.matmul(
+            q[..., : self.P].transpose(0, 1), w.w_uk
+        )  # [H, S, P] @ [H, P, Lkv] -> [H, S, Lkv]
+        q_rope = rope.rotate(q[..., self.P :], self.interleaved)  # [S, H, R]
         query = torch.cat([q_abs, q_rope.transpose(0, 1)], dim=-1)  # [H, S, Lkv+R]
+        c = rms_norm(kv_in[:, : self.Lkv], w.kv_a_norm, self.lora_eps)
+        rows = torch.cat([c, rope.rotate(kv_in[:, self.Lkv :], self.interleaved)], dim=-1)  # [S, Lkv+R]
         return query, rows, q_resid
 
     def attend(
@@ -108,7 +100,7 @@ class MLA:
         parts = []
         for s0 in range(0, S, tile):
             s1 = min(S, s0 + tile)
-            scores = torch.matmul(query[:, s0:s1], rows.T) * self.scale  # [H, s, T]
+            scores = torch.matmul(query[:, s0:s1], rows.T)  # [H, s, T] (already scaled via q_b)
             if S > 1:
                 scores.masked_fill_(~_allowed(start + s0, s1 - s0, T, selected, s0), float("-inf"))
             parts.append(torch.matmul(torch.softmax(scores, dim=-1), latent))  # [H, s, Lkv]

@@ -15,7 +15,7 @@ import torch
 from latentkv.config import ModelConfig
 from latentkv.kv.cache import CacheLayout, LatentCache
 from latentkv.models.indexer import Indexer
-from latentkv.models.layers import Rope, SwiGLU, linear, rms_norm, softmax_scale
+from latentkv.models.layers import Rope, RotaryTables, SwiGLU, linear, rms_norm
 from latentkv.models.mla import MLA
 from latentkv.models.moe import MoE
 
@@ -23,10 +23,34 @@ from latentkv.models.moe import MoE
 @dataclass
 class Block:
     attn_norm: torch.Tensor
+    w_in: torch.Tensor  # [W_DQ (or W_Q); W_DKV; indexer W_k] fused: one matmul for all of x's projections
+    b_in: torch.Tensor | None
+    split: tuple[int, ...]  # widths of the fused projection's parts
     attn: MLA
     indexer: Indexer | None  # present on DSA "full" layers
     mlp_norm: torch.Tensor
     mlp: SwiGLU | MoE
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cache: LatentCache,
+        layer: int,
+        rope: RotaryTables,
+        selected: torch.Tensor | None,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoder layer over the S new tokens x [S, D]; returns x and the DSA selection."""
+        h = rms_norm(x, self.attn_norm, eps)
+        parts = linear(h, self.w_in, self.b_in).split(self.split, dim=-1)
+        query, rows, q_resid = self.attn.project(parts[0], parts[1], rope)
+        all_rows = cache.append(layer, rows)
+        if self.indexer is not None:
+            keys = cache.append_index_keys(layer, self.indexer.keys(parts[2], rope))
+            selected = self.indexer.select(h, q_resid, rope, keys, cache.length)
+        x = x + self.attn.attend(query, all_rows, cache.length, selected)
+        x = x + self.mlp(rms_norm(x, self.mlp_norm, eps))
+        return x, selected
 
 
 class Model:
@@ -44,7 +68,6 @@ class Model:
         self.norm = norm
         self.lm_head = lm_head  # [vocab, D]
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
-        self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
         self.layout = CacheLayout.for_model(cfg)
 
     def make_cache(self) -> LatentCache:
@@ -64,24 +87,16 @@ class Model:
                 f"context of {start + S} tokens exceeds the model's maximum of "
                 f"{self.cfg.max_position_embeddings}"
             )
-        positions = torch.arange(start, start + S)
-        cos, sin = self.rope.tables(positions)
+        rope = self.rope.tables(start, S)
         x = self.embed.index_select(0, tokens).float()  # [S, D]; activations stay float32
         selected = None
+        eps = self.cfg.rms_norm_eps
         for i, block in enumerate(self.blocks):
-            h = rms_norm(x, block.attn_norm, self.cfg.rms_norm_eps)
-            query, rows, q_resid = block.attn.project(h, cos, sin)
-            all_rows = cache.append(i, rows.float())
-            if block.indexer is not None:
-                keys = cache.append_index_keys(i, block.indexer.keys(h, cos, sin))
-                selected = block.indexer.select(h, q_resid, cos, sin, keys, start)
-            attn = block.attn.attend(query, all_rows, start, selected)
-            x = x + attn
-            x = x + block.mlp(rms_norm(x, block.mlp_norm, self.cfg.rms_norm_eps))
+            x, selected = block(x, cache, i, rope, selected, eps)
         cache.commit(S)
         if not all_logits:
             x = x[-1:]
-        return linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(x, self.norm, eps), self.lm_head).float()
 
     def num_parameters(self) -> int:
         seen: set[int] = set()

@@ -108,18 +108,34 @@ def build_model(
 
 def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
     p = f"model.layers.{i}."
-    D = cfg.hidden_size
-    attn = MLA(cfg, _mla_weights(cfg, rd, p + "self_attn."), softmax_scale(cfg.rope, cfg.qk_head_dim))
+    a = p + "self_attn."
+    D, H = cfg.hidden_size, cfg.num_heads
+    P, R, Lkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    # The projections that read x, fused into one matrix (and one bias, if any part has one).
+    q_in = (a + "q_a_proj", cfg.q_lora_rank) if cfg.q_lora_rank else (a + "q_proj", H * (P + R))
+    parts = [q_in, (a + "kv_a_proj_with_mqa", Lkv + R)]
     indexer = None
     if cfg.dsa is not None and cfg.dsa.indexer_types[i] == "full":
-        indexer = Indexer(cfg.dsa, cfg.qk_rope_head_dim, _indexer_weights(cfg, rd, p + "self_attn.indexer."))
+        parts.append((a + "indexer.wk", cfg.dsa.index_head_dim))
+        indexer = Indexer(cfg.dsa, _indexer_weights(cfg, rd, a + "indexer."))
+    w_in = torch.cat([rd.raw(name + ".weight", (rows, D)) for name, rows in parts]).to(rd.dtype)
+    biases = [rd.optional_vector(name + ".bias", (rows,)) for name, rows in parts]
+    b_in = None
+    if any(b is not None for b in biases):
+        b_in = torch.cat(
+            [b if b is not None else torch.zeros(rows) for b, (_, rows) in zip(biases, parts, strict=False)]
+        )
+        b_in = b_in.to(rd.dtype)
     if cfg.mlp_layer_types[i] == "sparse":
         mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.")
     else:
         mlp = _swiglu(rd, p + "mlp.", D, cfg.intermediate_size)
     return Block(
         attn_norm=rd.vector(p + "input_layernorm.weight", (D,)),
-        attn=attn,
+        w_in=w_in,
+        b_in=b_in,
+        split=tuple(rows for _, rows in parts),
+        attn=MLA(cfg, _mla_weights(cfg, rd, a)),
         indexer=indexer,
         mlp_norm=rd.vector(p + "post_attention_layernorm.weight", (D,)),
         mlp=mlp,
@@ -129,27 +145,23 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
 def _mla_weights(cfg: ModelConfig, rd: _Reader, p: str) -> MLAWeights:
     D, H = cfg.hidden_size, cfg.num_heads
     P, R, V, Lkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
+    q_a_norm = q_b = None
     if cfg.q_lora_rank:
-        q_a = rd.matrix(p + "q_a_proj.weight", (cfg.q_lora_rank, D))
         q_a_norm = rd.vector(p + "q_a_layernorm.weight", (cfg.q_lora_rank,))
-        q_b = rd.matrix(p + "q_b_proj.weight", (H * (P + R), cfg.q_lora_rank))
-    else:
-        q_a = q_a_norm = None
-        q_b = rd.matrix(p + "q_proj.weight", (H * (P + R), D))
+        # The softmax scale is folded into q_b, so scores come out scaled.
+        q_b = (rd.raw(p + "q_b_proj.weight", (H * (P + R), cfg.q_lora_rank)).float() * scale).to(rd.dtype)
+    elif scale != 1.0:
+        raise CheckpointError("models without q-LoRA are not supported yet")  # q comes from the fused input
     kv_b = rd.raw(p + "kv_b_proj.weight", (H * (P + V), Lkv)).float().view(H, P + V, Lkv)
-    dtype = rd.dtype
     return MLAWeights(
-        q_a=q_a,
         q_a_norm=q_a_norm,
         q_b=q_b,
-        kv_a=rd.matrix(p + "kv_a_proj_with_mqa.weight", (Lkv + R, D)),
         kv_a_norm=rd.vector(p + "kv_a_layernorm.weight", (Lkv,)),
         # The absorbed products run in float32: they are small next to the projections.
         w_uk=kv_b[:, :P, :].contiguous(),  # [H, P, Lkv]
         w_uv_t=kv_b[:, P:, :].transpose(1, 2).contiguous(),  # [H, Lkv, V]
-        o=rd.matrix(p + "o_proj.weight", (D, H * V)).to(dtype),
-        q_a_bias=rd.optional_vector(p + "q_a_proj.bias", (cfg.q_lora_rank or 0,)),
-        kv_a_bias=rd.optional_vector(p + "kv_a_proj_with_mqa.bias", (Lkv + R,)),
+        o=rd.matrix(p + "o_proj.weight", (D, H * V)),
         o_bias=rd.optional_vector(p + "o_proj.bias", (D,)),
     )
 
@@ -161,7 +173,6 @@ def _indexer_weights(cfg: ModelConfig, rd: _Reader, p: str) -> IndexerWeights:
     q_in = cfg.q_lora_rank or D
     return IndexerWeights(
         wq_b=rd.matrix(p + "wq_b.weight", (Hi * Di, q_in)),
-        wk=rd.matrix(p + "wk.weight", (Di, D)),
         k_norm_weight=rd.vector(p + "k_norm.weight", (Di,)),
         k_norm_bias=rd.vector(p + "k_norm.bias", (Di,)),
         weights_proj=rd.vector(p + "weights_proj.weight", (Hi, D)),
