@@ -129,6 +129,8 @@ class ModelConfig:
                 yield f"unknown indexer types {sorted(bad)} (expected 'full' or 'shared')"
             if d.index_head_dim < self.qk_rope_head_dim:
                 yield f"index_head_dim ({d.index_head_dim}) is smaller than qk_rope_head_dim"
+            if not self.q_lora_rank:
+                yield "a DSA indexer needs q_lora_rank (its queries read the q-LoRA latent)"
             if d.index_topk <= 0:
                 yield f"index_topk must be positive (got {d.index_topk})"
 

@@ -62,7 +62,11 @@ class OracleSpec:
     def hf_config(self):
         import transformers
 
-        cls = {"glm_moe_dsa": transformers.GlmMoeDsaConfig, "deepseek_v3": transformers.DeepseekV3Config}
+        cls = {
+            "glm_moe_dsa": transformers.GlmMoeDsaConfig,
+            "deepseek_v3": transformers.DeepseekV3Config,
+            "deepseek_v32": transformers.DeepseekV32Config,
+        }
         return cls[self.model_type](**self.config)
 
 
@@ -109,6 +113,27 @@ SPECS: dict[str, OracleSpec] = {
             },
             seed=2,
             description="DeepSeek-V3 tiny: grouped top-k routing (4 groups, 2 kept) and YaRN RoPE",
+        ),
+        OracleSpec(
+            "dsv3-tiny-noqlora",
+            "deepseek_v3",
+            {**_SEED_SHAPE, "q_lora_rank": None, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+            seed=3,
+            description="DeepSeek-V3 tiny without q-LoRA (a plain q_proj, as in DeepSeek-V2-Lite)",
+        ),
+        OracleSpec(
+            "dsv32-tiny-dsa",
+            "deepseek_v32",
+            {
+                **_SEED_SHAPE,
+                "index_topk": 8,
+                "index_head_dim": 32,
+                "index_n_heads": 16,
+                "n_group": 1,
+                "topk_group": 1,
+            },
+            seed=4,
+            description="DeepSeek-V3.2 tiny with index_topk 8: the indexer's half-split RoPE, DSA selecting",
         ),
     ]
 }

@@ -118,7 +118,10 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
     if cfg.dsa is not None and cfg.dsa.indexer_types[i] == "full":
         parts.append((a + "indexer.wk", cfg.dsa.index_head_dim))
         indexer = Indexer(cfg.dsa, _indexer_weights(cfg, rd, a + "indexer."))
-    w_in = torch.cat([rd.raw(name + ".weight", (rows, D)) for name, rows in parts]).to(rd.dtype)
+    mats = [rd.raw(name + ".weight", (rows, D)).float() for name, rows in parts]
+    if not cfg.q_lora_rank:  # q comes straight from the fused projection: fold the softmax scale here
+        mats[0] = mats[0] * softmax_scale(cfg.rope, cfg.qk_head_dim)
+    w_in = torch.cat(mats).to(rd.dtype)
     biases = [rd.optional_vector(name + ".bias", (rows,)) for name, rows in parts]
     b_in = None
     if any(b is not None for b in biases):
@@ -151,8 +154,6 @@ def _mla_weights(cfg: ModelConfig, rd: _Reader, p: str) -> MLAWeights:
         q_a_norm = rd.vector(p + "q_a_layernorm.weight", (cfg.q_lora_rank,))
         # The softmax scale is folded into q_b, so scores come out scaled.
         q_b = (rd.raw(p + "q_b_proj.weight", (H * (P + R), cfg.q_lora_rank)).float() * scale).to(rd.dtype)
-    elif scale != 1.0:
-        raise CheckpointError("models without q-LoRA are not supported yet")  # q comes from the fused input
     kv_b = rd.raw(p + "kv_b_proj.weight", (H * (P + V), Lkv)).float().view(H, P + V, Lkv)
     return MLAWeights(
         q_a_norm=q_a_norm,
