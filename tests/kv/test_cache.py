@@ -1,0 +1,158 @@
+"""LatentCache: append / commit / view / trim / state, growth, and the byte accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latentkv.config import ModelConfig
+from latentkv.kv.cache import CacheLayout, LatentCache
+
+LAYOUT = CacheLayout(num_layers=3, row_width=5, kv_lora_rank=3, index_layers=(0, 2), index_head_dim=4)
+
+
+def _rows(n: int, width: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+def _fill(cache: LatentCache, n: int, seed: int) -> dict[str, torch.Tensor]:
+    """One pass of n tokens through every layer, as the model does; returns what was written."""
+    written = {}
+    for layer in range(cache.layout.num_layers):
+        rows = _rows(n, cache.layout.row_width, seed + layer)
+        cache.append(layer, rows)
+        written[f"rows.{layer}"] = rows
+    for layer in cache.layout.index_layers:
+        keys = _rows(n, cache.layout.index_head_dim, seed + 100 + layer)
+        cache.append_index_keys(layer, keys)
+        written[f"index.{layer}"] = keys
+    cache.commit(n)
+    return written
+
+
+def _merge(a: dict, b: dict) -> dict:
+    return {k: torch.cat([a[k], b[k]]) for k in a}
+
+
+def test_append_returns_committed_plus_new_rows_and_commit_publishes_them():
+    cache = LatentCache(LAYOUT)
+    first = _fill(cache, 4, seed=0)
+    new = _rows(2, 5, seed=9)
+    seen = cache.append(1, new)
+    assert torch.equal(seen, torch.cat([first["rows.1"], new]))
+    assert cache.length == 4
+    assert torch.equal(cache.view(1), first["rows.1"])  # not committed yet
+    keys = _rows(2, 4, seed=10)
+    assert torch.equal(cache.append_index_keys(2, keys), torch.cat([first["index.2"], keys]))
+    cache.commit(2)
+    assert cache.length == 6
+    assert torch.equal(cache.view(1), torch.cat([first["rows.1"], new]))
+    assert torch.equal(cache.index_keys(2), torch.cat([first["index.2"], keys]))
+
+
+def test_growth_past_the_initial_capacity_keeps_every_row():
+    cache = LatentCache(LAYOUT)
+    written = _fill(cache, 50, seed=0)
+    for step in range(3):  # 50 -> 90 -> 130 -> 300 rows: several reallocations
+        written = _merge(written, _fill(cache, (40, 40, 170)[step], seed=10 * (step + 1)))
+    assert cache.length == 300
+    for layer in range(3):
+        assert torch.equal(cache.view(layer), written[f"rows.{layer}"])
+    for layer in (0, 2):
+        assert torch.equal(cache.index_keys(layer), written[f"index.{layer}"])
+
+
+def test_many_single_row_appends_match_one_big_append():
+    one, many = LatentCache(LAYOUT), LatentCache(LAYOUT)
+    written = _fill(one, 200, seed=3)
+    for i in range(200):
+        for layer in range(3):
+            many.append(layer, written[f"rows.{layer}"][i : i + 1])
+        for layer in (0, 2):
+            many.append_index_keys(layer, written[f"index.{layer}"][i : i + 1])
+        many.commit(1)
+    assert torch.equal(one.view(2), many.view(2))
+    assert torch.equal(one.index_keys(0), many.index_keys(0))
+
+
+def test_trim_forgets_the_tail_and_later_writes_overwrite_it():
+    cache = LatentCache(LAYOUT)
+    first = _fill(cache, 10, seed=0)
+    cache.trim(6)
+    assert cache.length == 6
+    assert torch.equal(cache.view(0), first["rows.0"][:6])
+    second = _fill(cache, 3, seed=50)
+    assert torch.equal(cache.view(0), torch.cat([first["rows.0"][:6], second["rows.0"]]))
+    assert torch.equal(cache.index_keys(2), torch.cat([first["index.2"][:6], second["index.2"]]))
+    cache.trim(0)
+    assert cache.length == 0
+    assert cache.view(1).shape == (0, 5)
+
+
+@pytest.mark.parametrize("length", [-1, 11, 100])
+def test_trim_outside_the_cache_is_refused(length):
+    cache = LatentCache(LAYOUT)
+    _fill(cache, 10, seed=0)
+    with pytest.raises(ValueError, match=f"cannot trim a cache of 10 tokens to {length}"):
+        cache.trim(length)
+    assert cache.length == 10
+
+
+def test_state_round_trip():
+    cache = LatentCache(LAYOUT)
+    written = _merge(_fill(cache, 70, seed=0), _fill(cache, 5, seed=7))
+    state = cache.state()
+    assert set(state) == {"rows.0", "rows.1", "rows.2", "index.0", "index.2"}
+    for key, value in written.items():
+        assert torch.equal(state[key], value), key
+    restored = LatentCache.from_state(LAYOUT, state)
+    assert restored.length == 75
+    for layer in range(3):
+        assert torch.equal(restored.view(layer), cache.view(layer))
+    # The restored cache keeps growing like any other.
+    more = _fill(restored, 60, seed=20)
+    assert torch.equal(restored.view(1), torch.cat([written["rows.1"], more["rows.1"]]))
+    assert torch.equal(restored.index_keys(0), torch.cat([written["index.0"], more["index.0"]]))
+
+
+def test_state_is_a_copy_and_excludes_uncommitted_rows():
+    cache = LatentCache(LAYOUT)
+    written = _fill(cache, 4, seed=0)
+    cache.append(0, _rows(3, 5, seed=99))  # a pass in progress
+    state = cache.state()
+    assert state["rows.0"].shape == (4, 5)
+    state["rows.0"].zero_()
+    assert torch.equal(cache.view(0), written["rows.0"])
+
+
+def test_state_of_an_empty_cache_round_trips():
+    state = LatentCache(LAYOUT).state()
+    restored = LatentCache.from_state(LAYOUT, state)
+    assert restored.length == 0
+    written = _fill(restored, 2, seed=0)
+    assert torch.equal(restored.view(2), written["rows.2"])
+
+
+def test_byte_accounting_is_f32_rows_and_index_keys_separately():
+    cache = LatentCache(LAYOUT)
+    _fill(cache, 7, seed=0)
+    cache.append(0, _rows(2, 5, seed=1))  # uncommitted rows are not counted
+    assert cache.bytes_per_token_layer() == 4 * 5
+    assert cache.nbytes() == 4 * 5 * 3 * 7
+    assert cache.index_bytes_per_token() == 4 * 4 * 2
+    assert cache.index_nbytes() == 4 * 4 * 2 * 7
+    assert cache.codec == "f32"
+
+
+def test_layout_for_model_comes_from_the_config(helpers, checkpoint):
+    cfg = ModelConfig.from_hf(checkpoint("glm5-tiny-dsa"))
+    layout = CacheLayout.for_model(cfg)
+    raw = helpers.read_config(checkpoint("glm5-tiny-dsa"))
+    assert layout.row_width == raw["kv_lora_rank"] + raw["qk_rope_head_dim"]
+    assert layout.kv_lora_rank == raw["kv_lora_rank"]
+    assert layout.num_layers == raw["num_hidden_layers"]
+    assert layout.index_layers == tuple(i for i, t in enumerate(raw["indexer_types"]) if t == "full")
+    assert layout.index_head_dim == raw["index_head_dim"]
+    dsv3 = CacheLayout.for_model(ModelConfig.from_hf(checkpoint("dsv3-tiny")))
+    assert dsv3.index_layers == ()
+    assert LatentCache(dsv3).index_bytes_per_token() == 0

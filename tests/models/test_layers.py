@@ -1,0 +1,211 @@
+"""RoPE (default and YaRN) against transformers' own functions; the rotation and RMSNorm in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from latentkv.config import ModelConfig
+from latentkv.models import layers
+from latentkv.models.layers import Rope, RotaryTables, rms_norm, rope_inv_freq, softmax_scale
+
+SHAPE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    n_routed_experts=4,
+    n_group=1,
+    topk_group=1,
+    num_experts_per_tok=2,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=16,
+    v_head_dim=8,
+    max_position_embeddings=8192,
+)
+
+YARN_CASES = {
+    "dsv3-tiny": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "deepseek-v3": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "mscale-ratio": {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 1024,
+        "mscale": 1.2,
+        "mscale_all_dim": 0.8,
+    },
+    "no-mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 512,
+    },
+    "attention-factor": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 2048,
+        "attention_factor": 0.9,
+        "beta_fast": 16,
+        "beta_slow": 2,
+    },
+    "no-truncate": {
+        "rope_type": "yarn",
+        "rope_theta": 1000000.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+}
+
+
+def _hf_config(rope_parameters: dict):
+    return transformers.DeepseekV3Config(**SHAPE, rope_parameters=dict(rope_parameters))
+
+
+def _ours(hf_config) -> ModelConfig:
+    import json
+
+    return ModelConfig.from_hf(json.loads(hf_config.to_json_string()))
+
+
+@pytest.mark.parametrize("case", list(YARN_CASES))
+def test_yarn_inv_freq_and_attention_factor_match_transformers(case):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = _hf_config(YARN_CASES[case])
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    cfg = _ours(hf_config)
+    got_freq, got_factor = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim)
+    assert got_freq.shape == want_freq.shape == (SHAPE["qk_rope_head_dim"] // 2,)
+    torch.testing.assert_close(got_freq.float(), want_freq.float(), rtol=1e-6, atol=0)
+    assert got_factor == pytest.approx(want_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("case", ["default", *YARN_CASES])
+def test_cos_sin_tables_match_transformers_rotary_embedding(case):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    params = {"rope_type": "default", "rope_theta": 10000.0} if case == "default" else YARN_CASES[case]
+    hf_config = _hf_config(params)
+    cfg = _ours(hf_config)
+    positions = torch.tensor([0, 1, 2, 7, 100, 1000, 5000])
+    tables = Rope(cfg.rope, cfg.qk_rope_head_dim).tables(0, 5001)
+    cos, sin = tables.cos[positions], tables.sin[positions]
+    hf_cos, hf_sin = DeepseekV3RotaryEmbedding(hf_config)(torch.zeros(1), positions[None])
+    half = cfg.qk_rope_head_dim // 2  # transformers repeats the table: [cos | cos]
+    torch.testing.assert_close(cos, hf_cos[0, :, :half], rtol=0, atol=2e-6)
+    torch.testing.assert_close(sin, hf_sin[0, :, :half], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", ["default", *YARN_CASES])
+def test_softmax_scale_matches_transformers_attention(case):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    params = {"rope_type": "default", "rope_theta": 10000.0} if case == "default" else YARN_CASES[case]
+    hf_config = _hf_config(params)
+    cfg = _ours(hf_config)
+    want = DeepseekV3Attention(hf_config, layer_idx=0).scaling
+    assert softmax_scale(cfg.rope, cfg.qk_head_dim) == pytest.approx(want, rel=1e-12)
+
+
+def test_rope_tables_grow_without_changing_earlier_rows():
+    cfg = _ours(_hf_config(YARN_CASES["deepseek-v3"]))
+    rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
+    early = rope.tables(0, 10)
+    early_cos, early_sin = early.cos.clone(), early.sin.clone()
+    late = rope.tables(3000, 1)
+    again = rope.tables(0, 10)
+    assert torch.equal(early_cos, again.cos) and torch.equal(early_sin, again.sin)
+    assert late.cos.shape == (1, cfg.qk_rope_head_dim // 2)
+    assert torch.equal(rope.tables(2995, 8).cos[5], late.cos[0])
+
+
+def _rotate64(x: torch.Tensor, angle: torch.Tensor, d: int, interleaved: bool) -> torch.Tensor:
+    """Float64 reference: rotate each pair of the first d values by its angle; the output is laid
+    out pair-split ([first of each pair | second of each pair]) and values past d pass through."""
+    x = x.double()
+    half = d // 2
+    idx = torch.arange(half)
+    a_idx, b_idx = (2 * idx, 2 * idx + 1) if interleaved else (idx, idx + half)
+    a, b = x[..., a_idx], x[..., b_idx]
+    shape = (angle.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = angle.cos().view(shape), angle.sin().view(shape)
+    return torch.cat([a * c - b * s, b * c + a * s, x[..., d:]], dim=-1)
+
+
+# S <= MATMUL_ROPE_MAX_POSITIONS rotates by matmul, longer passes elementwise: both paths.
+@pytest.mark.parametrize(
+    "S", [1, 5, layers.MATMUL_ROPE_MAX_POSITIONS, layers.MATMUL_ROPE_MAX_POSITIONS + 1, 40]
+)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("shape", [(), (3,)], ids=["no-heads", "heads"])
+@pytest.mark.parametrize("width", [16, 24], ids=["rope-only", "with-pass-through"])
+def test_rotation_against_float64(S, interleaved, shape, width):
+    d = 16
+    g = torch.Generator().manual_seed(S)
+    x = torch.randn(S, *shape, width, generator=g)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).double() / d))
+    start = 1234
+    angle = torch.arange(start, start + S).double()[:, None] * inv_freq[None, :]  # [S, d/2]
+    tables = RotaryTables(angle.cos().float(), angle.sin().float())
+    got = tables.rotate(x, interleaved)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got.double(), _rotate64(x, angle, d, interleaved), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotation_keeps_relative_position_dot_products(interleaved):
+    """q.k after rotation depends only on the position difference (what attention relies on)."""
+    d = 8
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, d, generator=g), torch.randn(1, d, generator=g)
+    rope = Rope(_ours(_hf_config({"rope_type": "default", "rope_theta": 10000.0})).rope, d)
+
+    def rot(x, p):
+        return rope.tables(p, 1).rotate(x, interleaved)
+
+    base = (rot(q, 5) * rot(k, 2)).sum()
+    shifted = (rot(q, 105) * rot(k, 102)).sum()
+    assert base.item() == pytest.approx(shifted.item(), abs=1e-5)
+
+
+def test_rms_norm_against_float64():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 24, generator=g) * 3, torch.randn(24, generator=g)
+    x64 = x.double()
+    want = x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(rms_norm(x, w, 1e-6).double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_yarn_mscale_formula():
+    """DeepSeek's mscale: 0.1 * m * ln(factor) + 1, squared into the softmax scale when mscale_all_dim."""
+    cfg = _ours(_hf_config(YARN_CASES["deepseek-v3"]))
+    m = 0.1 * 1.0 * math.log(40.0) + 1.0
+    assert softmax_scale(cfg.rope, 24) == pytest.approx(24**-0.5 * m * m, rel=1e-12)
