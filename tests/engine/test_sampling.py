@@ -99,16 +99,7 @@ def _hf_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p
         (0, 0.5),  # 0.4 < 0.5 before the second token, 0.7 >= 0.5 before the third: keeps 0.3, 0.4
         (0, 0.95),  # keeps all four
         (3, 0.8),  # keeps 0.2, 0.3, 0.4
-        pytest.param(
-            3,
-            0.75,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="src bug (engine/sampling.py sample): top_p is measured on the probabilities left "
-                "by top_k without renormalising them, so after top_k=3 (mass 0.9) top_p=0.75 keeps "
-                "three tokens; transformers, vLLM and llama.cpp renormalise first and keep two",
-            ),
-        ),
+        (3, 0.75),  # renormalised over the top 3, keeps 0.3, 0.4
     ],
 )
 def test_top_k_and_top_p_draw_what_transformers_warpers_keep(top_k, top_p):

@@ -142,12 +142,6 @@ def test_header_that_is_not_json(tmp_path):
         Checkpoint(tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug (models/loader.py _SafetensorsFile.__init__): a header length that reaches into "
-    "the tensor data hands non-UTF-8 bytes to json.loads, which raises UnicodeDecodeError; only "
-    "JSONDecodeError is turned into CheckpointError",
-)
 def test_header_length_past_the_end_of_the_file(tmp_path):
     path = tmp_path / "model.safetensors"
     raw = _valid_file(path)
@@ -167,34 +161,18 @@ def test_unsupported_dtype(tmp_path):
         Checkpoint(tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug (models/loader.py _SafetensorsFile.__init__): a header that parses as JSON but "
-    "is not an object raises AttributeError ('list' object has no attribute 'pop'), not CheckpointError",
-)
 def test_header_that_is_json_but_not_an_object(tmp_path):
     _header_file(tmp_path / "model.safetensors", ["w", "b"])
     with pytest.raises(CheckpointError):
         Checkpoint(tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug (models/loader.py _SafetensorsFile.__init__): a tensor entry without "
-    "'data_offsets' raises KeyError instead of a CheckpointError naming the tensor",
-)
 def test_tensor_entry_without_offsets(tmp_path):
     _header_file(tmp_path / "model.safetensors", {"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8)
     with pytest.raises(CheckpointError, match="w"):
         Checkpoint(tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug (models/loader.py): the byte span of a tensor is never checked against "
-    "shape x dtype size, so a header claiming [4, 4] F32 over 32 bytes fails later in "
-    "Checkpoint.get with a bare torch RuntimeError instead of a CheckpointError",
-)
 def test_tensor_whose_bytes_do_not_match_its_shape(tmp_path):
     _header_file(
         tmp_path / "model.safetensors",

@@ -45,12 +45,15 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(args.prompt)
     else:
         prompt = parse_ids(args.prompt_ids)
+    from latentkv.engine.generate import GenerationStats
+
+    stats = GenerationStats()
+    tokens, pieces = [], []
     try:
-        stream = stream_generate(
-            model, prompt, args.max_tokens, sampling, tokenizer, stop_ids=() if args.ignore_eos else None
-        )
-        tokens, pieces, stats = [], [], None
-        for token, delta, stats in stream:  # noqa: B007 (the last stats are the final ones)
+        stop = () if args.ignore_eos else None
+        for token, delta, _ in stream_generate(
+            model, prompt, args.max_tokens, sampling, tokenizer, stop_ids=stop, stats=stats
+        ):
             tokens.append(token)
             pieces.append(delta)
             if not args.json:
@@ -58,10 +61,6 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if stats is None:  # max_tokens 0
-        from latentkv.engine.generate import GenerationStats
-
-        stats = GenerationStats(finish_reason="length")
     if args.json:
         out = {
             "model": args.model,

@@ -100,32 +100,42 @@ def stream_generate(
     tokenizer: Tokenizer | None = None,
     cache: LatentCache | None = None,
     stop_ids: tuple[int, ...] | None = None,
+    stats: GenerationStats | None = None,
 ) -> Iterator[tuple[int, str, GenerationStats]]:
-    """Yield (token, text delta, stats) per generated token; stats are final after the last."""
+    """Yield (token, text delta, stats) per generated token; stats are final after the last.
+
+    Pass `stats` to have it filled in even when nothing is generated (max_tokens 0).
+    """
     cache = cache if cache is not None else model.make_cache()
     stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
-    stats = GenerationStats(
-        kv_cache_dtype=cache.codec, kv_bytes_per_token_layer=cache.bytes_per_token_layer()
-    )
-    decoder = StreamDecoder(tokenizer) if tokenizer else None
-    limit = model.cfg.max_position_embeddings - len(prompt)
-    if max_tokens > limit:
-        max_tokens = max(limit, 0)
+    stats = stats if stats is not None else GenerationStats()
+    stats.kv_cache_dtype = cache.codec
+    stats.kv_bytes_per_token_layer = cache.bytes_per_token_layer()
     stats.finish_reason = "length"
-    if max_tokens > 0:
-        for token in generate_step(model, prompt, cache, sampling, stats):
-            stats.generated_tokens += 1
-            done = token in stop or stats.generated_tokens >= max_tokens
-            if token in stop:
-                stats.finish_reason = "stop"
-            delta = decoder.push(token) if decoder and token not in stop else ""
-            if done and decoder:
-                delta += decoder.flush()
-            if done:
-                stats.kv_bytes, stats.index_kv_bytes = cache.nbytes(), cache.index_nbytes()
-            yield token, delta, stats
-            if done:
-                break
+    context = model.cfg.max_position_embeddings
+    if cache.length + len(prompt) > context:
+        raise ValueError(
+            f"the prompt ({len(prompt)} tokens, {cache.length + len(prompt)} with the cache) exceeds "
+            f"the model's context of {context} tokens"
+        )
+    # The k-th generated token needs k - 1 of them fed back: stop where the context ends.
+    max_tokens = min(max_tokens, context - cache.length - len(prompt) + 1)
+    decoder = StreamDecoder(tokenizer) if tokenizer else None
+    if max_tokens <= 0:
+        return
+    for token in generate_step(model, prompt, cache, sampling, stats):
+        stats.generated_tokens += 1
+        done = token in stop or stats.generated_tokens >= max_tokens
+        if token in stop:
+            stats.finish_reason = "stop"
+        delta = decoder.push(token) if decoder and token not in stop else ""
+        if done and decoder:
+            delta += decoder.flush()
+        if done:
+            stats.kv_bytes, stats.index_kv_bytes = cache.nbytes(), cache.index_nbytes()
+        yield token, delta, stats
+        if done:
+            break
 
 
 def generate(
@@ -141,8 +151,9 @@ def generate(
     tokens: list[int] = []
     text: list[str] = []
     stats = GenerationStats()
-    stream = stream_generate(model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids)
-    for token, delta, stats in stream:  # noqa: B007 (the last stats are the final ones)
+    for token, delta, _ in stream_generate(
+        model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids, stats
+    ):
         tokens.append(token)
         text.append(delta)
     return GenerationResult(tokens, "".join(text) if tokenizer else None, stats)

@@ -43,6 +43,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.top_k:
         kth = probs.topk(min(params.top_k, probs.shape[-1])).values[-1]
         probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
+        probs = probs / probs.sum()  # top_p then measures mass among the top-k, as other engines do
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         cumulative = sorted_probs.cumsum(-1)

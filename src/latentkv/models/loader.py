@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import struct
 import sys
@@ -52,21 +53,43 @@ class _SafetensorsFile:
             if header_len > MAX_HEADER_BYTES:
                 raise CheckpointError(f"{path}: header length {header_len} is implausible")
             self.header_bytes = fh.read(header_len)
+            size = fh.seek(0, 2)
+            if len(self.header_bytes) < header_len:
+                raise CheckpointError(f"{path}: header runs past the end of the file (truncated?)")
             try:
                 header = json.loads(self.header_bytes)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
-            size = fh.seek(0, 2)
+            if not isinstance(header, dict):
+                raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self.metadata = header.pop("__metadata__", {}) or {}
         self.entries: dict[str, dict] = header
         self.data_start = 8 + header_len
         for name, entry in header.items():
-            start, end = entry["data_offsets"]
-            if entry["dtype"] not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
-            if self.data_start + end > size or start > end:
-                raise CheckpointError(f"{path}: tensor {name} lies outside the file (truncated?)")
+            self._check_entry(name, entry, size)
+
+    def _check_entry(self, name: str, entry: object, size: int) -> None:
+        """Refuse an entry whose dtype, shape or byte span is not self-consistent."""
+        where = f"{self.path}: tensor {name}"
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise CheckpointError(f"{where} lacks dtype, shape or data_offsets")
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{where} has unsupported dtype {entry['dtype']}")
+        offsets, shape = entry["data_offsets"], entry["shape"]
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise CheckpointError(f"{where} has malformed data_offsets {offsets!r}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{where} has malformed shape {shape!r}")
+        start, end = offsets
+        if start > end or self.data_start + end > size:
+            raise CheckpointError(f"{where} lies outside the file (truncated?)")
+        itemsize = torch.empty(0, dtype=SAFETENSORS_DTYPES[entry["dtype"]]).element_size()
+        if (end - start) != math.prod(shape) * itemsize:
+            raise CheckpointError(
+                f"{where} spans {end - start} bytes but shape {shape} x {entry['dtype']} needs "
+                f"{math.prod(shape) * itemsize}"
+            )
 
     def tensor(self, name: str) -> torch.Tensor:
         entry = self.entries[name]

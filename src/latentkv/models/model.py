@@ -99,9 +99,10 @@ class Model:
         return linear(rms_norm(x, self.norm, eps), self.lm_head).float()
 
     def num_parameters(self) -> int:
+        """Weights held by the model (the RoPE tables are derived, not counted)."""
         seen: set[int] = set()
         total = 0
-        for t in _tensors(self):
+        for t in _tensors([self.embed, self.blocks, self.norm, self.lm_head]):
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel()
