@@ -1,0 +1,142 @@
+"""Native attention consumers: scores and context read straight from packed KV rows.
+
+For a query block q [..., n] and T encoded rows of one codec (width n):
+
+    scores(codec, q, enc)   -> [..., T]   s_t = q . decode(row_t)
+    context(codec, w, enc)  -> [..., n]   o   = sum_t w_t decode(row_t)
+
+without rebuilding the float rows of the cache. Every codec is read in a working basis where
+a row is `factor_t * values_t`, with the per-row factor kept out of the dot product:
+
+    codec     basis     values_t (one tile at a time)       factor_t
+    f32/bf16  rows      the stored values                   1
+    fp8       rows      lut[byte]  (group scales folded in)  scale_t  (1 when grouped)
+    tq*       rotated   level[code]                          radius_t / sqrt(n)
+    polar*    rotated   unit vector from the angles          radius_t
+
+    s_t = factor_t * (B q) . values_t          B = R (rotate) for tq / polar, identity otherwise
+    o   = B^T sum_t (w_t factor_t) values_t    one unrotation per call, however large T is
+
+The token axis is walked in tiles of `tile` rows (512 by default), so the extra memory is one
+tile of unpacked values (about 1 MB at n = 512) plus one [M, tile] block of M = prod(...)
+queries, whatever T is; prefill (many queries) and decode (one) share the code. DSA reads
+its top-k tokens the same way, from `enc.select(index)`. f32 rows are a free view of the cache and are read in one matmul.
+The consumer is chosen by the codec's class through `CONSUMERS`, never by inspecting it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from latentkv.kv.codecs import Bf16Codec, Codec, EncodedRows, F32Codec, Fp8Codec, PolarCodec, TurboCodec
+
+DEFAULT_TILE = 512
+
+# (codec, rows of one tile) -> (values [Tt, n] in the working basis, factor [Tt] or None)
+TileReader = Callable[[Codec, EncodedRows], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """How attention reads one codec family's rows."""
+
+    read: TileReader
+    rotated: bool = False  # working basis is R x: rotate queries, unrotate the context
+    tiled: bool = True  # False: `read` is a free view, so the whole cache is one tile
+
+
+def _read_f32(codec: F32Codec, enc: EncodedRows) -> tuple[torch.Tensor, None]:
+    return codec.values(enc.codes), None
+
+
+def _read_bf16(codec: Bf16Codec, enc: EncodedRows) -> tuple[torch.Tensor, None]:
+    return codec.values(enc.codes).to(torch.float32), None
+
+
+def _read_fp8(codec: Fp8Codec, enc: EncodedRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    values = codec.values(enc.codes)  # [Tt, n]
+    if codec.scale_count == 1:
+        return values, enc.scales[:, 0]
+    grouped = values.view(len(enc), codec.scale_count, codec.group) * enc.scales[..., None]
+    return grouped.view(len(enc), codec.width), None
+
+
+def _read_turbo(codec: TurboCodec, enc: EncodedRows) -> tuple[torch.Tensor, torch.Tensor]:
+    return codec.rotated_values(enc.codes), enc.scales[:, 0] / math.sqrt(codec.width)
+
+
+def _read_polar(codec: PolarCodec, enc: EncodedRows) -> tuple[torch.Tensor, torch.Tensor]:
+    return codec.unit_vectors(enc.codes), enc.scales[:, 0]
+
+
+CONSUMERS: dict[type[Codec], Consumer] = {
+    F32Codec: Consumer(_read_f32, tiled=False),
+    Bf16Codec: Consumer(_read_bf16),
+    Fp8Codec: Consumer(_read_fp8),
+    TurboCodec: Consumer(_read_turbo, rotated=True),
+    PolarCodec: Consumer(_read_polar, rotated=True),
+}
+
+
+def consumer_for(codec: Codec) -> Consumer:
+    consumer = CONSUMERS.get(type(codec))
+    if consumer is None:
+        known = ", ".join(cls.__name__ for cls in CONSUMERS)
+        raise ValueError(f"no attention consumer for {type(codec).__name__}; registered: {known}")
+    return consumer
+
+
+def _spans(total: int, tile: int, consumer: Consumer) -> Iterator[tuple[int, int]]:
+    step = tile if consumer.tiled else max(total, 1)
+    for start in range(0, total, step):
+        yield start, min(start + step, total)
+
+
+def _check(codec: Codec, enc: EncodedRows, tile: int) -> None:
+    codec.check_encoded(enc)
+    if tile < 1:
+        raise ValueError(f"tile must be positive, got {tile}")
+
+
+def scores(codec: Codec, q: torch.Tensor, enc: EncodedRows, *, tile: int = DEFAULT_TILE) -> torch.Tensor:
+    """q [..., n] against T packed rows -> float32 [..., T]: q . decode(row_t)."""
+    _check(codec, enc, tile)
+    consumer = consumer_for(codec)
+    if q.shape[-1] != codec.width:
+        raise ValueError(f"queries of width {q.shape[-1]} against {codec.name} rows of width {codec.width}")
+    lead = q.shape[:-1]
+    qb = q.reshape(-1, codec.width).to(torch.float32)  # [M, n]
+    if consumer.rotated:
+        qb = codec.rotation.rotate(qb)
+    out = torch.empty(qb.shape[0], len(enc), dtype=torch.float32)  # [M, T]
+    for start, stop in _spans(len(enc), tile, consumer):
+        values, factor = consumer.read(codec, enc.rows(start, stop))  # [Tt, n], [Tt]
+        block = qb @ values.T  # [M, Tt]
+        if factor is not None:
+            block.mul_(factor)
+        out[:, start:stop] = block
+    return out.view(*lead, len(enc))
+
+
+def context(codec: Codec, w: torch.Tensor, enc: EncodedRows, *, tile: int = DEFAULT_TILE) -> torch.Tensor:
+    """Weights w [..., T] over T packed rows -> float32 [..., n]: sum_t w_t decode(row_t)."""
+    _check(codec, enc, tile)
+    consumer = consumer_for(codec)
+    if w.shape[-1] != len(enc):
+        raise ValueError(f"weights over {w.shape[-1]} tokens for {len(enc)} rows")
+    lead = w.shape[:-1]
+    wb = w.reshape(math.prod(lead), len(enc)).to(torch.float32)  # [M, T]
+    acc = torch.zeros(wb.shape[0], codec.width, dtype=torch.float32)  # [M, n] in the working basis
+    for start, stop in _spans(len(enc), tile, consumer):
+        values, factor = consumer.read(codec, enc.rows(start, stop))  # [Tt, n], [Tt]
+        wt = wb[:, start:stop]
+        if factor is not None:
+            wt = wt * factor
+        acc.addmm_(wt, values)
+    if consumer.rotated:
+        acc = codec.rotation.unrotate(acc)
+    return acc.view(*lead, codec.width)
