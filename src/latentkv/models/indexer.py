@@ -26,10 +26,10 @@ INDEX_BLOCK_ELEMENTS = 8 * 1024 * 1024
 
 @dataclass
 class IndexerWeights:
-    wq_b: torch.Tensor  # [h_i * D_i, q_lora]
+    wq_b: torch.Tensor  # [h_i * D_i, q_lora], pre-multiplied by 1/sqrt(D_i)
     k_norm_weight: torch.Tensor  # [D_i]
     k_norm_bias: torch.Tensor  # [D_i]
-    weights_proj: torch.Tensor  # [h_i, D]  (kept in float32, as transformers does)
+    weights_proj: torch.Tensor  # [h_i, D] float32 (as transformers keeps it), pre-multiplied by 1/sqrt(h_i)
 
 
 class Indexer:
@@ -41,12 +41,11 @@ class Indexer:
         self.n_heads = dsa.index_n_heads
         self.head_dim = dsa.index_head_dim
         self.interleaved = dsa.rope_interleave
-        self.scale = self.head_dim**-0.5
 
     def keys(self, k_in: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
         """Indexer keys for new tokens: W_k x [S, D_i] -> [S, D_i] (float32)."""
         k = F.layer_norm(k_in, (self.head_dim,), self.w.k_norm_weight, self.w.k_norm_bias, 1e-6)
-        return rope.rotate(k, self.interleaved).float()
+        return rope.rotate(k, self.interleaved)
 
     def select(
         self, x: torch.Tensor, q_resid: torch.Tensor, rope: RotaryTables, keys: torch.Tensor, start: int
@@ -60,8 +59,8 @@ class Indexer:
         if self.topk >= T:
             return None
         q = linear(q_resid, self.w.wq_b).view(S, self.n_heads, self.head_dim)
-        q = rope.rotate(q, self.interleaved).float()  # [S, h_i, D_i]
-        weights = linear(x.float(), self.w.weights_proj) * self.n_heads**-0.5  # [S, h_i]
+        q = rope.rotate(q, self.interleaved)  # [S, h_i, D_i]
+        weights = linear(x, self.w.weights_proj)  # [S, h_i]
 
         if S == 1:
             return self._scores(q, weights, keys)[0].topk(self.topk).indices
@@ -76,6 +75,6 @@ class Indexer:
         return mask
 
     def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """I[s, t] = sum_h w[s, h] relu(q[s, h] . k_t * scale): [s, h_i, D_i] x [T, D_i] -> [s, T]."""
-        head_scores = torch.relu(torch.matmul(q, keys.T) * self.scale)  # [s, h_i, T]
+        """I[s, t] = sum_h w[s, h] relu(q[s, h] . k_t): [s, h_i, D_i] x [T, D_i] -> [s, T] (scales pre-folded)."""
+        head_scores = torch.relu(torch.matmul(q, keys.T))  # [s, h_i, T]
         return torch.matmul(weights.unsqueeze(1), head_scores).squeeze(1)

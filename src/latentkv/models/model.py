@@ -96,7 +96,7 @@ class Model:
         cache.commit(S)
         if not all_logits:
             x = x[-1:]
-        return linear(rms_norm(x, self.norm, eps), self.lm_head).float()
+        return linear(rms_norm(x, self.norm, eps), self.lm_head)
 
     def num_parameters(self) -> int:
         """Weights held by the model (the RoPE tables are derived, not counted)."""

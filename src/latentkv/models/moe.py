@@ -40,7 +40,7 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (expert indices [N, k], weights [N, k] float32)."""
-        scores = F.linear(x.float(), self.w.weight).sigmoid()  # [N, E]
+        scores = F.linear(x, self.w.weight).sigmoid()  # [N, E]; activations are float32
         choice = scores + self.w.bias
         if self.topk_group < self.n_group:
             grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)

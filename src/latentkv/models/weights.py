@@ -172,11 +172,13 @@ def _indexer_weights(cfg: ModelConfig, rd: _Reader, p: str) -> IndexerWeights:
     assert dsa is not None
     D, Di, Hi = cfg.hidden_size, dsa.index_head_dim, dsa.index_n_heads
     q_in = cfg.q_lora_rank or D
+    # The score scales are folded in: relu(q.k / sqrt(D_i)) = relu((q / sqrt(D_i)).k), and the
+    # per-head weights' 1/sqrt(h_i) goes into weights_proj.
     return IndexerWeights(
-        wq_b=rd.matrix(p + "wq_b.weight", (Hi * Di, q_in)),
+        wq_b=(rd.raw(p + "wq_b.weight", (Hi * Di, q_in)).float() * Di**-0.5).to(rd.dtype),
         k_norm_weight=rd.vector(p + "k_norm.weight", (Di,)),
         k_norm_bias=rd.vector(p + "k_norm.bias", (Di,)),
-        weights_proj=rd.vector(p + "weights_proj.weight", (Hi, D)),
+        weights_proj=rd.vector(p + "weights_proj.weight", (Hi, D)) * Hi**-0.5,
     )
 
 
