@@ -57,17 +57,38 @@ class Router:
         return idx, weights * self.scaling
 
 
-class ExpertStore:
-    """All routed experts of one layer, resident in memory (the reference store)."""
+# Decode gathers the k chosen experts' matrices into one batched matmul when they are this small
+# (the copy is cheaper than k rounds of per-op overhead); bigger experts run one at a time.
+GATHER_MAX_BYTES = 4 * 1024 * 1024
 
-    def __init__(self, experts: list[SwiGLU]):
-        self.experts = experts
+
+class ExpertStore:
+    """All routed experts of one layer, resident in memory: stacked [E, 2I, D] and [E, D, I]."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        self.gate_up = gate_up  # [E, 2I, D]  gate rows first, then up
+        self.down = down  # [E, D, I]
+        expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+        self.gather = expert_bytes <= GATHER_MAX_BYTES
 
     def __len__(self) -> int:
-        return len(self.experts)
+        return self.gate_up.shape[0]
 
     def __getitem__(self, e: int) -> SwiGLU:
-        return self.experts[e]
+        return SwiGLU(self.gate_up[e], self.down[e])
+
+    def decode(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One token x [1, D] through its k experts idx [k], mixed by weights [k]: -> [1, D]."""
+        if not self.gather:
+            out = torch.zeros_like(x)
+            for e, w in zip(idx.tolist(), weights.tolist(), strict=True):
+                out += self[e](x) * w
+            return out
+        xw = x[0].to(self.gate_up.dtype)
+        gate, up = torch.matmul(self.gate_up.index_select(0, idx), xw).chunk(2, dim=-1)  # [k, I] each
+        act = (F.silu(gate) * up).unsqueeze(-1)  # [k, I, 1]
+        y = torch.matmul(self.down.index_select(0, idx), act).squeeze(-1)  # [k, D]
+        return torch.matmul(weights.unsqueeze(0).to(y.dtype), y).to(x.dtype)  # [1, D]
 
 
 class MoE:
@@ -79,11 +100,10 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D]."""
         idx, weights = self.router(x)
-        out = torch.zeros_like(x)
         if x.shape[0] == 1:
-            for e, w in zip(idx[0].tolist(), weights[0].tolist(), strict=True):
-                out += self.experts[e](x) * w
+            out = self.experts.decode(x, idx[0], weights[0])
         else:
+            out = torch.zeros_like(x)
             self._dispatch(x, idx, weights, out)
         if self.shared is not None:
             out += self.shared(x)

@@ -203,12 +203,17 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
         ),
     )
     if rd.has(p + "experts.gate_up_proj"):  # transformers' fused in-memory layout
-        gate_up = rd.raw(p + "experts.gate_up_proj", (E, 2 * I, D)).to(rd.dtype)
-        down = rd.raw(p + "experts.down_proj", (E, D, I)).to(rd.dtype)
-        experts = [SwiGLU(gate_up[e], down[e]) for e in range(E)]
-    else:
-        experts = [_swiglu(rd, f"{p}experts.{e}.", D, I) for e in range(E)]
+        gate_up = rd.matrix(p + "experts.gate_up_proj", (E, 2 * I, D))
+        down = rd.matrix(p + "experts.down_proj", (E, D, I))
+    else:  # per-expert tensors, as checkpoints ship them: stacked here (the one copy)
+        gate_up = torch.empty(E, 2 * I, D, dtype=rd.dtype)
+        down = torch.empty(E, D, I, dtype=rd.dtype)
+        for e in range(E):
+            q = f"{p}experts.{e}."
+            gate_up[e, :I] = rd.raw(q + "gate_proj.weight", (I, D))
+            gate_up[e, I:] = rd.raw(q + "up_proj.weight", (I, D))
+            down[e] = rd.raw(q + "down_proj.weight", (D, I))
     shared = None
     if cfg.n_shared_experts:
         shared = _swiglu(rd, p + "shared_experts.", D, I * cfg.n_shared_experts)
-    return MoE(router, ExpertStore(experts), shared)
+    return MoE(router, ExpertStore(gate_up, down), shared)
