@@ -44,10 +44,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=1))
     else:
-        print(f"{'model':<16} {'tf':>6} {'greedy':>7} {'max_abs_logit_diff':>19} {'reference':>10}  result")
+        print(f"{'model':<18} {'tf':>6} {'greedy':>7} {'max_abs_logit_diff':>19} {'reference':>10}  result")
         for r in rows:
             print(
-                f"{r.name:<16} {r.tf:>6} {r.greedy:>7} {r.max_abs_logit_diff:>19.2e} "
+                f"{r.name:<18} {r.tf:>6} {r.greedy:>7} {r.max_abs_logit_diff:>19.2e} "
                 f"{'same' if r.reference_matches else 'CHANGED':>10}  {'ok' if r.ok else 'FAIL'}"
             )
         print(f"(tolerance {oracle.LOGIT_TOLERANCE:g} on float32 logits)", file=sys.stderr)
