@@ -291,19 +291,86 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
 
 # --- runtime configuration ----------------------------------------------------------------
 
-KV_CACHE_DTYPES = ("f32",)  # grows as codecs land; `auto` resolves to f32 on the CPU
+# The tiers, named as vLLM's --kv-cache-dtype; kept in step with latentkv.kv.codecs.CODEC_NAMES
+# (a test checks it) so this module stays free of imports from the rest of the package.
+KV_CACHE_DTYPES = (
+    "f32",
+    "bf16",
+    "fp8",
+    *(f"tq{b}" for b in range(2, 7)),
+    *(f"polar{b}" for b in range(2, 7)),
+)
+KV_CACHE_ALIASES = {"auto": "f32", "fp32": "f32", "float32": "f32", "bfloat16": "bf16", "fp8_e4m3": "fp8"}
+DEFAULT_ROTATION_SEED = 0x9E3779B9
 WEIGHT_DTYPES = ("f32", "bf16")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """How the latent KV cache is stored: the tier and every parameter that changes its bytes."""
+
     kv_cache_dtype: str = "f32"
+    rotation_seed: int = DEFAULT_ROTATION_SEED  # tq* / polar*
+    group_size: int | None = None  # fp8: one scale per group_size values instead of per row
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        name = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", name)
+        if name not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; choose from {', '.join(KV_CACHE_DTYPES)}"
             )
+        if self.group_size is not None:
+            if name != "fp8":
+                raise ConfigError(f"--kv-group-size applies to fp8 only, not to {name}")
+            if self.group_size < 1:
+                raise ConfigError(f"--kv-group-size must be positive (got {self.group_size})")
+
+
+def parse_kv_cache_dtypes(text: str) -> list[str]:
+    """A comma-separated tier list (or `all`) -> canonical names, validated."""
+    if text.strip() == "all":
+        return list(KV_CACHE_DTYPES)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ConfigError("--kv-cache-dtype is empty")
+    return [CacheConfig(n).kv_cache_dtype for n in names]
+
+
+def kv_cache_dtype_from_env(environ: dict[str, str] | None = None) -> tuple[str | None, list[str]]:
+    """The seed system's switches, as aliases of --kv-cache-dtype: (tier or None, notices).
+
+    KV8=1 -> fp8; KV_TQ=b -> tq{b} (1 lands on tq4 with a notice, above 6 clamps to 6);
+    KV_TQ_POLAR=1 -> polar{b} (b from KV_TQ, else 4). KV8 together with KV_TQ: the 4-bit
+    tier wins, with a warning.
+    """
+    env = os.environ if environ is None else environ
+    notices: list[str] = []
+    kv8 = env.get("KV8", "").strip() not in ("", "0")
+    tq_raw = env.get("KV_TQ", "").strip()
+    polar = env.get("KV_TQ_POLAR", "").strip() not in ("", "0")
+    bits = None
+    if tq_raw not in ("", "0"):
+        try:
+            bits = int(tq_raw)
+        except ValueError:
+            raise ConfigError(f"KV_TQ must be a bit width 1..6, got {tq_raw!r}") from None
+        if bits == 1:
+            notices.append("KV_TQ=1: there is no 1-bit tier; using the recommended 4-bit tier (tq4)")
+            bits = 4
+        elif bits > 6:
+            notices.append(f"KV_TQ={bits}: clamped to 6 bits")
+            bits = 6
+        elif bits < 1:
+            raise ConfigError(f"KV_TQ must be a bit width 1..6, got {tq_raw!r}")
+    if polar and bits is None:
+        bits = 4
+    if bits is None:
+        return ("fp8" if kv8 else None), notices
+    name = f"polar{bits}" if polar else f"tq{bits}"
+    if kv8:
+        notices.append(f"both KV8 and KV_TQ are set: the 4-bit tier wins ({name}), fp8 is ignored")
+    return name, notices
 
 
 @dataclass(frozen=True)

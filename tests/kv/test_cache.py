@@ -39,7 +39,7 @@ def test_append_returns_committed_plus_new_rows_and_commit_publishes_them():
     first = _fill(cache, 4, seed=0)
     new = _rows(2, 5, seed=9)
     seen = cache.append(1, new)
-    assert torch.equal(seen, torch.cat([first["rows.1"], new]))
+    assert torch.equal(seen.rows, torch.cat([first["rows.1"], new]))  # an F32Rows reader
     assert cache.length == 4
     assert torch.equal(cache.view(1), first["rows.1"])  # not committed yet
     keys = _rows(2, 4, seed=10)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from latentkv.config import ModelConfig
+from latentkv.kv.cache import RowReader
 from latentkv.models.layers import RotaryTables, linear, rms_norm
 
 # Budget for one score block [H, S_tile, T] in float32 elements (~32 MB).
@@ -81,29 +82,29 @@ class MLA:
     def attend(
         self,
         query: torch.Tensor,
-        rows: torch.Tensor,
+        rows: RowReader,
         start: int,
         selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of S queries at positions start..start+S-1 over rows [T, Lkv+R]; -> [S, D].
+        """Attention of S queries at positions start..start+S-1 over T cached rows; -> [S, D].
 
+        `rows` reads the cache in whatever tier it is stored (see `latentkv.kv.cache`).
         `selected` (DSA): for decode (S == 1) the [k] token indices to attend to; for S > 1 a
         boolean [S, T] mask of allowed tokens (causality is applied here in both cases).
         """
         H, S, _ = query.shape
         if S == 1 and selected is not None:
-            rows = rows.index_select(0, selected)
+            rows = rows.select(selected)
             selected = None
-        T = rows.shape[0]
+        T = len(rows)
         tile = max(1, SCORE_BLOCK_ELEMENTS // max(1, H * T))
-        latent = rows[:, : self.Lkv]
         parts = []
         for s0 in range(0, S, tile):
             s1 = min(S, s0 + tile)
-            scores = torch.matmul(query[:, s0:s1], rows.T)  # [H, s, T] (already scaled via q_b)
+            scores = rows.scores(query[:, s0:s1])  # [H, s, T] (already scaled via q_b)
             if S > 1:
                 scores.masked_fill_(~_allowed(start + s0, s1 - s0, T, selected, s0), float("-inf"))
-            parts.append(torch.matmul(torch.softmax(scores, dim=-1), latent))  # [H, s, Lkv]
+            parts.append(rows.context(torch.softmax(scores, dim=-1)))  # [H, s, Lkv]
         ctx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return self.output(ctx)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from latentkv.config import ModelConfig
-from latentkv.kv.cache import CacheLayout, LatentCache
+from latentkv.config import CacheConfig, ModelConfig
+from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, make_cache
 from latentkv.models.indexer import Indexer
 from latentkv.models.layers import Rope, RotaryTables, SwiGLU, linear, rms_norm
 from latentkv.models.mla import MLA
@@ -34,7 +34,7 @@ class Block:
     def __call__(
         self,
         x: torch.Tensor,
-        cache: LatentCache,
+        cache: LatentCache | PackedLatentCache,
         layer: int,
         rope: RotaryTables,
         selected: torch.Tensor | None,
@@ -70,12 +70,15 @@ class Model:
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
         self.layout = CacheLayout.for_model(cfg)
 
-    def make_cache(self) -> LatentCache:
-        """The cache one sequence needs: latent rows per layer, plus indexer keys for DSA models."""
-        return LatentCache(self.layout)
+    def make_cache(self, cache: CacheConfig | None = None) -> LatentCache | PackedLatentCache:
+        """The cache one sequence needs: latent rows per layer (in the configured tier, f32 by
+        default), plus indexer keys for DSA models."""
+        return make_cache(self.layout, cache)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: LatentCache, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool = False
+    ) -> torch.Tensor:
         """tokens [S] (int64) continuing `cache` -> logits [S, vocab] (or [1, vocab] for the last).
 
         The cache gains S rows per layer. Positions continue from `cache.length`.
