@@ -1,17 +1,37 @@
-"""Decode benchmark: latentkv and transformers' generate() on the same checkpoint, same threads.
+"""Benchmarks behind `latentkv bench`: decode over every KV tier, and the attention read alone.
 
-Both are timed the same way: prefill is the time to the first generated token; decode tok/s
-is (tokens - 1) over the time from the first to the last generated token, i.e. one forward
-pass per token over a cache that grows from `context`.
+decode      One row per (engine, weight dtype, KV tier, context). latentkv is timed pass by
+            pass: prefill is the one batched prompt pass; decode tok/s is the (tokens - 1)
+            decode passes over their total time (the first token comes from the prefill
+            logits), each pass one token over a cache that grows from `context`.
+            transformers' generate() is timed by a streamer: prefill is the time to the first
+            token, decode the time from the first to the last.
+            fill "random" skips the prompt: random rows go straight into every layer's cache
+            (latent c RMS-normed like the real ones, r and the indexer keys N(0,1)), then the
+            same decode passes run over them. Decode speed does not depend on the row values:
+            every tier unpacks and multiplies the same number of bytes whatever they hold.
+attention   scores + softmax + context of one decode query per head over T cached rows,
+            through the same cache readers `MLA.attend` uses; median of several repeats.
+
+KV memory is measured from the cache's tensors (`measured_kv_bytes`) and set beside the
+prediction `bytes_per_token_layer x layers x tokens`.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from latentkv.config import CacheConfig
+from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, RowReader, make_cache
+from latentkv.kv.codecs import get_codec
+
+FILL_MODES = ("prefill", "random")
+FILL_CHUNK = 1024  # rows appended per layer at a time by fill_random
 
 
 @dataclass
@@ -23,10 +43,19 @@ class BenchRow:
     context: int
     decode_tokens: int
     threads: int
-    prefill_tps: float
-    decode_tps: float
-    kv_bytes_per_token: float
-    kv_bytes_per_token_layer: float
+    fill: str
+    prefill_tps: float | None  # None with fill "random": there is no prompt pass
+    decode_tps: float  # decode passes / their total time
+    decode_tps_median: float | None  # 1 / median pass time (latentkv only)
+    kv_tokens: int  # cached tokens per layer at the end
+    kv_bytes_per_token: float  # latent rows + indexer keys, all layers
+    kv_bytes_per_token_layer: float  # latent rows only
+    kv_bytes_measured: int  # latent rows, from the cache's tensors
+    kv_bytes_predicted: int | None  # bytes_per_token_layer x layers x kv_tokens (latentkv only)
+    kv_bytes_match: bool | None
+    index_kv_bytes: int = 0
+    decode_vs_f32: float | None = None  # decode_tps / the f32-KV row's (same weights, context, fill)
+    decode_vs_transformers: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -37,29 +66,141 @@ def random_prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=g).tolist()
 
 
-def bench_latentkv(model, name: str, weight_dtype: str, context: int, decode_tokens: int) -> BenchRow:
-    from latentkv.engine.generate import generate
-    from latentkv.engine.sampling import SamplingParams
+# --- KV memory ------------------------------------------------------------------------------
 
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measured_kv_bytes(cache: LatentCache | PackedLatentCache) -> int:
+    """Bytes of the committed latent rows, counted from the tensors that hold them."""
+    if isinstance(cache, PackedLatentCache):
+        return cache.allocated_nbytes()
+    return sum(_nbytes(cache.view(layer)) for layer in range(cache.layout.num_layers))
+
+
+def predicted_kv_bytes(cache: LatentCache | PackedLatentCache) -> int:
+    return cache.bytes_per_token_layer() * cache.layout.num_layers * cache.length
+
+
+def measured_index_bytes(cache: LatentCache | PackedLatentCache) -> int:
+    return sum(_nbytes(cache.index_keys(layer)) for layer in cache.layout.index_layers)
+
+
+# --- decode ---------------------------------------------------------------------------------
+
+
+def fill_random(
+    cache: LatentCache | PackedLatentCache, tokens: int, seed: int = 0, chunk: int = FILL_CHUNK
+) -> list[RowReader]:
+    """Append `tokens` random rows to every layer (and indexer keys to every indexer layer),
+    `chunk` tokens at a time; returns each layer's reader over all its rows."""
+    layout = cache.layout
+    g = torch.Generator().manual_seed(seed)
+    n = layout.kv_lora_rank
+    readers: list[RowReader] = []
+    for start in range(0, tokens, chunk):
+        size = min(chunk, tokens - start)
+        readers = []
+        for layer in range(layout.num_layers):
+            rows = torch.randn(size, layout.row_width, generator=g)  # [s, Lkv+R]
+            c = rows[:, :n]
+            c.mul_(torch.rsqrt(c.square().mean(-1, keepdim=True) + 1e-6))  # RMS 1, as RMSNorm makes c
+            readers.append(cache.append(layer, rows))
+        for layer in layout.index_layers:
+            cache.append_index_keys(layer, torch.randn(size, layout.index_head_dim, generator=g))
+        cache.commit(size)
+    return readers
+
+
+def _timed_forward(model, tokens: list[int], cache) -> tuple[int, float]:
+    """One forward pass; returns (greedy next token, seconds)."""
+    ids = torch.tensor(tokens, dtype=torch.long)
+    t0 = time.perf_counter()
+    logits = model.forward(ids, cache)[-1]
+    seconds = time.perf_counter() - t0
+    return int(logits.argmax()), seconds
+
+
+def _decode_passes(model, cache, token: int, passes: int) -> list[float]:
+    """`passes` greedy one-token passes from `token`; returns each pass's seconds."""
+    times = []
+    for _ in range(passes):
+        token, seconds = _timed_forward(model, [token], cache)
+        times.append(seconds)
+    return times
+
+
+def bench_latentkv(
+    model,
+    name: str,
+    weight_dtype: str,
+    context: int,
+    decode_tokens: int,
+    cache_config: CacheConfig | None = None,
+    fill: str = "prefill",
+) -> BenchRow:
+    """Prefill (or random-fill) `context` tokens, then time decode_tokens - 1 decode passes."""
+    if fill not in FILL_MODES:
+        raise ValueError(f"unknown fill {fill!r}; choose from {', '.join(FILL_MODES)}")
+    cache_config = cache_config or CacheConfig()
     prompt = random_prompt(model.cfg.vocab_size, context)
-    generate(model, prompt[:8], 2, SamplingParams(), stop_ids=())  # warm up allocator and tables
-    result = generate(model, prompt, decode_tokens, SamplingParams(), stop_ids=())
-    stats = result.stats
-    cache_tokens = context + decode_tokens - 1
-    per_layer = stats.kv_bytes_per_token_layer
+    warm = model.make_cache(cache_config)  # warm up the allocator, RoPE and codec tables
+    token, _ = _timed_forward(model, prompt[:8], warm)
+    _decode_passes(model, warm, token, 1)
+    del warm
+
+    cache = model.make_cache(cache_config)
+    if fill == "prefill":
+        token, seconds = _timed_forward(model, prompt, cache)
+        prefill_tps = context / seconds
+    else:
+        fill_random(cache, context)
+        token, prefill_tps = prompt[-1], None
+    times = _decode_passes(model, cache, token, decode_tokens - 1)
+    measured, predicted = measured_kv_bytes(cache), predicted_kv_bytes(cache)
+    index_bytes = measured_index_bytes(cache)
     return BenchRow(
         engine="latentkv",
         model=name,
         weight_dtype=weight_dtype,
-        kv_cache_dtype=stats.kv_cache_dtype,
+        kv_cache_dtype=cache.codec,
         context=context,
         decode_tokens=decode_tokens,
         threads=torch.get_num_threads(),
-        prefill_tps=stats.prompt_tps,
-        decode_tps=stats.decode_tps,
-        kv_bytes_per_token=(stats.kv_bytes + stats.index_kv_bytes) / cache_tokens,
-        kv_bytes_per_token_layer=per_layer,
+        fill=fill,
+        prefill_tps=prefill_tps,
+        decode_tps=len(times) / sum(times),
+        decode_tps_median=1 / statistics.median(times),
+        kv_tokens=cache.length,
+        kv_bytes_per_token=(measured + index_bytes) / cache.length,
+        kv_bytes_per_token_layer=cache.bytes_per_token_layer(),
+        kv_bytes_measured=measured,
+        kv_bytes_predicted=predicted,
+        kv_bytes_match=measured == predicted,
+        index_kv_bytes=index_bytes,
     )
+
+
+def add_ratios(rows: list[BenchRow]) -> None:
+    """Fill decode_vs_f32 and decode_vs_transformers of every latentkv row, where the base ran."""
+    f32 = {
+        (r.weight_dtype, r.context, r.fill): r
+        for r in rows
+        if r.engine == "latentkv" and r.kv_cache_dtype == "f32"
+    }
+    hf = {(r.weight_dtype, r.context): r for r in rows if r.engine == "transformers"}
+    for r in rows:
+        if r.engine != "latentkv":
+            continue
+        if (base := f32.get((r.weight_dtype, r.context, r.fill))) and base.decode_tps:
+            r.decode_vs_f32 = r.decode_tps / base.decode_tps
+        if (ref := hf.get((r.weight_dtype, r.context))) and ref.decode_tps:
+            r.decode_vs_transformers = r.decode_tps / ref.decode_tps
+
+
+# --- transformers ---------------------------------------------------------------------------
 
 
 class _Clock:
@@ -100,7 +241,6 @@ def bench_transformers(hf_model, name: str, weight_dtype: str, context: int, dec
     first, last = clock.stamps[0], clock.stamps[-1]
     cache_bytes = _cache_bytes(out.past_key_values)
     cache_tokens = context + decode_tokens - 1
-    n_layers = cfg.num_hidden_layers
     return BenchRow(
         engine="transformers",
         model=name,
@@ -109,10 +249,16 @@ def bench_transformers(hf_model, name: str, weight_dtype: str, context: int, dec
         context=context,
         decode_tokens=decode_tokens,
         threads=torch.get_num_threads(),
+        fill="prefill",
         prefill_tps=context / (first - clock.start),
         decode_tps=(len(clock.stamps) - 1) / (last - first) if last > first else 0.0,
+        decode_tps_median=None,
+        kv_tokens=cache_tokens,
         kv_bytes_per_token=cache_bytes / cache_tokens,
-        kv_bytes_per_token_layer=cache_bytes / cache_tokens / n_layers,
+        kv_bytes_per_token_layer=cache_bytes / cache_tokens / cfg.num_hidden_layers,
+        kv_bytes_measured=cache_bytes,
+        kv_bytes_predicted=None,
+        kv_bytes_match=None,
     )
 
 
@@ -126,3 +272,102 @@ def _cache_bytes(cache) -> int:
                 seen.add(id(value))
                 total += value.numel() * value.element_size()
     return total
+
+
+# --- attention only -------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionRow:
+    kv_cache_dtype: str
+    context: int
+    heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    threads: int
+    repeats: int
+    scores_ms: float  # median of the repeats, each phase on its own
+    context_ms: float  # softmax + context
+    total_ms: float  # median of the whole scores + softmax + context
+    speed_vs_f32: float | None  # f32's total_ms / this total_ms (0.9 = 10% slower than f32)
+    bytes_per_token: int  # one stored row (c + r, codes + scales)
+    bytes_read_per_token: int  # scores read c + r, context reads c again
+    cache_bytes: int  # measured from the cache's tensors
+    cache_bytes_match: bool  # == bytes_per_token x context
+    rel_err_vs_f32: float | None  # ||context - f32 context|| / ||f32 context||
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def attention_layout(kv_lora_rank: int, rope_dim: int) -> CacheLayout:
+    """One layer of latent rows, no indexer: what one MLA layer's attention reads."""
+    return CacheLayout(
+        num_layers=1,
+        row_width=kv_lora_rank + rope_dim,
+        kv_lora_rank=kv_lora_rank,
+        index_layers=(),
+        index_head_dim=0,
+    )
+
+
+def bench_attention(
+    tier: str, context: int, heads: int, kv_lora_rank: int, rope_dim: int, repeats: int = 5, seed: int = 0
+) -> tuple[AttentionRow, torch.Tensor]:
+    """Time one decode query per head over `context` random rows stored in `tier`.
+
+    Returns the row (speed_vs_f32 and rel_err_vs_f32 unset) and the context output [H, 1, Lkv],
+    so callers can compare tiers; the rows and the query depend only on `seed`.
+    """
+    cache = make_cache(attention_layout(kv_lora_rank, rope_dim), CacheConfig(tier))
+    (reader,) = fill_random(cache, context, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    width = kv_lora_rank + rope_dim
+    query = torch.randn(heads, 1, width, generator=g) * width**-0.5  # [H, 1, Lkv+R], q_abs | q_rope
+    out = _attend(reader, query)  # warm-up
+    phases = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        scores = reader.scores(query)  # [H, 1, T]
+        t1 = time.perf_counter()
+        out = reader.context(torch.softmax(scores, dim=-1))  # [H, 1, Lkv]
+        t2 = time.perf_counter()
+        phases.append((t1 - t0, t2 - t1, t2 - t0))
+    scores_s, context_s, total_s = (statistics.median(p) for p in zip(*phases, strict=True))
+    c_bytes = get_codec(tier, kv_lora_rank).bytes_per_row
+    r_bytes = get_codec(tier, rope_dim).bytes_per_row
+    measured = measured_kv_bytes(cache)
+    row = AttentionRow(
+        kv_cache_dtype=cache.codec,
+        context=context,
+        heads=heads,
+        kv_lora_rank=kv_lora_rank,
+        rope_dim=rope_dim,
+        threads=torch.get_num_threads(),
+        repeats=repeats,
+        scores_ms=scores_s * 1e3,
+        context_ms=context_s * 1e3,
+        total_ms=total_s * 1e3,
+        speed_vs_f32=None,
+        bytes_per_token=cache.bytes_per_token_layer(),
+        bytes_read_per_token=2 * c_bytes + r_bytes,
+        cache_bytes=measured,
+        cache_bytes_match=measured == predicted_kv_bytes(cache),
+        rel_err_vs_f32=None,
+    )
+    return row, out
+
+
+def _attend(reader: RowReader, query: torch.Tensor) -> torch.Tensor:
+    return reader.context(torch.softmax(reader.scores(query), dim=-1))
+
+
+def compare_attention(rows: list[AttentionRow], outputs: list[torch.Tensor]) -> None:
+    """Fill speed_vs_f32 and rel_err_vs_f32 from the f32 row of the same context, if it ran."""
+    base = {r.context: (r, out) for r, out in zip(rows, outputs, strict=True) if r.kv_cache_dtype == "f32"}
+    for r, out in zip(rows, outputs, strict=True):
+        if r.context not in base:
+            continue
+        ref, ref_out = base[r.context]
+        r.speed_vs_f32 = ref.total_ms / r.total_ms
+        r.rel_err_vs_f32 = float((out - ref_out).norm() / ref_out.norm())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -25,6 +26,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dtype != weight.dtype:
         return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """torch.matmul in the weight's dtype; the result comes back in x's dtype."""
+    if x.dtype != weight.dtype:
+        return torch.matmul(x.to(weight.dtype), weight).to(x.dtype)
+    return torch.matmul(x, weight)
 
 
 class SwiGLU:
@@ -147,17 +155,24 @@ class RotaryTables:
         """Per position, the [width, width] matrix M with rotate(x) = x @ M."""
         key = (interleaved, width)
         if key not in self._mats:
-            h, d = self.half, 2 * self.half
-            m = torch.zeros(self.S, width, width)
-            i = torch.arange(h)
-            src_a, src_b = (2 * i, 2 * i + 1) if interleaved else (i, i + h)
+            src, dst = _rotation_pattern(interleaved, self.half, width)
             c, s = self.cos, self.sin
-            m[:, src_a, i] = c  # out[i]     = a c - b s
-            m[:, src_b, i] = -s
-            m[:, src_b, i + h] = c  # out[i + h] = b c + a s
-            m[:, src_a, i + h] = s
-            if width > d:
-                j = torch.arange(d, width)
-                m[:, j, j] = 1.0
+            values = [c, -s, c, s]  # out[i] = a c - b s ; out[i + h] = b c + a s
+            if width > 2 * self.half:
+                values.append(torch.ones(self.S, width - 2 * self.half))  # pass-through dims
+            m = torch.zeros(self.S, width, width)
+            m[:, src, dst] = torch.cat(values, dim=1)
             self._mats[key] = m
         return self._mats[key]
+
+
+@functools.cache
+def _rotation_pattern(interleaved: bool, half: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) index pairs of the nonzero entries of a rotation matrix, in the
+    order cos | -sin | cos | sin | pass-through ones, as `_matrix` fills them."""
+    i = torch.arange(half)
+    a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+    j = torch.arange(2 * half, width)
+    src = torch.cat([a, b, b, a, j])
+    dst = torch.cat([i, i, i + half, i + half, j])
+    return src, dst
