@@ -178,7 +178,8 @@ def _run_decode(args: argparse.Namespace) -> dict:
                 f"context {max(contexts)} + {args.decode_tokens} decode tokens exceeds the model's "
                 f"maximum of {model.cfg.max_position_embeddings}"
             )
-        if model.cfg.dsa is not None and (note := _dsa_note(model)) not in notes:
+        dsa = model.cfg.dsa
+        if dsa is not None and max(contexts) > dsa.index_topk and (note := _dsa_note(model)) not in notes:
             notes.append(note)
         for ctx in contexts:  # tiers innermost: a drift in machine load hits every tier alike
             for cache_config in cache_configs:
