@@ -127,3 +127,27 @@ def test_errors():
 
     with pytest.raises(ValueError, match="no attention consumer for Unregistered; registered: F32Codec"):
         attention.scores(Unregistered(64, 4), torch.randn(2, 64), enc)
+
+
+@pytest.mark.parametrize("case", CODEC_CASES)
+@pytest.mark.parametrize(("tokens", "masked"), [(1, False), (3 * TILE + 17, False), (2 * TILE + 5, True)])
+def test_fused_attend_matches_decode_then_softmax(case, tokens, masked):
+    """The one-pass online-softmax attention equals scores -> softmax -> context in float64."""
+    codec_c, codec_r = make(case, 64), make(case, 8 if case != "fp8-g16" else 16)
+    c, r = cache(codec_c, tokens), cache(codec_r, tokens)
+    H, S = 4, 3
+    query = torch.randn(H, S, codec_c.width + codec_r.width)
+    allowed = None
+    if masked:  # a causal-style mask: query s sees a prefix, so early tiles are fully masked for some rows
+        allowed = torch.arange(tokens)[None, :] <= torch.tensor([0, tokens // 2, tokens - 1])[:, None]
+        allowed[0, : TILE + 3] = False  # row 0 sees nothing in the first tiles...
+        allowed[0, TILE + 3] = True  # ...but one token later on
+    ours = attention.attend(codec_c, codec_r, query, c, r, allowed, tile=TILE)
+    rows_c, rows_r = codec_c.decode(c).double(), codec_r.decode(r).double()
+    q = query.double()
+    scores = q[..., : codec_c.width] @ rows_c.T + q[..., codec_c.width :] @ rows_r.T  # [H, S, T]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    reference = torch.softmax(scores, dim=-1) @ rows_c
+    assert ours.shape == (H, S, codec_c.width)
+    assert rel(ours, reference) < 1e-5

@@ -140,3 +140,70 @@ def context(codec: Codec, w: torch.Tensor, enc: EncodedRows, *, tile: int = DEFA
     if consumer.rotated:
         acc = codec.rotation.unrotate(acc)
     return acc.view(*lead, codec.width)
+
+
+def attend(
+    codec_c: Codec,
+    codec_r: Codec,
+    query: torch.Tensor,
+    c: EncodedRows,
+    r: EncodedRows,
+    allowed: torch.Tensor | None = None,
+    *,
+    tile: int = DEFAULT_TILE,
+) -> torch.Tensor:
+    """Fused MLA attention over packed rows, one pass with an online softmax.
+
+    query [H, S, n_c + n_r] (q_abs | q_rope, already scaled); c, r: T packed rows of each part;
+    allowed: optional bool [S, T] mask. Returns the latent context [H, S, n_c]:
+
+        o = sum_t softmax_t(q_c . c_t + q_r . r_t) c_t
+
+    Each tile of c is unpacked once and serves both the score and the context (calling
+    `scores` then `context` would unpack it twice); the running max / normaliser keep memory
+    at one tile however long T is.
+    """
+    _check(codec_c, c, tile)
+    _check(codec_r, r, tile)
+    cons_c, cons_r = consumer_for(codec_c), consumer_for(codec_r)
+    H, S, width = query.shape
+    n = codec_c.width
+    if width != n + codec_r.width or len(c) != len(r):
+        raise ValueError(
+            f"query width {width} / rows {len(c)}, {len(r)} do not match codecs {codec_c}, {codec_r}"
+        )
+    qc = query[..., :n].reshape(H * S, n).to(torch.float32)  # [M, n_c]
+    qr = query[..., n:].reshape(H * S, codec_r.width).to(torch.float32)  # [M, n_r]
+    if cons_c.rotated:
+        qc = codec_c.rotation.rotate(qc)
+    if cons_r.rotated:
+        qr = codec_r.rotation.rotate(qr)
+    M = H * S
+    best = torch.full((M, 1), float("-inf"))  # running max of the scores
+    norm = torch.zeros(M, 1)  # running sum of exp(score - best)
+    acc = torch.zeros(M, n)  # running sum of exp(score - best) * factor * values, working basis
+    for start in range(0, len(c), tile):
+        stop = min(start + tile, len(c))
+        vc, fc = cons_c.read(codec_c, c.rows(start, stop))  # [Tt, n_c], [Tt]
+        vr, fr = cons_r.read(codec_r, r.rows(start, stop))
+        sc, sr = qc @ vc.T, qr @ vr.T  # [M, Tt]
+        if fc is not None:
+            sc.mul_(fc)
+        if fr is not None:
+            sr.mul_(fr)
+        s = sc.add_(sr)
+        if allowed is not None:
+            s.view(H, S, -1).masked_fill_(~allowed[:, start:stop], float("-inf"))
+        new_best = torch.maximum(best, s.max(dim=-1, keepdim=True).values)
+        safe = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)  # all masked so far
+        p = torch.exp(s - safe)  # [M, Tt]
+        rescale = torch.exp(best - safe)
+        norm = norm * rescale + p.sum(dim=-1, keepdim=True)
+        if fc is not None:
+            p.mul_(fc)
+        acc = acc * rescale + p @ vc
+        best = new_best
+    out = acc / norm
+    if cons_c.rotated:
+        out = codec_c.rotation.unrotate(out)
+    return out.view(H, S, n)

@@ -83,6 +83,10 @@ class RowReader(Protocol):
         """weights [H, S, T] -> [H, S, Lkv]: sum_t w_t c_t."""
         ...
 
+    def attend(self, query: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """query [H, S, Lkv+R] (scaled), allowed bool [S, T] or None -> context [H, S, Lkv]."""
+        ...
+
 
 class F32Rows:
     """Float32 rows [T, Lkv+R]: two plain matmuls (the reference arithmetic)."""
@@ -102,6 +106,12 @@ class F32Rows:
 
     def context(self, weights: torch.Tensor) -> torch.Tensor:
         return torch.matmul(weights, self.rows[:, : self.kv_lora_rank])
+
+    def attend(self, query: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        scores = self.scores(query)  # [H, S, T]
+        if allowed is not None:
+            scores.masked_fill_(~allowed, float("-inf"))
+        return self.context(torch.softmax(scores, dim=-1))
 
 
 class PackedRows:
@@ -125,6 +135,9 @@ class PackedRows:
 
     def context(self, weights: torch.Tensor) -> torch.Tensor:
         return attention.context(self.codec_c, weights, self.c)
+
+    def attend(self, query: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        return attention.attend(self.codec_c, self.codec_r, query, self.c, self.r, allowed)
 
 
 # --- caches ------------------------------------------------------------------------------

@@ -99,10 +99,8 @@ class MLA:
         parts = []
         for s0 in range(0, S, tile):
             s1 = min(S, s0 + tile)
-            scores = rows.scores(query[:, s0:s1])  # [H, s, T] (already scaled via q_b)
-            if S > 1:
-                scores.masked_fill_(~_allowed(start + s0, s1 - s0, T, selected, s0), float("-inf"))
-            parts.append(rows.context(torch.softmax(scores, dim=-1)))  # [H, s, Lkv]
+            allowed = _allowed(start + s0, s1 - s0, T, selected, s0) if S > 1 else None  # [s, T]
+            parts.append(rows.attend(query[:, s0:s1], allowed))  # [H, s, Lkv] (q already scaled via q_b)
         ctx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return self.output(ctx)
 
