@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from latentkv.engine.sampling import SamplingParams, sample
-from latentkv.kv.cache import LatentCache
+from latentkv.kv.cache import LatentCache, PackedLatentCache
 from latentkv.models.model import Model
 from latentkv.tokenizer import StreamDecoder, Tokenizer
 
@@ -68,7 +68,7 @@ class GenerationResult:
 def generate_step(
     model: Model,
     prompt: list[int],
-    cache: LatentCache,
+    cache: LatentCache | PackedLatentCache,
     sampling: SamplingParams,
     stats: GenerationStats,
 ) -> Iterator[int]:
@@ -98,7 +98,7 @@ def stream_generate(
     max_tokens: int,
     sampling: SamplingParams,
     tokenizer: Tokenizer | None = None,
-    cache: LatentCache | None = None,
+    cache: LatentCache | PackedLatentCache | None = None,
     stop_ids: tuple[int, ...] | None = None,
     stats: GenerationStats | None = None,
 ) -> Iterator[tuple[int, str, GenerationStats]]:
@@ -144,7 +144,7 @@ def generate(
     max_tokens: int,
     sampling: SamplingParams | None = None,
     tokenizer: Tokenizer | None = None,
-    cache: LatentCache | None = None,
+    cache: LatentCache | PackedLatentCache | None = None,
     stop_ids: tuple[int, ...] | None = None,
 ) -> GenerationResult:
     sampling = sampling or SamplingParams()

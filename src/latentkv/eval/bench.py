@@ -75,9 +75,7 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 def measured_kv_bytes(cache: LatentCache | PackedLatentCache) -> int:
     """Bytes of the committed latent rows, counted from the tensors that hold them."""
-    if isinstance(cache, PackedLatentCache):
-        return cache.allocated_nbytes()
-    return sum(_nbytes(cache.view(layer)) for layer in range(cache.layout.num_layers))
+    return cache.allocated_nbytes()
 
 
 def predicted_kv_bytes(cache: LatentCache | PackedLatentCache) -> int:

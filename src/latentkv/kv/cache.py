@@ -220,6 +220,10 @@ class LatentCache(_SequenceCache):
     def codec_params(self) -> dict:
         return {"name": "f32"}
 
+    def allocated_nbytes(self) -> int:
+        """Bytes the committed rows occupy, measured from the row tensors themselves."""
+        return sum(self.view(i).numel() * 4 for i in range(self.layout.num_layers))
+
     def state(self) -> dict[str, torch.Tensor]:
         """The committed contents as plain tensors (copies), keyed by name."""
         out = {f"rows.{i}": self.view(i).clone() for i in range(self.layout.num_layers)}
