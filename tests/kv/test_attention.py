@@ -130,7 +130,9 @@ def test_errors():
 
 
 @pytest.mark.parametrize("case", CODEC_CASES)
-@pytest.mark.parametrize(("tokens", "masked"), [(1, False), (3 * TILE + 17, False), (2 * TILE + 5, True)])
+@pytest.mark.parametrize(
+    ("tokens", "masked"), [(1, False), (TILE - 3, True), (3 * TILE + 17, False), (2 * TILE + 5, True)]
+)
 def test_fused_attend_matches_decode_then_softmax(case, tokens, masked):
     """The one-pass online-softmax attention equals scores -> softmax -> context in float64."""
     codec_c, codec_r = make(case, 64), make(case, 8 if case != "fp8-g16" else 16)
@@ -140,8 +142,9 @@ def test_fused_attend_matches_decode_then_softmax(case, tokens, masked):
     allowed = None
     if masked:  # a causal-style mask: query s sees a prefix, so early tiles are fully masked for some rows
         allowed = torch.arange(tokens)[None, :] <= torch.tensor([0, tokens // 2, tokens - 1])[:, None]
-        allowed[0, : TILE + 3] = False  # row 0 sees nothing in the first tiles...
-        allowed[0, TILE + 3] = True  # ...but one token later on
+        late = min(TILE + 3, tokens - 1)
+        allowed[0, :late] = False  # row 0 sees nothing in the first tiles...
+        allowed[0, late] = True  # ...but one token later on
     ours = attention.attend(codec_c, codec_r, query, c, r, allowed, tile=TILE)
     rows_c, rows_r = codec_c.decode(c).double(), codec_r.decode(r).double()
     q = query.double()

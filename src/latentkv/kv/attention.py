@@ -179,6 +179,16 @@ def attend(
     if cons_r.rotated:
         qr = codec_r.rotation.rotate(qr)
     M = H * S
+    if len(c) <= tile:  # one tile: a plain softmax, without the running-max bookkeeping
+        vc, fc = cons_c.read(codec_c, c)
+        vr, fr = cons_r.read(codec_r, r)
+        s = _scaled(qc @ vc.T, fc).add_(_scaled(qr @ vr.T, fr))  # [M, T]
+        if allowed is not None:
+            s.view(H, S, -1).masked_fill_(~allowed, float("-inf"))
+        out = _scaled(torch.softmax(s, dim=-1), fc) @ vc  # [M, n_c]
+        if cons_c.rotated:
+            out = codec_c.rotation.unrotate(out)
+        return out.view(H, S, n)
     best = torch.full((M, 1), float("-inf"))  # running max of the scores
     norm = torch.zeros(M, 1)  # running sum of exp(score - best)
     acc = torch.zeros(M, n)  # running sum of exp(score - best) * factor * values, working basis
@@ -207,3 +217,8 @@ def attend(
     if cons_c.rotated:
         out = codec_c.rotation.unrotate(out)
     return out.view(H, S, n)
+
+
+def _scaled(block: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    """block [M, Tt] times a per-row factor [Tt] (in place), or unchanged when there is none."""
+    return block if factor is None else block.mul_(factor)
