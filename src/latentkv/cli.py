@@ -11,6 +11,7 @@ COMMANDS = {
     "generate": ("latentkv.commands.generate", "generate text from a prompt"),
     "oracle": ("latentkv.commands.oracle", "check the engine token for token against transformers"),
     "bench": ("latentkv.commands.bench", "benchmark prefill and decode (optionally vs transformers)"),
+    "kv": ("latentkv.commands.kv", "KV cache tiers: bytes, error and context per tier (kv stats)"),
 }
 
 

@@ -1,4 +1,10 @@
-"""Arguments and loading shared by the commands that run a model."""
+"""Arguments and loading shared by the commands that run a model.
+
+The KV tier is chosen here, once: `--kv-cache-dtype` (or the seed system's environment
+aliases, read by `config.kv_cache_dtype_from_env`) plus `--kv-group-size` and `--kv-seed`
+become a `CacheConfig` that the command passes down. A tier that cannot store the model's
+latent rows is refused from config.json alone, before any weight is read.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import time
 from dataclasses import dataclass
 
 from latentkv.cli import UserError
+
+ENV_ALIASES = "KV8 / KV_TQ / KV_TQ_POLAR"
 
 
 def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True) -> None:
@@ -24,23 +32,144 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True) -> 
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
+    add_cache_arguments(p)
+
+
+def add_cache_arguments(
+    p: argparse.ArgumentParser, multiple: bool = False, default: str = "f32", note: str = ""
+) -> None:
+    """--kv-cache-dtype (one tier, or a comma list / `all` when `multiple`), --kv-group-size, --kv-seed."""
+    from latentkv.config import KV_CACHE_DTYPES
+
+    names = ", ".join(KV_CACHE_DTYPES)
+    if multiple:
+        what = f"comma-separated KV tiers or 'all' (default: {default}); tiers: {names}"
+    else:
+        what = f"storage of the latent KV cache (default: {default}); one of: {names}"
     p.add_argument(
         "--kv-cache-dtype",
-        default="f32",
-        help="storage of the latent KV cache (default: f32)",
+        default=None,
+        metavar="LIST" if multiple else "DTYPE",
+        help=f"{what}. Without the flag, the environment aliases {ENV_ALIASES} apply{note}",
+    )
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fp8 only: one scale per N values instead of one per row (N must divide kv_lora_rank)",
+    )
+    p.add_argument(
+        "--kv-seed",
+        type=_seed,
+        default=None,
+        metavar="S",
+        help="rotation seed of the tq*/polar* tiers (default: 0x9E3779B9; decimal or 0x hex)",
     )
 
 
-def engine_config(args: argparse.Namespace):
-    from latentkv.config import CacheConfig, ConfigError, EngineConfig, env_threads
+def _seed(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"the seed must be in 0 .. 2^64 - 1, got {value}")
+    return value
 
+
+def kv_cache_dtype_text(flag: str | None, default: str, environ: dict[str, str] | None = None) -> str:
+    """The --kv-cache-dtype text to use: the flag, else the environment's alias, else `default`.
+
+    Notices go to stderr: the alias's own (KV_TQ=1 lands on tq4, ...), that the environment
+    chose the tier, or that the flag overrides the environment.
+    """
+    from latentkv.config import ConfigError, kv_cache_dtype_from_env
+
+    try:
+        env_tier, notices = kv_cache_dtype_from_env(environ)
+    except ConfigError as exc:
+        if flag is None:
+            raise UserError(str(exc)) from None
+        _note(f"{exc}; ignored, --kv-cache-dtype {flag} is given")
+        return flag
+    if flag is not None:
+        if env_tier is not None:
+            _note(f"--kv-cache-dtype {flag} overrides the environment's {env_tier} ({ENV_ALIASES})")
+        return flag
+    for notice in notices:
+        _note(notice)
+    if env_tier is None:
+        return default
+    _note(f"KV tier {env_tier}, from the environment ({ENV_ALIASES}); --kv-cache-dtype overrides it")
+    return env_tier
+
+
+def _note(text: str) -> None:
+    print(f"latentkv: {text}", file=sys.stderr)
+
+
+def cache_config(args: argparse.Namespace, default: str = "f32"):
+    """One CacheConfig from --kv-cache-dtype / the environment, --kv-group-size and --kv-seed."""
+    from latentkv.config import CacheConfig, ConfigError
+
+    name = kv_cache_dtype_text(args.kv_cache_dtype, default)
+    try:
+        return CacheConfig(name, **_cache_params(args))
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+
+
+def cache_configs(args: argparse.Namespace, default: str = "all") -> list:
+    """A CacheConfig per tier of a comma list (or `all`); --kv-group-size applies to fp8 only."""
+    from latentkv.config import CacheConfig, ConfigError, parse_kv_cache_dtypes
+
+    text = kv_cache_dtype_text(args.kv_cache_dtype, default)
+    params = _cache_params(args)
+    try:
+        names = list(dict.fromkeys(parse_kv_cache_dtypes(text)))
+        if params.get("group_size") is not None and "fp8" not in names:
+            raise ConfigError(f"--kv-group-size applies to fp8 only, and {text!r} has no fp8")
+        return [
+            CacheConfig(n, **{k: v for k, v in params.items() if k != "group_size" or n == "fp8"})
+            for n in names
+        ]
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _cache_params(args: argparse.Namespace) -> dict:
+    params: dict = {}
+    if args.kv_group_size is not None:
+        params["group_size"] = args.kv_group_size
+    if args.kv_seed is not None:
+        params["rotation_seed"] = args.kv_seed
+    return params
+
+
+def engine_config(args: argparse.Namespace):
+    from latentkv.config import ConfigError, EngineConfig, env_threads
+
+    cache = cache_config(args)
     try:
         return EngineConfig(
             weight_dtype=args.weight_dtype,
             threads=args.threads if args.threads is not None else env_threads(),
-            cache=CacheConfig(kv_cache_dtype=args.kv_cache_dtype),
+            cache=cache,
         )
     except (ConfigError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def check_tier(model_cfg, cache) -> None:
+    """Refuse a tier that cannot store this model's latent rows (e.g. tq4 on a 24-wide latent)."""
+    from latentkv.kv.cache import CacheLayout, codecs_for
+
+    if cache.kv_cache_dtype == "f32":
+        return
+    try:
+        codecs_for(CacheLayout.for_model(model_cfg), cache)
+    except ValueError as exc:
         raise UserError(str(exc)) from None
 
 
@@ -53,10 +182,11 @@ class Loaded:
 
 
 def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
-    """Resolve MODEL, load weights (with progress on stderr) and the tokenizer if there is one."""
+    """Resolve MODEL, check the KV tier against its config.json, then load the weights (progress
+    on stderr) and the tokenizer if there is one."""
     import torch
 
-    from latentkv.config import ConfigError
+    from latentkv.config import ConfigError, ModelConfig
     from latentkv.models.loader import CheckpointError
     from latentkv.models.registry import ModelNotFound, resolve
     from latentkv.models.weights import load_model
@@ -67,6 +197,7 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
     t0 = time.perf_counter()
     try:
         directory = resolve(model_arg)
+        check_tier(ModelConfig.from_hf(directory), engine.cache)
         model = load_model(directory, engine.weight_dtype, progress=not quiet)
     except (ModelNotFound, ConfigError, CheckpointError) as exc:
         raise UserError(str(exc)) from None
@@ -90,3 +221,16 @@ def parse_ids(text: str) -> list[int]:
     if not ids:
         raise UserError("--prompt-ids is empty")
     return ids
+
+
+def describe_tier(cache) -> str:
+    """One line for humans: what a row of this cache holds, e.g. 'fp8: c 512+4 B, r 64+4 B'."""
+    if cache.codec == "f32":
+        return "f32: c and r as float32"
+    params = cache.codec_params()
+    parts = []
+    for part, codec in (("c", cache.codec_c), ("r", cache.codec_r)):
+        parts.append(f"{part} {codec.code_bytes}+{4 * codec.scale_count} B")
+    extra = {k: v for k, v in params["c"].items() if k in ("group_size", "rotation_seed") and v is not None}
+    tail = "".join(f", {k} {hex(v) if k == 'rotation_seed' else v}" for k, v in extra.items())
+    return f"{cache.codec}: {', '.join(parts)}{tail}"

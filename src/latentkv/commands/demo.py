@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from latentkv.cli import UserError
+from latentkv.commands.common import add_cache_arguments
+
 DEMO_PROMPT = "def fibonacci(n):\n    "
 
 
@@ -13,16 +16,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEMO_PROMPT, help="prompt text")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: 48)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    add_cache_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.commands.common import load
+    from latentkv.commands.common import cache_config, describe_tier, load
     from latentkv.commands.generate import kv_report
-    from latentkv.config import EngineConfig
+    from latentkv.config import ConfigError, EngineConfig
     from latentkv.engine.generate import generate
     from latentkv.engine.sampling import SamplingParams
 
-    loaded = load(args.model, EngineConfig(threads=args.threads))
+    try:
+        engine = EngineConfig(threads=args.threads, cache=cache_config(args))
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    loaded = load(args.model, engine)
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.cfg
     print(
@@ -35,17 +43,18 @@ def run(args: argparse.Namespace) -> int:
             " what the demo shows is the engine and its cache."
         )
     prompt = tok.encode(args.prompt) if tok else [0]
-    result = generate(model, prompt, args.max_tokens, SamplingParams(), tok, stop_ids=())
+    cache = model.make_cache(engine.cache)
+    result = generate(model, prompt, args.max_tokens, SamplingParams(), tok, cache=cache, stop_ids=())
     print(f"\nprompt: {args.prompt!r}")
     print(f"output: {result.text!r}" if tok else f"output ids: {result.tokens}")
     stats = result.stats
-    kv = kv_report(model)
+    kv = kv_report(model, cache)
     print()
     print(f"  prompt      {stats.prompt_tokens:>6} tokens  {stats.prompt_tps:>9.1f} tok/s")
     print(f"  generated   {stats.generated_tokens:>6} tokens  {stats.decode_tps:>9.1f} tok/s")
     print(
-        f"  KV cache    {kv['bytes_per_token_per_layer']:>6} B/token/layer ({kv['kv_cache_dtype']}: "
-        f"{cfg.kv_lora_rank}+{cfg.qk_rope_head_dim} floats), {stats.kv_bytes:,} bytes in use"
+        f"  KV cache    {kv['bytes_per_token_per_layer']:>6} B/token/layer ({describe_tier(cache)}; "
+        f"kv_lora {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}), {stats.kv_bytes:,} bytes in use"
     )
     print(
         f"  per-head KV {kv['expanded_per_head_kv_bytes_per_token_per_layer']:>6} B/token/layer "

@@ -7,7 +7,7 @@ import json
 import sys
 
 from latentkv.cli import UserError
-from latentkv.commands.common import add_model_arguments, engine_config, load, parse_ids
+from latentkv.commands.common import add_model_arguments, describe_tier, engine_config, load, parse_ids
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,12 +47,13 @@ def run(args: argparse.Namespace) -> int:
         prompt = parse_ids(args.prompt_ids)
     from latentkv.engine.generate import GenerationStats
 
+    cache = model.make_cache(engine.cache)
     stats = GenerationStats()
     tokens, pieces = [], []
     try:
         stop = () if args.ignore_eos else None
         for token, delta, _ in stream_generate(
-            model, prompt, args.max_tokens, sampling, tokenizer, stop_ids=stop, stats=stats
+            model, prompt, args.max_tokens, sampling, tokenizer, cache=cache, stop_ids=stop, stats=stats
         ):
             tokens.append(token)
             pieces.append(delta)
@@ -68,23 +69,25 @@ def run(args: argparse.Namespace) -> int:
             "tokens": tokens,
             "text": "".join(pieces) if tokenizer else None,
             "stats": stats.as_dict(),
-            "kv": kv_report(model),
+            "kv": kv_report(model, cache),
         }
         print(json.dumps(out, indent=1))
     else:
         print()
         print(stats.line(), file=sys.stderr)
+        print(f"KV tier: {describe_tier(cache)}", file=sys.stderr)
     return 0
 
 
-def kv_report(model) -> dict:
-    """KV sizes per token: ours, the indexer keys, and what a per-head K/V cache would hold."""
+def kv_report(model, cache) -> dict:
+    """KV sizes per token of the cache in use: ours, the indexer keys, what a per-head K/V cache
+    would hold, and the codec parameters (everything that changes the bytes)."""
     cfg = model.cfg
-    cache = model.make_cache()
     per_layer = cache.bytes_per_token_layer()
     expanded = cfg.expanded_kv_values_per_token_layer() * 4
     return {
         "kv_cache_dtype": cache.codec,
+        "codec": cache.codec_params(),
         "bytes_per_token_per_layer": per_layer,
         "bytes_per_token": per_layer * cfg.num_layers,
         "index_bytes_per_token": cache.index_bytes_per_token(),

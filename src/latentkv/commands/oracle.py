@@ -1,4 +1,8 @@
-"""`latentkv oracle`: token-exact agreement with transformers on tiny random models."""
+"""`latentkv oracle`: agreement with transformers on tiny random models, per KV tier.
+
+f32 (always run) is the gate: token-exact, logits within the tolerance. Other tiers report
+their agreement and logit error; they are information, not failures.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import json
 import sys
 
 from latentkv.cli import UserError
+from latentkv.commands.common import add_cache_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--record", action="store_true", help="rewrite the committed reference files from transformers"
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    add_cache_arguments(p, multiple=True, default="f32", note=". f32 always runs: it is the gate")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("the oracle compares against transformers: pip install 'latentkv[dev]'") from None
     import torch
 
+    from latentkv.commands.common import cache_configs
+    from latentkv.config import CacheConfig
     from latentkv.eval import oracle
 
     if args.threads:
@@ -32,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
     names = args.model or list(oracle.SPECS)
     if unknown := [n for n in names if n not in oracle.SPECS]:
         raise UserError(f"unknown oracle model(s) {unknown}; available: {', '.join(oracle.SPECS)}")
+    caches = cache_configs(args, default="f32")
+    if all(c.kv_cache_dtype != oracle.GATED_TIER for c in caches):
+        caches.insert(0, CacheConfig(oracle.GATED_TIER))  # the gate always runs
     rows = []
     for name in names:
         spec = oracle.SPECS[name]
@@ -40,15 +51,42 @@ def run(args: argparse.Namespace) -> int:
             ref, _ = oracle.hf_reference(spec, directory)
             oracle.REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
             oracle.reference_path(name).write_text(json.dumps(ref, indent=1) + "\n")
-        rows.append(oracle.check(spec, directory, oracle.load_reference(name)))
+        rows += oracle.check_tiers(spec, directory, oracle.load_reference(name), caches)
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=1))
     else:
-        print(f"{'model':<18} {'tf':>6} {'greedy':>7} {'max_abs_logit_diff':>19} {'reference':>10}  result")
+        print(table(rows, with_tiers=len(caches) > 1))
+        print(f"(tolerance {oracle.LOGIT_TOLERANCE:g} on float32 logits, gating f32 only)", file=sys.stderr)
+    return 0 if all(r.ok is not False for r in rows) else 1
+
+
+def table(rows, with_tiers: bool) -> str:
+    """Fixed-width rows; the tier columns appear when more than f32 was asked for."""
+    if not with_tiers:
+        lines = [
+            f"{'model':<18} {'tf':>6} {'greedy':>7} {'max_abs_logit_diff':>19} {'reference':>10}  result"
+        ]
         for r in rows:
-            print(
+            lines.append(
                 f"{r.name:<18} {r.tf:>6} {r.greedy:>7} {r.max_abs_logit_diff:>19.2e} "
-                f"{'same' if r.reference_matches else 'CHANGED':>10}  {'ok' if r.ok else 'FAIL'}"
+                f"{_ref(r):>10}  {_result(r)}"
             )
-        print(f"(tolerance {oracle.LOGIT_TOLERANCE:g} on float32 logits)", file=sys.stderr)
-    return 0 if all(r.ok for r in rows) else 1
+        return "\n".join(lines)
+    lines = [
+        f"{'model':<18} {'kv':<7} {'tf':>6} {'greedy':>7} {'prefix':>6} {'max_abs_logit_diff':>19} "
+        f"{'reference':>10}  result"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.name:<18} {r.kv_cache_dtype:<7} {r.tf:>6} {r.greedy:>7} {r.greedy_prefix:>6} "
+            f"{r.max_abs_logit_diff:>19.2e} {_ref(r):>10}  {_result(r)}"
+        )
+    return "\n".join(lines)
+
+
+def _ref(row) -> str:
+    return "same" if row.reference_matches else "CHANGED"
+
+
+def _result(row) -> str:
+    return {True: "ok", False: "FAIL", None: "-"}[row.ok]
