@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `latentkv ... | head`: the reader left; exit quietly
+        sys.stderr.close()
+        return 141
     except UserError as exc:
         print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
