@@ -10,7 +10,7 @@ import transformers
 
 from latentkv.config import ModelConfig
 from latentkv.models import layers
-from latentkv.models.layers import Rope, RotaryTables, rms_norm, rope_inv_freq, softmax_scale
+from latentkv.models.layers import RMSNorm, Rope, RotaryTables, rms_norm, rope_inv_freq, softmax_scale
 
 SHAPE = dict(
     vocab_size=64,
@@ -209,3 +209,16 @@ def test_yarn_mscale_formula():
     cfg = _ours(_hf_config(YARN_CASES["deepseek-v3"]))
     m = 0.1 * 1.0 * math.log(40.0) + 1.0
     assert softmax_scale(cfg.rope, 24) == pytest.approx(24**-0.5 * m * m, rel=1e-12)
+
+
+@pytest.mark.parametrize("width", [8, 24, 512, 6144])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_rmsnorm_layernorm_form_against_float64(width, rows):
+    """The model's RMSNorm (a LayerNorm of [x, -x]) equals the textbook formula in float64."""
+    x = torch.randn(rows, width) * torch.exp(torch.randn(rows, 1))  # rows of varied scale
+    w = torch.randn(width)
+    x64 = x.double()
+    want = x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-5) * w.double()
+    got = RMSNorm(w, 1e-5)(x)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6)

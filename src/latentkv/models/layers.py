@@ -11,12 +11,28 @@ import torch.nn.functional as F
 from latentkv.config import RopeConfig
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+class RMSNorm:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis, in float32.
 
-    Spelled out rather than F.rms_norm: on the CPU the fused op makes two dtype copies per
-    call, which costs decode ~5% on small models; the result agrees to float32 rounding.
+    Computed as a LayerNorm of [x, -x] (whose mean is exactly 0 and whose variance is
+    mean(x^2)), keeping the first half: one fused kernel plus a concat, where the spelled-out
+    form is seven dispatched ops. On small models decode is bound by per-op overhead, so this
+    matters; the result agrees with the textbook formula to float32 rounding (tested).
     """
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight = weight  # [D]
+        self.eps = eps
+        self._doubled = torch.cat([weight, weight])  # [2D], the LayerNorm's scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        both = torch.cat([x, x.neg()], dim=-1)  # [..., 2D]
+        return F.layer_norm(both, (2 * d,), self._doubled, None, self.eps)[..., :d]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference formula (for tests and one-off uses); the model holds RMSNorm objects."""
     inv = torch.linalg.vecdot(x, x).unsqueeze_(-1).mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_()
     return x * inv * weight
 

@@ -25,7 +25,7 @@ import torch
 
 from latentkv.config import ModelConfig
 from latentkv.kv.cache import RowReader
-from latentkv.models.layers import RotaryTables, linear, matmul, rms_norm
+from latentkv.models.layers import RMSNorm, RotaryTables, linear, matmul
 
 # Budget for one score block [H, S_tile, T] in float32 elements (~32 MB).
 SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
@@ -33,9 +33,9 @@ SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
 
 @dataclass
 class MLAWeights:
-    q_a_norm: torch.Tensor | None  # [q_lora]  (None: no q-LoRA, the input projection gives q directly)
+    q_a_norm: RMSNorm | None  # over q_lora  (None: no q-LoRA, the input projection gives q directly)
     q_b: torch.Tensor | None  # [H*(P+R), q_lora], rows pre-multiplied by the softmax scale
-    kv_a_norm: torch.Tensor  # [Lkv]
+    kv_a_norm: RMSNorm  # over Lkv
     w_uk: torch.Tensor  # [H, P, Lkv]  (in the weight dtype)
     w_uv_t: torch.Tensor  # [H, Lkv, V]  (W_UV transposed for the batched product)
     o: torch.Tensor  # [D, H*V]
@@ -54,8 +54,6 @@ class MLA:
         self.H, self.P, self.R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.V, self.Lkv = cfg.v_head_dim, cfg.kv_lora_rank
         self.interleaved = cfg.rope_interleave
-        # The q-LoRA / kv-a norms are built without the config's eps in transformers (1e-6).
-        self.lora_eps = 1e-6
 
     def project(
         self, q_in: torch.Tensor, kv_in: torch.Tensor, rope: RotaryTables
@@ -65,7 +63,7 @@ class MLA:
         w = self.w
         S = q_in.shape[0]
         if w.q_a_norm is not None:
-            q_resid = rms_norm(q_in, w.q_a_norm, self.lora_eps)
+            q_resid = w.q_a_norm(q_in)
             q = linear(q_resid, w.q_b)
         else:
             q_resid, q = None, q_in
@@ -73,7 +71,7 @@ class MLA:
         q_abs = matmul(q[..., : self.P].transpose(0, 1), w.w_uk)  # [H, S, P] @ [H, P, Lkv] -> [H, S, Lkv]
         q_rope = rope.rotate(q[..., self.P :], self.interleaved)  # [S, H, R]
         query = torch.cat([q_abs, q_rope.transpose(0, 1)], dim=-1)  # [H, S, Lkv+R]
-        c = rms_norm(kv_in[:, : self.Lkv], w.kv_a_norm, self.lora_eps)
+        c = w.kv_a_norm(kv_in[:, : self.Lkv])
         rows = torch.cat([c, rope.rotate(kv_in[:, self.Lkv :], self.interleaved)], dim=-1)  # [S, Lkv+R]
         return query, rows, q_resid
 

@@ -15,20 +15,20 @@ import torch
 from latentkv.config import CacheConfig, ModelConfig
 from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, make_cache
 from latentkv.models.indexer import Indexer
-from latentkv.models.layers import Rope, RotaryTables, SwiGLU, linear, rms_norm
+from latentkv.models.layers import RMSNorm, Rope, RotaryTables, SwiGLU, linear
 from latentkv.models.mla import MLA
 from latentkv.models.moe import MoE
 
 
 @dataclass
 class Block:
-    attn_norm: torch.Tensor
+    attn_norm: RMSNorm
     w_in: torch.Tensor  # [W_DQ (or W_Q); W_DKV; indexer W_k] fused: one matmul for all of x's projections
     b_in: torch.Tensor | None
     split: tuple[int, ...]  # widths of the fused projection's parts
     attn: MLA
     indexer: Indexer | None  # present on DSA "full" layers
-    mlp_norm: torch.Tensor
+    mlp_norm: RMSNorm
     mlp: SwiGLU | MoE
 
     def __call__(
@@ -38,10 +38,9 @@ class Block:
         layer: int,
         rope: RotaryTables,
         selected: torch.Tensor | None,
-        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decoder layer over the S new tokens x [S, D]; returns x and the DSA selection."""
-        h = rms_norm(x, self.attn_norm, eps)
+        h = self.attn_norm(x)
         parts = linear(h, self.w_in, self.b_in).split(self.split, dim=-1)
         query, rows, q_resid = self.attn.project(parts[0], parts[1], rope)
         all_rows = cache.append(layer, rows)
@@ -49,7 +48,7 @@ class Block:
             keys = cache.append_index_keys(layer, self.indexer.keys(parts[2], rope))
             selected = self.indexer.select(h, q_resid, rope, keys, cache.length)
         x = x + self.attn.attend(query, all_rows, cache.length, selected)
-        x = x + self.mlp(rms_norm(x, self.mlp_norm, eps))
+        x = x + self.mlp(self.mlp_norm(x))
         return x, selected
 
 
@@ -93,13 +92,12 @@ class Model:
         rope = self.rope.tables(start, S)
         x = self.embed.index_select(0, tokens).float()  # [S, D]; activations stay float32
         selected = None
-        eps = self.cfg.rms_norm_eps
         for i, block in enumerate(self.blocks):
-            x, selected = block(x, cache, i, rope, selected, eps)
+            x, selected = block(x, cache, i, rope, selected)
         cache.commit(S)
         if not all_logits:
             x = x[-1:]
-        return linear(rms_norm(x, self.norm, eps), self.lm_head)
+        return linear(self.norm(x), self.lm_head)
 
     def num_parameters(self) -> int:
         """Weights held by the model (the RoPE tables are derived, not counted)."""
@@ -113,7 +111,8 @@ class Model:
 
 
 def _tensors(obj, depth: int = 0):
-    """Every tensor reachable from the model's plain-object tree (for counting parameters)."""
+    """Every tensor reachable from the model's plain-object tree (for counting parameters);
+    private attributes hold derived tensors (e.g. RMSNorm's doubled scale) and are skipped."""
     if depth > 12:
         return
     if isinstance(obj, torch.Tensor):
@@ -122,5 +121,6 @@ def _tensors(obj, depth: int = 0):
         for item in obj:
             yield from _tensors(item, depth + 1)
     elif hasattr(obj, "__dict__"):
-        for value in vars(obj).values():
-            yield from _tensors(value, depth + 1)
+        for name, value in vars(obj).items():
+            if not name.startswith("_"):
+                yield from _tensors(value, depth + 1)

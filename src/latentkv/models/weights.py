@@ -18,13 +18,15 @@ import torch
 
 from latentkv.config import ModelConfig
 from latentkv.models.indexer import Indexer, IndexerWeights
-from latentkv.models.layers import SwiGLU, softmax_scale
+from latentkv.models.layers import RMSNorm, SwiGLU, softmax_scale
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.models.mla import MLA, MLAWeights
 from latentkv.models.model import Block, Model
 from latentkv.models.moe import ExpertStore, MoE, Router, RouterWeights
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+# transformers builds the q-LoRA and kv-a norms without the config's eps: they use 1e-6.
+LORA_NORM_EPS = 1e-6
 
 
 class _Reader:
@@ -98,7 +100,7 @@ def build_model(
 
         layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
     blocks = [_block(cfg, rd, i) for i in layers]
-    norm = rd.vector("model.norm.weight", (D,))
+    norm = RMSNorm(rd.vector("model.norm.weight", (D,)), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings or not rd.has("lm_head.weight"):
         lm_head = embed
     else:
@@ -134,13 +136,13 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
     else:
         mlp = _swiglu(rd, p + "mlp.", D, cfg.intermediate_size)
     return Block(
-        attn_norm=rd.vector(p + "input_layernorm.weight", (D,)),
+        attn_norm=RMSNorm(rd.vector(p + "input_layernorm.weight", (D,)), cfg.rms_norm_eps),
         w_in=w_in,
         b_in=b_in,
         split=tuple(rows for _, rows in parts),
         attn=MLA(cfg, _mla_weights(cfg, rd, a)),
         indexer=indexer,
-        mlp_norm=rd.vector(p + "post_attention_layernorm.weight", (D,)),
+        mlp_norm=RMSNorm(rd.vector(p + "post_attention_layernorm.weight", (D,)), cfg.rms_norm_eps),
         mlp=mlp,
     )
 
@@ -151,14 +153,14 @@ def _mla_weights(cfg: ModelConfig, rd: _Reader, p: str) -> MLAWeights:
     scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
     q_a_norm = q_b = None
     if cfg.q_lora_rank:
-        q_a_norm = rd.vector(p + "q_a_layernorm.weight", (cfg.q_lora_rank,))
+        q_a_norm = RMSNorm(rd.vector(p + "q_a_layernorm.weight", (cfg.q_lora_rank,)), LORA_NORM_EPS)
         # The softmax scale is folded into q_b, so scores come out scaled.
         q_b = (rd.raw(p + "q_b_proj.weight", (H * (P + R), cfg.q_lora_rank)).float() * scale).to(rd.dtype)
     kv_b = rd.raw(p + "kv_b_proj.weight", (H * (P + V), Lkv)).float().view(H, P + V, Lkv)
     return MLAWeights(
         q_a_norm=q_a_norm,
         q_b=q_b,
-        kv_a_norm=rd.vector(p + "kv_a_layernorm.weight", (Lkv,)),
+        kv_a_norm=RMSNorm(rd.vector(p + "kv_a_layernorm.weight", (Lkv,)), LORA_NORM_EPS),
         w_uk=kv_b[:, :P, :].to(rd.dtype).contiguous(),  # [H, P, Lkv]
         w_uv_t=kv_b[:, P:, :].transpose(1, 2).to(rd.dtype).contiguous(),  # [H, Lkv, V]
         o=rd.matrix(p + "o_proj.weight", (D, H * V)),
