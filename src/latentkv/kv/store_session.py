@@ -1,0 +1,112 @@
+"""A conversation that survives restarts: the loop the CLI (`--session`) and the server run.
+
+    session, cache = Session.resume(path, current_header, cache_config)
+    keep = reusable_prefix(session.tokens, prompt)       # tokens whose rows are already cached
+    cache.trim(keep)                                     # then prefill prompt[keep:] as usual
+    ...generate...
+    session.save(tokens_in_cache, cache)                 # after every turn: durable on return
+    session.close()
+
+`resume` never fails on a bad file: a file from another model or tier, or one whose header is
+damaged, is moved aside (never deleted) and the conversation starts over; `notes` say what
+happened, in lines fit for the user.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from latentkv.config import CacheConfig
+from latentkv.kv.cache import make_cache
+from latentkv.kv.store import Cache, KVFile, KVMismatch, layout_of, rewrite
+from latentkv.kv.store_compat import REENCODE
+from latentkv.kv.store_file import move_aside
+from latentkv.kv.store_header import KVFileError, KVHeader
+
+
+class Session:
+    def __init__(self, path: Path, file: KVFile, header: KVHeader, tokens: list[int], notes: list[str]):
+        self.path = path
+        self.file = file
+        self.header = header  # what this run writes
+        self.tokens = tokens  # what the file holds, one id per record
+        self.notes = notes
+        self.moved_to: Path | None = None  # where a refused file went
+        self.rewrite_pending = False  # the file is in another tier (f32, re-encoded): rewrite on save
+
+    @classmethod
+    def resume(cls, path: str | Path, current: KVHeader, cache_config: CacheConfig) -> tuple[Session, Cache]:
+        """Open or create the session file at `path`; returns it and a cache holding its tokens."""
+        path = Path(path)
+        layout = layout_of(current)
+        if not path.exists():
+            return cls(path, KVFile.create(path, current), current, [], []), make_cache(layout, cache_config)
+        try:
+            file = KVFile.open(path, writable=True)
+        except KVFileError as exc:
+            return cls._start_over(path, current, layout, cache_config, f"the KV file cannot be read: {exc}")
+        try:
+            result = file.load(expected=current)
+            cache = result.to_cache(cache_config)
+        except KVMismatch as exc:
+            file.close()
+            return cls._start_over(path, current, layout, cache_config, exc.verdict.message)
+        except BaseException:
+            file.close()
+            raise
+        session = cls(path, file, current, result.tokens, list(result.notes))
+        session.rewrite_pending = result.verdict is not None and result.verdict.action == REENCODE
+        return session, cache
+
+    @classmethod
+    def _start_over(
+        cls, path: Path, current: KVHeader, layout, cache_config: CacheConfig, why: str
+    ) -> tuple[Session, Cache]:
+        moved = move_aside(path)
+        session = cls(path, KVFile.create(path, current), current, [], [])
+        session.moved_to = moved
+        session.notes.append(f"{why}: starting over (the old file is kept as {moved})")
+        return session, make_cache(layout, cache_config)
+
+    def save(self, tokens: list[int], cache: Cache) -> int:
+        """Make the file hold exactly `tokens`, the ids of the cache's rows (len == cache.length).
+
+        Keeps the common prefix with what the file holds (its rows must be the cache's), cuts
+        the rest, appends the new rows as one turn. Returns the number of tokens saved.
+        """
+        if len(tokens) != cache.length:
+            raise ValueError(f"{len(tokens)} token ids for a cache of {cache.length} rows")
+        if self.rewrite_pending:
+            self.file.close()
+            self.file = rewrite(self.path, self.header, tokens, cache)
+            self.rewrite_pending = False
+        else:
+            keep = common_prefix(self.tokens, tokens)
+            if keep < len(self.tokens):
+                self.file.truncate(keep)
+            self.file.append(tokens[keep:], cache, keep, len(tokens))
+        self.tokens = list(tokens)
+        return len(self.tokens)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def reusable_prefix(saved: list[int], prompt: list[int]) -> int:
+    """How many saved tokens a run of `prompt` keeps: the common prefix, less one if it covers
+    the whole prompt (the last prompt token must run again to give the next token's logits)."""
+    return min(common_prefix(saved, prompt), len(prompt) - 1) if prompt else 0
