@@ -127,7 +127,7 @@ def test_random_fill_appends_rows_to_every_layer_and_indexer(ours):
 
 
 def test_vs_transformers_adds_its_rows_and_the_ratio(capsys):
-    pytest.importorskip("transformers")
+
     argv = ["--context", "16", "--decode-tokens", "3", "--kv-cache-dtype", "f32,fp8", "--vs-transformers"]
     rows = _json(capsys, "bench", "decode", "builtin:tiny", *argv)["rows"]
     assert [(r["engine"], r["kv_cache_dtype"]) for r in rows] == [

@@ -13,16 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings  # a dev dependency: missing must fail
+from hypothesis import strategies as st
 
 from latentkv.config import CacheConfig
 from latentkv.kv.cache import CacheLayout, make_cache
 from latentkv.kv.store import KVFile, codec_spec_of
 from latentkv.kv.store_file import BLOCK, PREFIX, RecordFile
 from latentkv.kv.store_header import KVFileError, KVHeader, ModelFingerprint
-
-pytest.importorskip("hypothesis", reason="the corruption tests need hypothesis (pip install -e '.[dev]')")
-from hypothesis import HealthCheck, event, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 LAYOUT = CacheLayout(num_layers=2, row_width=40, kv_lora_rank=32, index_layers=(0,), index_head_dim=8)
 TURNS = (4, 5, 3)  # records per append: three commits, so the older commit slot holds 9

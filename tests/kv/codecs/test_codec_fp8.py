@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import ml_dtypes  # a dev dependency: a missing install must fail, not skip
 import numpy as np
 import pytest
 import torch
 
 from latentkv.kv.codecs import Fp8Codec, get_codec
 from latentkv.kv.codecs.fp8 import E4M3_MAX, e4m3_encode, e4m3_table
-
-ml_dtypes = pytest.importorskip("ml_dtypes")
 
 
 def reference_encode(v: torch.Tensor) -> torch.Tensor:
