@@ -9,7 +9,7 @@ THREADS=${THREADS:-2}
 OUT=benchmarks/results
 mkdir -p "$OUT"
 
-"$LATENTKV" bench decode builtin:tiny --context 128,1024 --decode-tokens 128 \
+"$LATENTKV" bench decode builtin:tiny --context 128,1024 --decode-tokens 128 --repeats 3 \
     --vs-transformers --threads "$THREADS" --out "$OUT/decode-tiny.json"
-"$LATENTKV" bench decode builtin:slice --context 128,1024,2048 --decode-tokens 16 \
+"$LATENTKV" bench decode builtin:slice --context 128,1024,2048 --decode-tokens 16 --repeats 2 \
     --weight-dtype f32,bf16 --vs-transformers --threads "$THREADS" --out "$OUT/decode-slice.json"
