@@ -398,3 +398,8 @@ def cache_root() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "latentkv"
+
+
+def sessions_dir() -> Path:
+    """Where `--session NAME` keeps its KV files when --kv-dir is not given: cache_root()/sessions."""
+    return cache_root() / "sessions"

@@ -1,4 +1,10 @@
-"""`latentkv generate`: one prompt in, text and a stats line out."""
+"""`latentkv generate`: one prompt in, text and a stats line out.
+
+With `--session NAME` the conversation is kept in a KV file: a later run whose prompt starts with
+the saved tokens prefills only the rest. A turn ends by saving the rows the cache holds: the
+prompt and every generated token but the last (sampled, never fed back). The next prompt should
+therefore repeat this run's prompt and output, then add to them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import sys
 
 from latentkv.cli import UserError
 from latentkv.commands.common import add_model_arguments, describe_tier, engine_config, load, parse_ids
+from latentkv.commands.session import add_session_arguments, check_name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,13 +30,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    add_session_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.engine.generate import stream_generate
     from latentkv.engine.sampling import SamplingParams
 
+    if args.session is not None:
+        check_name(args.session)  # before the weights load
     if args.max_tokens < 0:
         raise UserError("--max-tokens must be >= 0")
     try:
@@ -45,15 +54,35 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(args.prompt)
     else:
         prompt = parse_ids(args.prompt_ids)
-    from latentkv.engine.generate import GenerationStats
+    conv = _open_session(args, loaded, engine.cache)
+    try:
+        return _generate(args, model, tokenizer, prompt, sampling, engine.cache, conv)
+    finally:
+        if conv is not None:
+            conv.close()
 
-    cache = model.make_cache(engine.cache)
+
+def _open_session(args: argparse.Namespace, loaded, cache_config):
+    if args.session is None:
+        return None
+    from latentkv.commands.session import Conversation
+
+    conv = Conversation.open(args.session, args.kv_dir, loaded, cache_config)
+    conv.print_notes()
+    return conv
+
+
+def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config, conv) -> int:
+    from latentkv.engine.generate import GenerationStats, stream_generate
+
+    cache = conv.cache if conv is not None else model.make_cache(cache_config)
+    todo = conv.begin_turn(prompt) if conv is not None else prompt
     stats = GenerationStats()
     tokens, pieces = [], []
     try:
         stop = () if args.ignore_eos else None
         for token, delta, _ in stream_generate(
-            model, prompt, args.max_tokens, sampling, tokenizer, cache=cache, stop_ids=stop, stats=stats
+            model, todo, args.max_tokens, sampling, tokenizer, cache=cache, stop_ids=stop, stats=stats
         ):
             tokens.append(token)
             pieces.append(delta)
@@ -62,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if conv is not None:
+        conv.end_turn(prompt + tokens)
     if args.json:
         out = {
             "model": args.model,
@@ -71,10 +102,18 @@ def run(args: argparse.Namespace) -> int:
             "stats": stats.as_dict(),
             "kv": kv_report(model, cache),
         }
+        if conv is not None:
+            out["stats"].update(
+                resumed_tokens=conv.resumed_tokens, resume_seconds=round(conv.resume_seconds, 6)
+            )
+            out["session"] = conv.report()
         print(json.dumps(out, indent=1))
     else:
         print()
-        print(stats.line(), file=sys.stderr)
+        line = stats.line()
+        if conv is not None:
+            line = f"{conv.resume_line()} | {line} | saved: {conv.saved_tokens} tokens to {conv.path}"
+        print(line, file=sys.stderr)
         print(f"KV tier: {describe_tier(cache)}", file=sys.stderr)
     return 0
 

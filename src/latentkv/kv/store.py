@@ -50,6 +50,7 @@ from latentkv.kv.store_compat import (
 from latentkv.kv.store_file import FORMAT_MAJOR, RecordFile, move_aside
 from latentkv.kv.store_header import (
     CodecSpec,
+    KVFileBusy,
     KVFileError,
     KVHeader,
     ModelFingerprint,
@@ -419,6 +420,7 @@ def inspect(path: str | Path, current: KVHeader | None = None) -> dict[str, Any]
 
 __all__ = [
     "KVFile",
+    "KVFileBusy",
     "KVFileError",
     "KVHeader",
     "KVMismatch",

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from latentkv.kv.store_header import CHECK_BYTES, KVFileError, KVHeader, RecordLayout
+from latentkv.kv.store_header import CHECK_BYTES, KVFileBusy, KVFileError, KVHeader, RecordLayout
 
 try:
     import fcntl
@@ -487,7 +487,7 @@ def _lock(fd: int, path: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise KVFileError(f"{path} is open for writing by another process") from None
+        raise KVFileBusy(f"{path} is open for writing by another process") from None
 
 
 def _pread(fd: int, n: int, offset: int) -> bytes:

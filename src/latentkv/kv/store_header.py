@@ -37,6 +37,10 @@ class KVFileError(Exception):
     """A KV file that cannot be read or written as asked, with a message that says why."""
 
 
+class KVFileBusy(KVFileError):
+    """Another process holds the file open for writing: nothing is wrong with the file itself."""
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """Everything about the model that decides what a record means."""

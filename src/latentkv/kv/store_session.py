@@ -2,14 +2,15 @@
 
     session, cache = Session.resume(path, current_header, cache_config)
     keep = reusable_prefix(session.tokens, prompt)       # tokens whose rows are already cached
-    cache.trim(keep)                                     # then prefill prompt[keep:] as usual
+    cache.trim(keep); session.keep(keep)                 # then prefill prompt[keep:] as usual
     ...generate...
     session.save(tokens_in_cache, cache)                 # after every turn: durable on return
     session.close()
 
 `resume` never fails on a bad file: a file from another model or tier, or one whose header is
 damaged, is moved aside (never deleted) and the conversation starts over; `notes` say what
-happened, in lines fit for the user.
+happened, in lines fit for the user. A file that another process has open for writing is
+not bad: `resume` raises KVFileBusy and leaves it alone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from latentkv.kv.cache import make_cache
 from latentkv.kv.store import Cache, KVFile, KVMismatch, layout_of, rewrite
 from latentkv.kv.store_compat import REENCODE
 from latentkv.kv.store_file import move_aside
-from latentkv.kv.store_header import KVFileError, KVHeader
+from latentkv.kv.store_header import KVFileBusy, KVFileError, KVHeader
 
 
 class Session:
@@ -33,6 +34,7 @@ class Session:
         self.notes = notes
         self.moved_to: Path | None = None  # where a refused file went
         self.rewrite_pending = False  # the file is in another tier (f32, re-encoded): rewrite on save
+        self._kept = len(tokens)  # leading records whose rows the caller's cache still holds
 
     @classmethod
     def resume(cls, path: str | Path, current: KVHeader, cache_config: CacheConfig) -> tuple[Session, Cache]:
@@ -43,6 +45,8 @@ class Session:
             return cls(path, KVFile.create(path, current), current, [], []), make_cache(layout, cache_config)
         try:
             file = KVFile.open(path, writable=True)
+        except KVFileBusy:
+            raise
         except KVFileError as exc:
             return cls._start_over(path, current, layout, cache_config, f"the KV file cannot be read: {exc}")
         try:
@@ -68,6 +72,12 @@ class Session:
         session.notes.append(f"{why}: starting over (the old file is kept as {moved})")
         return session, make_cache(layout, cache_config)
 
+    def keep(self, n: int) -> None:
+        """The caller's cache keeps the rows of the first n saved tokens only (it was trimmed to n):
+        the next save rewrites every record past n, even where the token ids did not change, since
+        the cache recomputes those rows (a recomputed row may differ in its last bits)."""
+        self._kept = min(self._kept, n)
+
     def save(self, tokens: list[int], cache: Cache) -> int:
         """Make the file hold exactly `tokens`, the ids of the cache's rows (len == cache.length).
 
@@ -81,11 +91,12 @@ class Session:
             self.file = rewrite(self.path, self.header, tokens, cache)
             self.rewrite_pending = False
         else:
-            keep = common_prefix(self.tokens, tokens)
+            keep = min(common_prefix(self.tokens, tokens), self._kept)
             if keep < len(self.tokens):
                 self.file.truncate(keep)
             self.file.append(tokens[keep:], cache, keep, len(tokens))
         self.tokens = list(tokens)
+        self._kept = len(self.tokens)
         return len(self.tokens)
 
     def close(self) -> None:
