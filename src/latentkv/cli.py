@@ -9,9 +9,10 @@ import sys
 COMMANDS = {
     "demo": ("latentkv.commands.demo", "run the bundled model end to end"),
     "generate": ("latentkv.commands.generate", "generate text from a prompt"),
+    "chat": ("latentkv.commands.chat", "an interactive conversation, optionally resumed from a session"),
     "oracle": ("latentkv.commands.oracle", "check the engine token for token against transformers"),
     "bench": ("latentkv.commands.bench", "benchmark prefill and decode (optionally vs transformers)"),
-    "kv": ("latentkv.commands.kv", "KV cache tiers: bytes, error and context per tier (kv stats)"),
+    "kv": ("latentkv.commands.kv", "KV cache tiers (kv stats) and KV files (kv inspect)"),
 }
 
 

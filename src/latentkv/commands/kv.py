@@ -1,10 +1,12 @@
-"""`latentkv kv stats`: bytes per token, distortion and the longest context per KV tier."""
+"""`latentkv kv stats|inspect`: bytes per token, distortion and the longest context per KV tier;
+what a KV file holds and whether it would load here."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from latentkv.cli import UserError
 from latentkv.commands.common import add_cache_arguments
@@ -35,9 +37,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --model: prompt tokens of the forward pass whose rows are measured (default: 256)",
     )
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_inspect(sub)
+
+
+def _add_inspect(sub) -> None:
+    i = sub.add_parser(
+        "inspect",
+        help="what a KV file holds, whether it verifies, and whether it would load here",
+        description="Format version, model fingerprint, KV tier and codec parameters, tokens, bytes "
+        "(and the size its records predict), whether every committed record verifies, and whether "
+        "the file would load under the current flags: with --model against that model and tier, "
+        "else against the tier alone. Exit status: 0 the file is sound, 1 it is damaged or not a KV "
+        "file, 2 usage errors (no such file, bad flags).",
+    )
+    i.add_argument("file", metavar="FILE", type=Path, help="a KV file (a session's NAME.kv)")
+    i.add_argument(
+        "--model",
+        default=None,
+        help="model directory or builtin:NAME to check the file against (no weights load)",
+    )
+    add_cache_arguments(i)
+    i.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kv == "inspect":
+        return _run_inspect(args)
     from latentkv.commands.common import cache_configs
     from latentkv.eval import kvstats
 
@@ -83,3 +108,98 @@ def _real_rows(args: argparse.Namespace):
     model = loaded.model
     tokens = kvstats.prompt_tokens(model.cfg, loaded.tokenizer, args.tokens)
     return model.cfg, kvstats.real_rows(model, tokens)
+
+
+# --- inspect --------------------------------------------------------------------------------
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from latentkv.commands.common import cache_config
+    from latentkv.kv.store import inspect
+
+    if not args.file.exists():
+        raise UserError(f"no such file: {args.file}")
+    config = cache_config(args)
+    info = inspect(args.file)
+    if "error" not in info:
+        info["loads_here"] = _loads_here(args.file, args.model, config)
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(inspect_text(info))
+    return 0 if info["verifies"] else 1
+
+
+def _loads_here(path: Path, model: str | None, config) -> dict:
+    """The verdict on loading the file under `config` (and `model`, when given), with its scope."""
+    from latentkv.kv.cache import CacheLayout, make_cache
+    from latentkv.kv.store import KVFile, codec_spec, compare, compare_codec, header_for, layout_of
+    from latentkv.kv.store_header import KVFileError
+
+    with KVFile.open(path) as f:
+        header = f.header
+    try:
+        if model is None:
+            verdict = compare_codec(header.codec, codec_spec(layout_of(header), config))
+            scope = "codec"
+        else:
+            cfg, fingerprint = _model_fingerprint(model)
+            current = header_for(cfg, make_cache(CacheLayout.for_model(cfg), config), fingerprint)
+            verdict, scope = compare(header, current), "model+codec"
+    except (KVFileError, ValueError) as exc:  # the tier cannot store this layout's rows
+        return {
+            "action": "refuse",
+            "message": str(exc),
+            "differences": [],
+            "resume_flags": "",
+            "scope": "codec",
+        }
+    return {**verdict.as_dict(), "scope": scope, "kv_cache_dtype": config.kv_cache_dtype}
+
+
+def _model_fingerprint(model: str):
+    """(ModelConfig, weights fingerprint) of MODEL from config.json and the safetensors headers."""
+    from latentkv.config import ConfigError, ModelConfig
+    from latentkv.models.loader import Checkpoint, CheckpointError
+    from latentkv.models.registry import ModelNotFound, resolve
+
+    try:
+        directory = resolve(model)
+        return ModelConfig.from_hf(directory), Checkpoint(directory).fingerprint()
+    except (ModelNotFound, ConfigError, CheckpointError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def inspect_text(info: dict) -> str:
+    """`kv inspect` for people: one field per line."""
+    if "error" in info:
+        return f"{info['path']}: cannot be read: {info['error']}"
+    m = info["model"]
+    dsa = (
+        f", DSA keys {m['index_head_dim']} x f32 on {len(m['index_layers'])} layers"
+        if m["index_layers"]
+        else ""
+    )
+    size = f"{info['bytes']:,} bytes"
+    expected = info["expected_bytes"]
+    size += " (as expected: " if info["bytes"] == expected else f" (expected {expected:,}: "
+    size += f"header {info['header_bytes']:,} + {info['committed_tokens']} x {info['record_bytes']:,})"
+    lines = [
+        info["path"],
+        f"  format      {info['format_version']} (written by {info['writer']}, {info['created']})",
+        f"  file id     {info['file_id']}",
+        f"  model       {m['model_type']}, {m['num_layers']} layers, kv_lora {m['kv_lora_rank']} + rope "
+        f"{m['qk_rope_head_dim']}{dsa}, vocab {m['vocab_size']}",
+        f"  weights     {m['checkpoint'][:16]} (SHA-256 of the safetensors headers)",
+        f"  tier        {info['codec']['description']}, codec revision {info['codec']['revision']}; "
+        f"resume with {info['resume_flags']}",
+        f"  tokens      {info['tokens']} verified of {info['committed_tokens']} committed",
+        f"  bytes       {size}",
+        f"  verifies    {'yes' if info['verifies'] else 'NO'}",
+    ]
+    if loads := info.get("loads_here"):
+        what = "" if loads["scope"] == "model+codec" else " (tier only; pass --model to check the model too)"
+        answer = {"same": "yes", "reencode": "yes, re-encoded", "refuse": "no"}[loads["action"]]
+        lines.append(f"  loads here  {answer}{what}: {loads['message']}")
+    lines += [f"  note        {note}" for note in info["notes"]]
+    return "\n".join(lines)
