@@ -16,7 +16,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEMO_PROMPT, help="prompt text")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: 48)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument(
+        "--compare",
+        default=",".join(COMPARE_TIERS),
+        help=f"tiers to run side by side after the main run, or 'none' (default: {','.join(COMPARE_TIERS)})",
+    )
     add_cache_arguments(p)
+
+
+COMPARE_TIERS = ("f32", "bf16", "fp8", "tq6", "tq4", "tq3", "polar4")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +70,44 @@ def run(args: argparse.Namespace) -> int:
     )
     if kv["index_bytes_per_token"]:
         print(f"  DSA keys    {kv['index_bytes_per_token']:>6} B/token (indexer key cache, f32)")
+    if args.compare != "none":
+        _compare_tiers(model, prompt, args.max_tokens, result.tokens, args.compare)
     print(
         "\nnext: `latentkv generate builtin:tiny --prompt 'hello' --json`, `latentkv oracle`", file=sys.stderr
     )
     return 0
+
+
+def _compare_tiers(model, prompt: list[int], max_tokens: int, reference: list[int], tiers: str) -> None:
+    """Every tier side by side: row bytes, decode speed, and how long it tracks f32's tokens."""
+    from latentkv.config import CacheConfig, ConfigError, parse_kv_cache_dtypes
+    from latentkv.engine.generate import generate
+    from latentkv.engine.sampling import SamplingParams
+    from latentkv.kv.cache import CacheLayout, codecs_for
+
+    try:
+        names = parse_kv_cache_dtypes(tiers)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+
+    print("\n  tier     B/token/layer   decode tok/s   tokens equal to f32's   first difference")
+    layout = CacheLayout.for_model(model.cfg)
+    for name in names:
+        config = CacheConfig(name)
+        try:
+            codecs_for(layout, config)
+        except ValueError:
+            print(f"  {name:<8} (not available: this model's latent widths are not powers of two)")
+            continue
+        cache = model.make_cache(config)
+        out = generate(model, prompt, max_tokens, SamplingParams(), cache=cache, stop_ids=())
+        same = sum(a == b for a, b in zip(out.tokens, reference, strict=False))
+        first = next((i for i, (a, b) in enumerate(zip(out.tokens, reference, strict=False)) if a != b), None)
+        print(
+            f"  {name:<8} {cache.bytes_per_token_layer():>13}   {out.stats.decode_tps:>12.1f}   "
+            f"{same:>9}/{len(reference):<12}   {'-' if first is None else f'token {first}'}"
+        )
+    print(
+        "  (greedy; on a random-weight model logits are nearly tied, so this measures how much each\n"
+        "   tier perturbs the computation, not quality: `latentkv oracle --kv-cache-dtype all`)"
+    )
