@@ -25,7 +25,7 @@ import torch
 
 from latentkv.config import ModelConfig
 from latentkv.kv.cache import RowReader
-from latentkv.models.layers import RMSNorm, RotaryTables, linear, matmul
+from latentkv.models.layers import RMSNorm, RotaryTables, linear, per_head_linear
 
 # Budget for one score block [H, S_tile, T] in float32 elements (~32 MB).
 SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
@@ -36,8 +36,8 @@ class MLAWeights:
     q_a_norm: RMSNorm | None  # over q_lora  (None: no q-LoRA, the input projection gives q directly)
     q_b: torch.Tensor | None  # [H*(P+R), q_lora], rows pre-multiplied by the softmax scale
     kv_a_norm: RMSNorm  # over Lkv
-    w_uk: torch.Tensor  # [H, P, Lkv]  (in the weight dtype)
-    w_uv_t: torch.Tensor  # [H, Lkv, V]  (W_UV transposed for the batched product)
+    w_uk_t: torch.Tensor  # [H, Lkv, P]: W_UK per head as a linear layer P -> Lkv (weight dtype)
+    w_uv: torch.Tensor  # [H, V, Lkv]: W_UV per head as a linear layer Lkv -> V
     o: torch.Tensor  # [D, H*V]
     o_bias: torch.Tensor | None = None
 
@@ -68,7 +68,7 @@ class MLA:
         else:
             q_resid, q = None, q_in
         q = q.view(S, self.H, self.P + self.R)
-        q_abs = matmul(q[..., : self.P].transpose(0, 1), w.w_uk)  # [H, S, P] @ [H, P, Lkv] -> [H, S, Lkv]
+        q_abs = per_head_linear(q[..., : self.P].transpose(0, 1), w.w_uk_t)  # [H, S, P] -> [H, S, Lkv]
         q_rope = rope.rotate(q[..., self.P :], self.interleaved)  # [S, H, R]
         query = torch.cat([q_abs, q_rope.transpose(0, 1)], dim=-1)  # [H, S, Lkv+R]
         c = w.kv_a_norm(kv_in[:, : self.Lkv])
@@ -105,7 +105,7 @@ class MLA:
     def output(self, ctx: torch.Tensor) -> torch.Tensor:
         """Latent context [H, S, Lkv] -> W_UV per head -> o_proj: [S, D]."""
         H, S, _ = ctx.shape
-        heads = matmul(ctx, self.w.w_uv_t)  # [H, S, V]
+        heads = per_head_linear(ctx, self.w.w_uv)  # [H, S, Lkv] -> [H, S, V]
         return linear(heads.transpose(0, 1).reshape(S, H * self.V), self.w.o, self.w.o_bias)
 
 

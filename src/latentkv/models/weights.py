@@ -161,8 +161,8 @@ def _mla_weights(cfg: ModelConfig, rd: _Reader, p: str) -> MLAWeights:
         q_a_norm=q_a_norm,
         q_b=q_b,
         kv_a_norm=RMSNorm(rd.vector(p + "kv_a_layernorm.weight", (Lkv,)), LORA_NORM_EPS),
-        w_uk=kv_b[:, :P, :].to(rd.dtype).contiguous(),  # [H, P, Lkv]
-        w_uv_t=kv_b[:, P:, :].transpose(1, 2).to(rd.dtype).contiguous(),  # [H, Lkv, V]
+        w_uk_t=kv_b[:, :P, :].transpose(1, 2).to(rd.dtype).contiguous(),  # [H, Lkv, P]
+        w_uv=kv_b[:, P:, :].to(rd.dtype).contiguous(),  # [H, V, Lkv]
         o=rd.matrix(p + "o_proj.weight", (D, H * V)),
         o_bias=rd.optional_vector(p + "o_proj.bias", (D,)),
     )
