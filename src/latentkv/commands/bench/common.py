@@ -1,0 +1,77 @@
+"""Helpers shared by the `latentkv bench` subcommands: output flags, list parsing, threads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from latentkv.cli import UserError
+
+
+def add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON to this file")
+
+
+def ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{what} needs positive integers, got {text!r}")
+    return values
+
+
+def tiers(text: str) -> list[str]:
+    from latentkv.config import ConfigError, parse_kv_cache_dtypes
+
+    try:
+        return list(dict.fromkeys(parse_kv_cache_dtypes(text)))
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+
+
+def set_threads(threads: int | None) -> None:
+    import torch
+
+    from latentkv.config import env_threads
+
+    threads = threads if threads is not None else env_threads()
+    if threads is not None:
+        if threads < 1:
+            raise UserError(f"--threads must be >= 1 (got {threads})")
+        torch.set_num_threads(threads)
+
+
+def progress(text: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"  {text}", file=sys.stderr)
+
+
+def num(value: float | None, fmt: str = ",.1f", missing: str = "n/a") -> str:
+    return missing if value is None else format(value, fmt)
+
+
+def fastest(repeats: int, measure):
+    """The best of `repeats` measurements (by decode tok/s): noise on a shared box only slows."""
+    return max((measure() for _ in range(repeats)), key=lambda row: row.decode_tps)
+
+
+def ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def cache_configs(model, tiers: list[str]) -> list:
+    """One CacheConfig per tier, each checked against the model's widths before any timing."""
+    from latentkv.config import CacheConfig
+
+    configs = [CacheConfig(t) for t in tiers]
+    for config in configs:
+        try:
+            model.make_cache(config)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    return configs

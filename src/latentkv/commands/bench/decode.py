@@ -1,0 +1,177 @@
+"""`latentkv bench decode`: decode tok/s per KV tier, optionally beside transformers' generate()."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from functools import partial
+
+from latentkv.cli import UserError
+from latentkv.commands.bench import common
+
+RANDOM_FILL_NOTE = (
+    "fill random: the context is random rows appended straight to every layer's cache (no prompt "
+    "pass, so no prefill tok/s); decode speed does not depend on the rows' values"
+)
+
+
+def add(sub) -> None:
+    d = sub.add_parser(
+        "decode",
+        help="prefill and decode speed per KV tier at given context lengths",
+        description="Prefill and decode tok/s for every (weight dtype, KV tier, context), all in one "
+        "run, with each tier's decode speed as a ratio of f32's, and the KV memory measured from the "
+        "cache's tensors beside the predicted bytes_per_token_layer x layers x tokens.",
+    )
+    d.add_argument("model", metavar="MODEL", help="model directory, builtin:tiny or builtin:slice")
+    d.add_argument(
+        "--context", default="128,1024", help="comma-separated context lengths (default: 128,1024)"
+    )
+    d.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per context (default: 32)")
+    d.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure every row this many times and keep the fastest, for both engines alike "
+        "(default: 1; use 3+ on a shared machine)",
+    )
+    d.add_argument("--weight-dtype", default="f32", help="comma-separated: f32, bf16 (default: f32)")
+    d.add_argument(
+        "--kv-cache-dtype",
+        default="f32",
+        help="comma-separated KV tiers, or all (default: f32); include f32 for the ratio column",
+    )
+    d.add_argument(
+        "--fill",
+        choices=["prefill", "random"],
+        default="prefill",
+        help="how the context is built: prefill a random prompt (default), or append random rows to "
+        "every layer's cache directly (for long contexts; prefill tok/s is then n/a). Decode speed does "
+        "not depend on the rows' values. With DSA, once the context exceeds index_topk the indexer "
+        "selects index_topk rows per query and the main attention reads only those",
+    )
+    d.add_argument(
+        "--vs-transformers",
+        action="store_true",
+        help="run transformers' generate() in the same run (not with --fill random)",
+    )
+    common.add_output(d)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from latentkv.commands.common import load
+    from latentkv.config import ConfigError, EngineConfig
+    from latentkv.eval import bench
+
+    contexts = common.ints(args.context, "--context")
+    weight_dtypes = [d.strip() for d in args.weight_dtype.split(",") if d.strip()]
+    tiers = common.tiers(args.kv_cache_dtype)
+    if args.decode_tokens < 2:
+        raise UserError("--decode-tokens must be at least 2")
+    if args.repeats < 1:
+        raise UserError("--repeats must be at least 1")
+    if args.vs_transformers and args.fill == "random":
+        raise UserError(
+            "--vs-transformers cannot be combined with --fill random: transformers' generate() only "
+            "builds its cache by prefilling a prompt; use --fill prefill"
+        )
+    if args.vs_transformers:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise UserError("--vs-transformers needs transformers: pip install 'latentkv[dev]'") from None
+    common.set_threads(args.threads)
+    rows: list[bench.BenchRow] = []
+    notes: list[str] = [RANDOM_FILL_NOTE] if args.fill == "random" else []
+    for dtype in weight_dtypes:
+        try:
+            engine = EngineConfig(weight_dtype=dtype)
+        except ConfigError as exc:
+            raise UserError(str(exc)) from None
+        loaded = load(args.model, engine, quiet=args.json)
+        model = loaded.model
+        cache_configs = common.cache_configs(model, tiers)
+        if max(contexts) + args.decode_tokens > model.cfg.max_position_embeddings:
+            raise UserError(
+                f"context {max(contexts)} + {args.decode_tokens} decode tokens exceeds the model's "
+                f"maximum of {model.cfg.max_position_embeddings}"
+            )
+        dsa = model.cfg.dsa
+        if dsa is not None and max(contexts) > dsa.index_topk and (note := _dsa_note(model)) not in notes:
+            notes.append(note)
+        for ctx in contexts:  # tiers innermost: a drift in machine load hits every tier alike
+            for cache_config in cache_configs:
+                row = common.fastest(
+                    args.repeats,
+                    partial(
+                        bench.bench_latentkv,
+                        model,
+                        args.model,
+                        dtype,
+                        ctx,
+                        args.decode_tokens,
+                        cache_config,
+                        args.fill,
+                    ),
+                )
+                rows.append(row)
+                common.progress(
+                    f"latentkv {dtype} {row.kv_cache_dtype} ctx {ctx}: decode {row.decode_tps:.1f} tok/s",
+                    args.json,
+                )
+        directory = loaded.directory
+        del loaded, model
+        gc.collect()
+        if args.vs_transformers:
+            hf = bench.load_transformers(directory, dtype)
+            for ctx in contexts:
+                rows.append(
+                    common.fastest(
+                        args.repeats,
+                        partial(bench.bench_transformers, hf, args.model, dtype, ctx, args.decode_tokens),
+                    )
+                )
+                common.progress(
+                    f"transformers {dtype} ctx {ctx}: decode {rows[-1].decode_tps:.1f} tok/s", args.json
+                )
+            del hf
+            gc.collect()
+    bench.add_ratios(rows)
+    return {
+        "bench": "decode",
+        "model": args.model,
+        "fill": args.fill,
+        "contexts": contexts,
+        "decode_tokens": args.decode_tokens,
+        "weight_dtypes": weight_dtypes,
+        "kv_cache_dtypes": tiers,
+        "notes": notes,
+        "rows": [r.as_dict() for r in rows],
+    }
+
+
+def _dsa_note(model) -> str:
+    topk = model.cfg.dsa.index_topk
+    return (
+        f"DSA: at contexts above index_topk={topk} the indexer scores every cached key but selects "
+        f"{topk} rows per query, and the main attention reads only those {topk} rows"
+    )
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown; ratios compare decode tok/s with f32 KV and with transformers at the same
+    weight dtype and context."""
+    lines = [
+        "| engine | weights | KV | context | fill | prefill tok/s | decode tok/s | vs f32 KV | "
+        "vs transformers | KV B/token/layer | KV bytes measured | KV bytes predicted | equal |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        equal = {True: "yes", False: "**no**", None: ""}[r["kv_bytes_match"]]
+        lines.append(
+            f"| {r['engine']} | {r['weight_dtype']} | {r['kv_cache_dtype']} | {r['context']} | {r['fill']} | "
+            f"{common.num(r['prefill_tps'])} | {r['decode_tps']:,.1f} | {common.ratio(r['decode_vs_f32'])} | "
+            f"{common.ratio(r['decode_vs_transformers'])} | {r['kv_bytes_per_token_layer']:,.0f} | "
+            f"{r['kv_bytes_measured']:,} | {common.num(r['kv_bytes_predicted'], ',', '')} | {equal} |"
+        )
+    return "\n".join(lines)
