@@ -26,7 +26,13 @@ from datetime import datetime
 from pathlib import Path
 
 from latentkv.cli import UserError
-from latentkv.commands.common import add_model_arguments, engine_config, load
+from latentkv.commands.common import (
+    add_model_arguments,
+    add_sampling_arguments,
+    engine_config,
+    load,
+    sampling_params,
+)
 from latentkv.commands.session import add_session_arguments, check_name
 
 COMMANDS_HELP = "/reset starts over, /exit (or end of input) ends"
@@ -36,10 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_session_arguments(p)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most (default: 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0)")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    add_sampling_arguments(p)
     p.add_argument("--system", default=None, help="system message of a new conversation")
     p.add_argument(
         "--plain",
@@ -175,16 +178,11 @@ def stop_ids(loaded) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.engine.sampling import SamplingParams
-
     if args.session is not None:
         check_name(args.session)
     if args.max_tokens < 1:
         raise UserError("--max-tokens must be >= 1")
-    try:
-        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    sampling = sampling_params(args)
     engine = engine_config(args)
     loaded = load(args.model, engine, quiet=True)
     if loaded.tokenizer is None:

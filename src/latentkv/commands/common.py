@@ -213,6 +213,25 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
     return Loaded(model, tokenizer, directory, seconds)
 
 
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+
+
+def sampling_params(args: argparse.Namespace):
+    """The validated SamplingParams of `add_sampling_arguments`'s flags."""
+    from latentkv.engine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part]

@@ -13,7 +13,15 @@ import json
 import sys
 
 from latentkv.cli import UserError
-from latentkv.commands.common import add_model_arguments, describe_tier, engine_config, load, parse_ids
+from latentkv.commands.common import (
+    add_model_arguments,
+    add_sampling_arguments,
+    describe_tier,
+    engine_config,
+    load,
+    parse_ids,
+    sampling_params,
+)
 from latentkv.commands.session import add_session_arguments, check_name
 
 
@@ -23,28 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
-    p.add_argument(
-        "--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)"
-    )
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    add_sampling_arguments(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     add_session_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.engine.sampling import SamplingParams
-
     if args.session is not None:
         check_name(args.session)  # before the weights load
     if args.max_tokens < 0:
         raise UserError("--max-tokens must be >= 0")
-    try:
-        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    sampling = sampling_params(args)
     engine = engine_config(args)
     loaded = load(args.model, engine, quiet=args.json)
     model, tokenizer = loaded.model, loaded.tokenizer

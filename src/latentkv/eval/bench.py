@@ -16,7 +16,7 @@ resume      a conversation of N tokens saved as a KV file, then brought back the
             process does (weights fingerprint, open, verify every record, load into a cache:
             `Session.resume`) against prefilling the same N tokens again.
 
-KV memory is measured from the cache's tensors (`measured_kv_bytes`) and set beside the
+KV memory is measured from the cache's tensors (`allocated_nbytes()`) and set beside the
 prediction `bytes_per_token_layer x layers x tokens`.
 """
 
@@ -74,11 +74,6 @@ def random_prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
 
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def measured_kv_bytes(cache: LatentCache | PackedLatentCache) -> int:
-    """Bytes of the committed latent rows, counted from the tensors that hold them."""
-    return cache.allocated_nbytes()
 
 
 def predicted_kv_bytes(cache: LatentCache | PackedLatentCache) -> int:
@@ -160,7 +155,7 @@ def bench_latentkv(
         fill_random(cache, context)
         token, prefill_tps = prompt[-1], None
     times = _decode_passes(model, cache, token, decode_tokens - 1)
-    measured, predicted = measured_kv_bytes(cache), predicted_kv_bytes(cache)
+    measured, predicted = cache.allocated_nbytes(), predicted_kv_bytes(cache)
     index_bytes = measured_index_bytes(cache)
     return BenchRow(
         engine="latentkv",
@@ -343,7 +338,7 @@ def bench_attention(
         fused.append(time.perf_counter() - t0)
     c_bytes = get_codec(tier, kv_lora_rank).bytes_per_row
     r_bytes = get_codec(tier, rope_dim).bytes_per_row
-    measured = measured_kv_bytes(cache)
+    measured = cache.allocated_nbytes()
     row = AttentionRow(
         kv_cache_dtype=cache.codec,
         context=context,

@@ -278,11 +278,6 @@ class PackedLatentCache(_SequenceCache):
         """The committed rows of one layer, still encoded."""
         return self._reader(layer, self.length)
 
-    def decoded(self, layer: int) -> torch.Tensor:
-        """The committed rows decoded to float32 [T, Lkv+R] (for tests and re-encoding)."""
-        rows = self.view(layer)
-        return torch.cat([self.codec_c.decode(rows.c), self.codec_r.decode(rows.r)], dim=-1)
-
     def bytes_per_token_layer(self) -> int:
         return self.codec_c.bytes_per_row + self.codec_r.bytes_per_row
 

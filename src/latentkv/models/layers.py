@@ -31,12 +31,6 @@ class RMSNorm:
         return F.layer_norm(both, (2 * d,), self._doubled, None, self.eps)[..., :d]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference formula (for tests and one-off uses); the model holds RMSNorm objects."""
-    inv = torch.linalg.vecdot(x, x).unsqueeze_(-1).mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_()
-    return x * inv * weight
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T in the weight's dtype; the result comes back in x's dtype."""
     if x.dtype != weight.dtype:

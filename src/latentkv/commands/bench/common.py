@@ -66,12 +66,10 @@ def ratio(value: float | None) -> str:
 
 def cache_configs(model, tiers: list[str]) -> list:
     """One CacheConfig per tier, each checked against the model's widths before any timing."""
+    from latentkv.commands.common import check_tier
     from latentkv.config import CacheConfig
 
     configs = [CacheConfig(t) for t in tiers]
     for config in configs:
-        try:
-            model.make_cache(config)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+        check_tier(model.cfg, config)
     return configs
