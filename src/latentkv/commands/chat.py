@@ -80,23 +80,7 @@ class TemplateFormat:
     USER, REPLY = "LATENTKVUSERMARK", "LATENTKVREPLYMARK"
 
     def __init__(self, template: str, special: dict[str, str]):
-        try:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            raise ChatTemplateError("rendering the chat template needs jinja2 (pip install jinja2)") from None
-        self._errors = TemplateError
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(
-            value, indent=indent, ensure_ascii=False
-        )
-        try:
-            self._template = env.from_string(template)
-        except TemplateError as exc:
-            raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
+        self._template = compile_template(template)
         self._special = special
         self._past = [{"role": "user", "content": self.USER}, {"role": "assistant", "content": self.REPLY}]
         past = self.render(self._past, False)
@@ -106,12 +90,7 @@ class TemplateFormat:
         self.next(self.USER)  # fails here, not mid-conversation, if the template cannot go piecewise
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
-        try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=generation_prompt, **self._special
-            )
-        except self._errors as exc:
-            raise ChatTemplateError(f"the chat template failed: {exc}") from None
+        return render_template(self._template, messages, generation_prompt, self._special)
 
     def first(self, system: str | None, user: str) -> str:
         system_msg = [{"role": "system", "content": system}] if system else []
@@ -123,6 +102,34 @@ class TemplateFormat:
         if not after.startswith(before):
             raise ChatTemplateError("the chat template renders past turns differently once a message follows")
         return after[len(before) :]
+
+
+def compile_template(template: str):
+    """A chat template compiled in jinja2's ImmutableSandboxedEnvironment (shared with the server)."""
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ChatTemplateError("rendering the chat template needs jinja2 (pip install jinja2)") from None
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    try:
+        return env.from_string(template)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
+
+
+def render_template(compiled, messages: list[dict], generation_prompt: bool, special: dict[str, str]) -> str:
+    """`compiled` (from compile_template) over `messages`; ChatTemplateError if the template fails."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return compiled.render(messages=messages, add_generation_prompt=generation_prompt, **special)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"the chat template failed: {exc}") from None
 
 
 def _raise(message: str):
