@@ -1,0 +1,224 @@
+"""Perplexity of held-out text per KV tier, scored through each tier's real cache.
+
+The text is tokenized once and cut into non-overlapping windows of N tokens (evenly spaced
+ones when --max-windows keeps fewer than the text holds). Each window is scored by one call
+
+    logits = model.forward(window, model.make_cache(tier), all_logits=True)    # [N, vocab]
+
+which appends the window's latent rows to an empty cache of that tier first and then attends
+through the tier's reader: every query sees the quantized rows exactly as decode would
+(tests/eval/test_ppl.py checks it against token-by-token decode). Position t predicts token
+t+1, so a window scores N-1 tokens.
+
+Per window, against the f32 cache's logits of the same window (f32 runs once and is the
+reference; a window's f32 logits are dropped before the next window, so memory stays bounded):
+
+    nll    sum_t -log q(x_{t+1})                     q = softmax(tier logits)
+    kl     sum_t sum_v p_v (log p_v - log q_v)       p = softmax(f32 logits)   KL(f32 || tier)
+    agree  #t with argmax q = argmax p                top-1 agreement
+
+Per tier, over windows: ppl = exp(sum nll / tokens), delta ppl % vs f32, mean KL per token and
+top-1 agreement, each with a 95% percentile bootstrap interval that resamples whole windows
+(tokens within a window are correlated), with the same resamples for every tier (paired).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from latentkv.config import CacheConfig
+from latentkv.eval import stats
+
+SHORT_CONTEXT, LONG_CONTEXT = 256, 1024
+ROW_CHUNK = 256  # logits rows compared at a time (float64 working set: ROW_CHUNK x vocab)
+MIN_WINDOWS_FOR_INTERVALS = 2
+
+
+def default_contexts(max_positions: int) -> list[int]:
+    """Short (256) and long (1024, or the model's maximum if smaller) windows."""
+    return sorted({min(SHORT_CONTEXT, max_positions), min(LONG_CONTEXT, max_positions)})
+
+
+def make_windows(ids: Sequence[int], context: int, max_windows: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows [W, context] of the token stream; the tail shorter than a window is
+    dropped. With max_windows, that many windows spread evenly over the text."""
+    if context < 2:
+        raise ValueError(f"a window needs at least 2 tokens (got --context {context})")
+    available = len(ids) // context
+    if available < 1:
+        raise ValueError(
+            f"the text has {len(ids)} tokens, fewer than one window of {context}; use a longer "
+            "text or a shorter --context"
+        )
+    picked = np.arange(available)
+    if max_windows is not None and max_windows < available:
+        if max_windows < 1:
+            raise ValueError(f"--max-windows must be positive (got {max_windows})")
+        picked = np.unique(np.linspace(0, available - 1, max_windows).round().astype(np.int64))
+    stream = torch.as_tensor(list(ids[: available * context]), dtype=torch.long).view(available, context)
+    return stream[torch.from_numpy(picked)]
+
+
+def score_window(model, window: torch.Tensor, cache: CacheConfig) -> torch.Tensor:
+    """window [N] -> logits [N, vocab], one pass over an empty cache of the tier."""
+    return model.forward(window, model.make_cache(cache), all_logits=True)
+
+
+@dataclass(frozen=True)
+class WindowScore:
+    nll: float  # summed over the window's scored tokens
+    kl: float
+    agree: int
+
+
+def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> WindowScore:
+    """reference, logits [T, vocab] (f32 cache, tier) at the positions predicting targets [T]."""
+    nll = kl = 0.0
+    agree = 0
+    for start in range(0, targets.shape[0], ROW_CHUNK):
+        rows = slice(start, start + ROW_CHUNK)
+        log_p = torch.log_softmax(reference[rows].double(), dim=-1)  # [t, vocab]
+        log_q = torch.log_softmax(logits[rows].double(), dim=-1)
+        nll -= float(log_q.gather(1, targets[rows, None]).sum())
+        kl += float((log_p.exp() * (log_p - log_q)).sum())
+        agree += int((reference[rows].argmax(-1) == logits[rows].argmax(-1)).sum())
+    return WindowScore(nll, kl, agree)
+
+
+@dataclass
+class ContextScores:
+    """Per-window sums for every tier at one context length; arrays [tiers, windows]."""
+
+    context: int
+    tiers: list[CacheConfig]
+    windows: int
+    nll: np.ndarray
+    kl: np.ndarray
+    agree: np.ndarray
+    seconds: np.ndarray  # [tiers]: time spent scoring
+    targets: list[torch.Tensor] = field(default_factory=list)  # per window [N-1], for the unigram
+
+    @property
+    def tokens_per_window(self) -> int:
+        return self.context - 1
+
+
+def score_context(
+    model,
+    windows: torch.Tensor,
+    tiers: Sequence[CacheConfig],
+    progress: Callable[[str], None] | None = None,
+) -> ContextScores:
+    """Score windows [W, N] under f32 (the reference) and every tier, window by window."""
+    tiers = _with_reference(tiers)
+    W, N = windows.shape
+    out = ContextScores(
+        N, list(tiers), W, *(np.zeros((len(tiers), W)) for _ in range(3)), np.zeros(len(tiers))
+    )
+    t0 = last = time.perf_counter()
+    for w in range(W):
+        window, targets = windows[w], windows[w, 1:]
+        reference = None
+        for i, tier in enumerate(tiers):
+            t = time.perf_counter()
+            logits = score_window(model, window, tier)[:-1]  # [N-1, vocab]: the scored positions
+            out.seconds[i] += time.perf_counter() - t
+            reference = logits if reference is None else reference
+            s = compare(reference, logits, targets)
+            out.nll[i, w], out.kl[i, w], out.agree[i, w] = s.nll, s.kl, s.agree
+        out.targets.append(targets)
+        now = time.perf_counter()
+        if progress is not None and (now - last > 2.0 or w == W - 1):
+            last = now
+            eta = (now - t0) / (w + 1) * (W - w - 1)
+            progress(f"context {N}: window {w + 1}/{W}, {now - t0:.0f} s, ~{eta:.0f} s left")
+    return out
+
+
+def _with_reference(tiers: Sequence[CacheConfig]) -> list[CacheConfig]:
+    """f32 first (the reference), then the other tiers in the order given."""
+    rest = [t for t in tiers if t.kv_cache_dtype != "f32"]
+    return [CacheConfig("f32"), *rest]
+
+
+def summarize(
+    scores: ContextScores, layout, resamples: int = 1000, seed: int = 0, level: float = 0.95
+) -> dict:
+    """Per tier: ppl, delta ppl % vs f32, mean KL per token, top-1 agreement, each with its
+    bootstrap interval over windows (paired across tiers); bytes per token per layer."""
+    from latentkv.kv.cache import make_cache
+
+    counts = np.full(scores.windows, float(scores.tokens_per_window))
+    index = None
+    if scores.windows >= MIN_WINDOWS_FOR_INTERVALS and resamples > 0:
+        index = stats.resample_indices(scores.windows, resamples, seed)
+    ref_nll = scores.nll[0].sum() / counts.sum()
+    ref_boot = stats.resampled_ratio(scores.nll[0], counts, index) if index is not None else None
+
+    def interval(samples):
+        return None if samples is None else list(stats.percentile_interval(samples, level))
+
+    rows = []
+    for i, tier in enumerate(scores.tiers):
+        nll = scores.nll[i].sum() / counts.sum()
+        boot = {}
+        if index is not None:
+            boot["nll"] = stats.resampled_ratio(scores.nll[i], counts, index)
+            boot["kl"] = stats.resampled_ratio(scores.kl[i], counts, index)
+            boot["agree"] = stats.resampled_ratio(scores.agree[i], counts, index)
+        rows.append(
+            {
+                "tier": tier.kv_cache_dtype,
+                "bytes_per_token_layer": make_cache(layout, tier).bytes_per_token_layer(),
+                "tokens": int(counts.sum()),
+                "nll": float(nll),
+                "ppl": math.exp(nll),
+                "ppl_ci": interval(np.exp(boot["nll"]) if boot else None),
+                "delta_ppl_pct": 100 * math.expm1(nll - ref_nll),
+                "delta_ppl_pct_ci": interval(100 * np.expm1(boot["nll"] - ref_boot) if boot else None),
+                "kld": float(scores.kl[i].sum() / counts.sum()),
+                "kld_ci": interval(boot.get("kl")),
+                "top1": float(scores.agree[i].sum() / counts.sum()),
+                "top1_ci": interval(boot.get("agree")),
+                "seconds": round(float(scores.seconds[i]), 3),
+            }
+        )
+    return {
+        "context": scores.context,
+        "windows": scores.windows,
+        "tokens_scored": int(counts.sum()),
+        "tiers": rows,
+    }
+
+
+# --- the unigram baseline ----------------------------------------------------------------
+
+
+def load_token_counts(path: Path, vocab_size: int) -> np.ndarray:
+    """Training-split token counts: a JSON list (count of id i at index i) -> float64 [vocab]."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read token counts from {path}: {exc}") from None
+    if not isinstance(raw, list) or not all(isinstance(c, int) and c >= 0 for c in raw):
+        raise ValueError(f"{path}: expected a JSON list of non-negative integer counts, one per token id")
+    if len(raw) > vocab_size:
+        raise ValueError(f"{path} has {len(raw)} counts for a vocabulary of {vocab_size}")
+    counts = np.zeros(vocab_size)
+    counts[: len(raw)] = raw
+    return counts
+
+
+def unigram_ppl(counts: np.ndarray, targets: Sequence[torch.Tensor]) -> float:
+    """Perplexity of the targets under the add-one smoothed unigram (c_i + 1) / (C + V)."""
+    log_p = np.log(counts + 1) - np.log(counts.sum() + len(counts))
+    ids = torch.cat(list(targets)).numpy()
+    return float(np.exp(-log_p[ids].mean()))
