@@ -8,12 +8,14 @@ exists, how it applies RoPE); the model declares its cache with `make_cache`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
 from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, make_cache
+from latentkv.models.batch import decode_batch
 from latentkv.models.indexer import Indexer
 from latentkv.models.layers import RMSNorm, Rope, RotaryTables, SwiGLU, linear
 from latentkv.models.mla import MLA
@@ -98,6 +100,19 @@ class Model:
         if not all_logits:
             x = x[-1:]
         return linear(self.norm(x), self.lm_head)
+
+    @torch.inference_mode()
+    def decode_batch(
+        self, tokens: torch.Tensor, caches: Sequence[LatentCache | PackedLatentCache]
+    ) -> torch.Tensor:
+        """One decode step of B independent sequences: tokens [B] (int64), one cache each (ragged
+        lengths, any tier) -> logits [B, vocab]; every cache gains one row.
+
+        Dense work runs batched over the B rows; attention reads each sequence's own cache. A
+        sequence's logits equal `forward(token[None], cache)`'s up to float32 rounding (not bit
+        for bit: see `latentkv.models.batch` for what is and is not guaranteed).
+        """
+        return decode_batch(self, tokens, caches)
 
     def num_parameters(self) -> int:
         """Weights held by the model (the RoPE tables are derived, not counted)."""

@@ -1,0 +1,184 @@
+"""Batched decode (`Model.decode_batch`) against the single-sequence decode (`Model.forward`).
+
+Every sequence gets two caches filled by the same prefill; one decodes alone through `forward`,
+the other inside a batch. Their logits must agree within float32 rounding (1e-5 relative to the
+largest logit), on every cache tier, with ragged lengths, and with DSA selecting (contexts longer
+than index_topk beside shorter ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from latentkv.config import CacheConfig
+from latentkv.kv.cache import LatentCache, PackedLatentCache
+from latentkv.models import batch
+
+TOLERANCE = 1e-5
+CODE_APART_TOLERANCE = 5e-3
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _prefilled(model, lengths: list[int], tier: str, seed: int) -> tuple[list, list[int]]:
+    """One prefilled cache per sequence, and the greedy token each one decodes next."""
+    g = torch.Generator().manual_seed(seed)
+    caches, last = [], []
+    for n in lengths:
+        prompt = torch.randint(2, model.cfg.vocab_size, (n,), generator=g)
+        cache = model.make_cache(CacheConfig(tier))
+        last.append(int(model.forward(prompt, cache)[-1].argmax()))
+        caches.append(cache)
+    return caches, last
+
+
+def _clone(cache):
+    """A byte-identical copy through the cache's own state."""
+    if isinstance(cache, PackedLatentCache):
+        return PackedLatentCache.from_state(cache.layout, cache.codec_c, cache.codec_r, cache.state())
+    return LatentCache.from_state(cache.layout, cache.state())
+
+
+def _last_rows_equal(a, b) -> bool:
+    """Whether two packed caches' newest rows hold the same codes in every layer (their float32
+    scales, like f32 rows, are compared through the logits)."""
+    sa, sb = a.state(), b.state()
+    return all(torch.equal(sa[k][-1:], sb[k][-1:]) for k in sa if "codes" in k)
+
+
+@dataclass
+class Agreement:
+    worst: float = 0.0  # worst relative logit error where the new rows are byte-identical (or f32)
+    worst_code_apart: float = 0.0  # ... where a quantized value of the new row landed one code apart
+    code_apart: int = 0  # sequence-steps with such a row
+    total: int = 0
+
+
+def _compare_steps(model, lengths: list[int], tier: str, seed: int, steps: int = 3) -> Agreement:
+    """Each step: copy every reference cache, decode one token alone on the reference (`forward`)
+    and batched on the copies, compare; feed the reference's greedy tokens to the next step.
+
+    On a quantized tier the new row is quantized from float32 values that may differ in their
+    last bits from the single decode's, so a value sitting on a rounding boundary can land one
+    code apart; those sequence-steps are counted (and bounded) separately from the exact ones."""
+    refs, tokens = _prefilled(model, lengths, tier, seed)
+    out = Agreement()
+    for _ in range(steps):
+        copies = [_clone(c) for c in refs]
+        got = model.decode_batch(torch.tensor(tokens), copies)
+        expected = torch.cat([model.forward(torch.tensor([t]), c) for t, c in zip(tokens, refs, strict=True)])
+        assert got.shape == expected.shape
+        assert [c.length for c in copies] == [c.length for c in refs]
+        for b in range(len(lengths)):
+            error = _relative(got[b], expected[b])
+            out.total += 1
+            if tier == "f32" or _last_rows_equal(copies[b], refs[b]):
+                out.worst = max(out.worst, error)
+            else:
+                out.code_apart += 1
+                out.worst_code_apart = max(out.worst_code_apart, error)
+        tokens = expected.argmax(dim=-1).tolist()
+    return out
+
+
+def _assert_agrees(a: Agreement) -> None:
+    assert a.worst <= TOLERANCE, a
+    # A value one code apart moves the logits by at most the tier's own rounding; it is rare.
+    assert a.worst_code_apart <= CODE_APART_TOLERANCE, a
+    assert a.code_apart <= max(1, a.total // 10), a
+
+
+# 16 ragged sequences: some shorter than the DSA models' index_topk (8), most longer.
+RAGGED = [1, 3, 7, 8, 9, 12, 17, 20, 25, 31, 5, 40, 2, 14, 33, 10]
+
+
+@pytest.mark.parametrize("tier", ["f32", "bf16", "fp8", "tq4"])
+@pytest.mark.parametrize("name", ["glm5-tiny-dsa", "dsv3-tiny"])
+def test_sixteen_sequences_match_single_decode(ours, name, tier):
+    _assert_agrees(_compare_steps(ours(name), RAGGED, tier, seed=11))
+
+
+@pytest.mark.parametrize("name", ["dsv32-tiny-dsa", "dsv3-tiny-noqlora", "glm5-tiny"])
+def test_other_families_match_single_decode(ours, name):
+    _assert_agrees(_compare_steps(ours(name), RAGGED[:6], "f32", seed=12, steps=2))
+
+
+def test_alone_matches_single_decode(ours):
+    _assert_agrees(_compare_steps(ours("glm5-tiny-dsa"), [19], "f32", seed=13))
+
+
+def test_the_new_rows_are_the_single_decode_rows(ours):
+    """What decode_batch appends to each f32 cache is what forward appends (within rounding)."""
+    model = ours("glm5-tiny-dsa")
+    refs, tokens = _prefilled(model, [4, 11, 23], "f32", seed=14)
+    batched = [_clone(c) for c in refs]
+    for t, c in zip(tokens, refs, strict=True):
+        model.forward(torch.tensor([t]), c)
+    model.decode_batch(torch.tensor(tokens), batched)
+    for ref, got in zip(refs, batched, strict=True):
+        for layer in range(model.cfg.num_layers):
+            assert _relative(got.view(layer), ref.view(layer)) <= TOLERANCE
+        for layer in model.layout.index_layers:
+            assert _relative(got.index_keys(layer), ref.index_keys(layer)) <= TOLERANCE
+
+
+def test_mixed_tiers_in_one_batch(ours):
+    """Sequences in different tiers decode together, each reading its own format."""
+    model = ours("glm5-tiny-dsa")
+    tiers = ["f32", "tq4", "fp8", "f32", "bf16", "tq4"]
+    lengths = [9, 3, 15, 21, 12, 30]
+    refs, tokens = [], []
+    for i, (tier, n) in enumerate(zip(tiers, lengths, strict=True)):
+        caches, last = _prefilled(model, [n], tier, seed=20 + i)
+        refs += caches
+        tokens += last
+    batched = [_clone(c) for c in refs]
+    got = model.decode_batch(torch.tensor(tokens), batched)
+    expected = torch.cat([model.forward(torch.tensor([t]), c) for t, c in zip(tokens, refs, strict=True)])
+    for b, tier in enumerate(tiers):
+        if tier == "f32" or _last_rows_equal(batched[b], refs[b]):
+            assert _relative(got[b], expected[b]) <= TOLERANCE, tier
+
+
+@pytest.mark.parametrize("tier", ["f32", "tq4"])
+def test_per_sequence_fallback_matches(ours, monkeypatch, tier):
+    """Past the padded-read budget every sequence is read on its own: the same results."""
+    monkeypatch.setattr(batch, "BATCH_ATTEND_ELEMENTS", 0)
+    monkeypatch.setattr(batch, "GATHER_BATCH_MAX_BYTES", 0)  # experts grouped, not gathered
+    _assert_agrees(_compare_steps(ours("glm5-tiny-dsa"), RAGGED[:8], tier, seed=15, steps=2))
+
+
+def test_dsa_selection_matters_here(ours, monkeypatch):
+    """With contexts past index_topk, ignoring the selection changes the logits far beyond the
+    tolerance: the DSA comparisons above really exercise the per-sequence top-k."""
+    model = ours("glm5-tiny-dsa")
+    batched, tokens = _prefilled(model, [30, 40], "f32", seed=16)
+    unselected = [_clone(c) for c in batched]
+    got = model.decode_batch(torch.tensor(tokens), batched)
+    monkeypatch.setattr(batch, "_select", lambda *args: None)
+    everything = model.decode_batch(torch.tensor(tokens), unselected)
+    for b in range(2):
+        assert _relative(everything[b], got[b]) > 100 * TOLERANCE
+
+
+def test_rejects_bad_batches(ours):
+    model = ours("glm5-tiny")
+    a, b = model.make_cache(), model.make_cache()
+    model.forward(torch.tensor([5, 6]), a)
+    with pytest.raises(ValueError, match="twice"):
+        model.decode_batch(torch.tensor([3, 4]), [a, a])
+    with pytest.raises(ValueError, match="2 tokens for 1 caches"):
+        model.decode_batch(torch.tensor([3, 4]), [a])
+    with pytest.raises(ValueError, match="out of range"):
+        model.decode_batch(torch.tensor([3, 999]), [a, b])
+    with pytest.raises(ValueError, match="int64"):
+        model.decode_batch(torch.tensor([3.0]), [a])
+    other = ours("dsv3-tiny-noqlora").make_cache()
+    with pytest.raises(ValueError, match="does not belong"):
+        model.decode_batch(torch.tensor([3, 4]), [b, other])
+    assert (a.length, b.length) == (2, 0)  # a refused batch writes nothing
