@@ -13,6 +13,7 @@ COMMANDS = {
     "oracle": ("latentkv.commands.oracle", "check the engine token for token against transformers"),
     "bench": ("latentkv.commands.bench", "benchmark prefill and decode (optionally vs transformers)"),
     "kv": ("latentkv.commands.kv", "KV cache tiers (kv stats) and KV files (kv inspect)"),
+    "serve": ("latentkv.commands.serve", "an OpenAI-compatible HTTP server with continuous batching"),
     "eval": ("latentkv.commands.eval", "quality per KV tier: held-out perplexity, multiple choice"),
 }
 

@@ -386,6 +386,41 @@ class EngineConfig:
             raise ConfigError(f"threads must be >= 1 (got {self.threads})")
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """`latentkv serve`: what the HTTP server binds, whom it admits, and how much it batches."""
+
+    model: str  # the MODEL argument (a directory or builtin:NAME)
+    served_model_name: str  # the name clients pass as `model`
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no authentication
+    max_num_seqs: int = 8  # sequences decoded together in one batched step
+    max_queue: int = 64  # requests waiting for a slot; one more is refused with 429
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_dir: Path | None = None  # session files; None: sessions_dir()
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ConfigError("--served-model-name is empty")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535 (got {self.port})")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("--api-key is empty (leave it out to serve without a key)")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
+        if self.max_queue < 0:
+            raise ConfigError(f"the queue bound must be >= 0 (got {self.max_queue})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be >= 2 (got {self.max_model_len})")
+
+
+def env_api_key() -> str | None:
+    """LATENTKV_API_KEY, an alias of --api-key (keeps the key out of the process list)."""
+    return os.environ.get("LATENTKV_API_KEY") or None
+
+
 def env_threads() -> int | None:
     """LATENTKV_THREADS, an alias of --threads."""
     value = os.environ.get("LATENTKV_THREADS")

@@ -1,0 +1,142 @@
+"""`latentkv serve MODEL`: the OpenAI-compatible HTTP server (docs/server.md).
+
+What can be checked from config.json alone (the model resolves, the KV tier fits it,
+--max-model-len fits its context) is checked before the socket opens; the weights then load in
+the background while /health answers 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from latentkv.cli import UserError
+from latentkv.commands.common import add_model_arguments, check_tier, engine_config
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the name clients pass as `model` (default: MODEL)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $LATENTKV_API_KEY, else no key)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=8,
+        metavar="N",
+        help="sequences decoded together in one batch (default: 8)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests waiting for a batch slot before new ones get 429 (default: 64)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context per sequence, prompt + generated (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--kv-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder of the session KV files (default: $LATENTKV_CACHE/sessions, else ~/.cache/latentkv/sessions)",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    uvicorn = _import_server_deps()
+    config = server_config(args)
+    from latentkv.server.app import create_app
+    from latentkv.server.state import ServerState
+
+    server = None
+
+    def stop() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    state = ServerState(config, on_failure=stop)
+    app = create_app(state)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
+    )
+    print(
+        f"latentkv serve: {config.model} as {config.served_model_name!r} on http://{config.host}:{config.port}/v1 "
+        f"(KV tier {config.engine.cache.kv_cache_dtype}, {config.max_num_seqs} sequences per batch); "
+        "loading the weights in the background",
+        file=sys.stderr,
+    )
+    server.run()
+    return 1 if state.error is not None else 0
+
+
+def server_config(args: argparse.Namespace):
+    """The ServerConfig of the flags, after the checks config.json allows."""
+    from latentkv.config import ConfigError, ModelConfig, ServerConfig, env_api_key
+    from latentkv.models.registry import ModelNotFound, resolve
+
+    engine = engine_config(args)
+    try:
+        model_cfg = ModelConfig.from_hf(resolve(args.model))
+    except (ModelNotFound, ConfigError) as exc:
+        raise UserError(str(exc)) from None
+    check_tier(model_cfg, engine.cache)
+    context = model_cfg.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise UserError(
+            f"--max-model-len {args.max_model_len} exceeds the model's context of {context} tokens"
+        )
+    try:
+        return ServerConfig(
+            model=args.model,
+            served_model_name=args.served_model_name if args.served_model_name is not None else args.model,
+            engine=engine,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key if args.api_key is not None else env_api_key(),
+            max_num_seqs=args.max_num_seqs,
+            max_queue=args.max_queue,
+            max_model_len=args.max_model_len,
+            kv_dir=args.kv_dir,
+        )
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _import_server_deps():
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        raise UserError(
+            f"serving needs the server extra ({exc.name} is missing): pip install 'latentkv[server]'"
+        ) from None
+    return uvicorn

@@ -1,0 +1,161 @@
+"""One request's choices: scheduler handles -> text pieces with their tokens, merged across choices.
+
+    runs = submit_all(scheduler, specs)                  # QueueFull -> 429, invalid -> 400
+    async for piece in merged(runs):                     # Piece(index, text, tokens, finish...)
+        ...
+
+A choice is one scheduler request (n choices of a prompt are n requests with derived seeds).
+Its events become text through the Detokenizer and StopStrings of `server.text`; reaching a
+stop string cancels the handle, trims the text and reports finish_reason "stop". A Piece carries
+the tokens consumed since the previous piece, so streamed logprobs line up with streamed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from latentkv.server.errors import APIError, bad_request
+from latentkv.server.text import Detokenizer, StopStrings
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+
+
+@dataclass
+class Spec:
+    """What to submit for one choice."""
+
+    index: int
+    prompt: list[int]
+    params: object  # latentkv.engine.scheduler.SamplingParams
+    session: str | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Piece:
+    index: int
+    text: str
+    tokens: list  # TokenEvents behind `text` (stop tokens included, tokens after a stop string not)
+    finish_reason: str | None = None  # set on the choice's last piece
+    finished: object | None = None  # the scheduler's Finished, on the last piece
+    completion_tokens: int = 0  # on the last piece
+    error: str | None = None  # on the last piece, when the scheduler failed the request
+
+
+class ChoiceRun:
+    def __init__(self, spec: Spec, handle, tokenizer, stop_ids: frozenset[int]):
+        self.spec = spec
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        from latentkv.engine.scheduler import Finished
+
+        index = self.spec.index
+        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        stops = StopStrings(self.spec.stop)
+        pending: list = []
+        consumed = 0
+        hit = False
+        tail = ""
+        finished = None
+        async for event in self.handle:
+            if isinstance(event, Finished):
+                finished = event
+                break
+            if hit:
+                continue  # events the worker produced before it saw the cancel
+            consumed += 1
+            pending.append(event)
+            delta = detok.push(event.token) if detok and event.token not in self.stop_ids else ""
+            text, hit = stops.push(delta)
+            if hit:
+                self.handle.cancel()
+                tail = text
+            elif text:
+                yield Piece(index, text, pending)
+                pending = []
+        if finished is None:  # the handle ended without a Finished: the worker went away
+            yield Piece(index, "", pending, "error", None, consumed, "the scheduler stopped")
+            return
+        if hit:
+            yield Piece(index, tail, pending, "stop", finished, consumed)
+            return
+        text = stops.push(detok.flush())[0] if detok else ""
+        text += stops.flush()
+        yield Piece(
+            index, text, pending, finished.reason, finished, finished.completion_tokens, finished.error
+        )
+
+
+def submit_all(scheduler, specs: list[Spec], tokenizer, stop_ids: frozenset[int]) -> list[ChoiceRun]:
+    """Submit every choice, or none: a refusal cancels what was already submitted."""
+    from latentkv.engine.scheduler import QueueFull, Request, SchedulerClosed
+
+    runs: list[ChoiceRun] = []
+    try:
+        for spec in specs:
+            handle = scheduler.submit(Request(spec.prompt, spec.params, session=spec.session))
+            runs.append(ChoiceRun(spec, handle, tokenizer, stop_ids))
+    except QueueFull as exc:
+        cancel_all(runs)
+        raise APIError(
+            429,
+            f"the server is busy: {exc or 'the request queue is full'}; retry shortly",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
+    except SchedulerClosed:
+        cancel_all(runs)
+        raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"}) from None
+    except ValueError as exc:
+        cancel_all(runs)
+        raise bad_request(str(exc)) from None
+    return runs
+
+
+def cancel_all(runs: list[ChoiceRun]) -> None:
+    for run in runs:
+        run.cancel()
+
+
+async def merged(runs: list[ChoiceRun]) -> AsyncIterator[Piece]:
+    """Every choice's pieces as they come; leaving early (a disconnect) cancels every choice."""
+    if len(runs) == 1:
+        try:
+            async for piece in runs[0].pieces():
+                yield piece
+        finally:
+            cancel_all(runs)
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            async for piece in run.pieces():
+                await queue.put(piece)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield item
+        for task in tasks:
+            task.result()  # re-raise a pump's exception, if any
+    finally:
+        cancel_all(runs)
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,123 @@
+"""What the server holds: the config, the model once it is loaded, the scheduler that owns it.
+
+The socket comes up first and the weights load in a background thread, so /health can answer
+503 + Retry-After while loading (what load balancers and `vllm serve` clients expect). HTTP
+handlers never run model steps: they tokenize, submit to the scheduler's worker thread and
+turn its events into responses.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from latentkv.config import ServerConfig
+from latentkv.server.metrics import Registry, Throughput
+
+log = logging.getLogger("latentkv.server")
+
+
+@dataclass
+class Ready:
+    """Everything a request needs once loading is done."""
+
+    model: object  # latentkv.models.model.Model
+    tokenizer: object | None  # latentkv.tokenizer.Tokenizer
+    directory: Path
+    scheduler: object  # latentkv.engine.scheduler.Scheduler
+    max_model_len: int
+    stop_ids: tuple[int, ...]  # the model's end-of-sequence ids
+    chat: object  # latentkv.server.prompts.ChatRenderer
+    created: int  # unix time the model came up (for /v1/models)
+
+
+class ServerState:
+    """Loading -> ready (or failed). `ready` is None until the model serves."""
+
+    def __init__(self, config: ServerConfig, on_failure: Callable[[], None] | None = None):
+        self.config = config
+        self.ready: Ready | None = None
+        self.error: str | None = None
+        self.started = time.monotonic()
+        self.registry = Registry()
+        self.throughput = Throughput()
+        self._on_failure = on_failure
+        self._thread: threading.Thread | None = None
+
+    @property
+    def loading(self) -> bool:
+        return self.ready is None and self.error is None
+
+    def start_loading(self) -> None:
+        self._thread = threading.Thread(target=self._load, name="latentkv-load", daemon=True)
+        self._thread.start()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.ready is not None
+
+    def _load(self) -> None:
+        try:
+            self.ready = load(self.config)
+            log.info("ready: serving %s as %r", self.config.model, self.config.served_model_name)
+        except Exception as exc:  # noqa: BLE001 - reported, then the server shuts down
+            self.error = f"{type(exc).__name__}: {exc}" if not _user_error(exc) else str(exc)
+            print(f"latentkv serve: error: loading {self.config.model} failed: {self.error}", file=sys.stderr)
+            if self._on_failure is not None:
+                self._on_failure()
+
+    def shutdown(self) -> None:
+        if self.ready is not None:
+            self.ready.scheduler.shutdown()
+
+    def sample_throughput(self) -> None:
+        if self.ready is not None:
+            stats = self.ready.scheduler.stats()
+            self.throughput.sample(stats.prompt_tokens_total, stats.generation_tokens_total)
+
+
+def load(config: ServerConfig) -> Ready:
+    """Load the weights and tokenizer, then start the scheduler's worker thread."""
+    from latentkv.commands.chat import stop_ids
+    from latentkv.commands.common import load as load_model
+    from latentkv.config import sessions_dir
+    from latentkv.engine.scheduler import Scheduler
+    from latentkv.server.prompts import ChatRenderer
+
+    loaded = load_model(config.model, config.engine)
+    context = loaded.model.cfg.max_position_embeddings
+    max_model_len = config.max_model_len or context
+    if max_model_len > context:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of {context} tokens")
+    scheduler = Scheduler(
+        loaded.model,
+        config.engine.cache,
+        max_num_seqs=config.max_num_seqs,
+        max_queue=config.max_queue,
+        max_model_len=max_model_len,
+        kv_dir=config.kv_dir if config.kv_dir is not None else sessions_dir(),
+        model_dir=loaded.directory,
+    )
+    scheduler.start()
+    return Ready(
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        directory=Path(loaded.directory),
+        scheduler=scheduler,
+        max_model_len=max_model_len,
+        stop_ids=stop_ids(loaded),
+        chat=ChatRenderer.for_model(loaded.tokenizer, Path(loaded.directory)),
+        created=int(time.time()),
+    )
+
+
+def _user_error(exc: Exception) -> bool:
+    from latentkv.cli import UserError
+
+    return isinstance(exc, (UserError, ValueError))
