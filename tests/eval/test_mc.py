@@ -1,0 +1,293 @@
+"""The next-line task: building it, tokenizing like lm-evaluation-harness, scoring per tier,
+and lm_eval itself (in process) reaching the same accuracy as `eval mc` on the same items."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from latentkv.cli import main
+from latentkv.config import CacheConfig
+from latentkv.eval import loglik, mc
+from latentkv.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def code_text() -> str:
+    """Two stdlib modules joined like heldout.txt joins its files."""
+    import json.decoder
+    import textwrap
+
+    return f"\n{mc.BOUNDARY}\n".join(inspect.getsource(m) for m in (json.decoder, textwrap))
+
+
+# --- building --------------------------------------------------------------------------------
+
+
+def test_items_are_true_next_lines_among_distinct_substantive_distractors(code_text):
+    lines = code_text.split("\n")
+    items = mc.build_items(code_text, mc.BuildConfig(items=60, seed=3))
+    assert len(items) == 60
+    for it in items:
+        i = it["line"] - 1
+        assert it["choices"][it["answer"]] == lines[i]  # the true next line, verbatim
+        ctx_lines = it["context"].split("\n")
+        assert lines[i - len(ctx_lines) : i] == ctx_lines  # the lines right before it
+        assert mc.BOUNDARY not in it["context"] and len(ctx_lines) <= 6 and len(it["context"]) <= 400
+        assert len(it["choices"]) == 4 and len({c.strip() for c in it["choices"]}) == 4
+        indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+        for c in it["choices"]:
+            assert c.startswith(indent) and len(c.strip()) >= 12  # same indentation; not trivial
+            assert sum(line.strip() == c.strip() for line in lines) == 1  # unique in the text
+    assert len({it["answer"] for it in items}) == 4  # the answer moves around
+
+
+def test_building_is_reproducible(code_text):
+    a = mc.build_items(code_text, mc.BuildConfig(items=20, seed=1))
+    assert a == mc.build_items(code_text, mc.BuildConfig(items=20, seed=1))
+    assert a != mc.build_items(code_text, mc.BuildConfig(items=20, seed=2))
+
+
+def test_too_little_text_is_refused():
+    with pytest.raises(ValueError, match="too few"):
+        mc.build_items("x = 1\n\n\n", mc.BuildConfig(items=5))
+
+
+def test_the_tool_writes_jsonl_and_yaml(code_text, tmp_path):
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(code_text)
+    out = tmp_path / "task"
+    argv = [sys.executable, str(REPO / "tools" / "make_mc_task.py"), "--heldout", str(heldout)]
+    proc = subprocess.run([*argv, "--out-dir", str(out), "--items", "25"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    items = mc.load_items(out / "nextline.jsonl")
+    assert len(items) == 25
+    expected = mc.build_items(code_text, mc.BuildConfig(items=25))
+    assert [(it.context, list(it.choices), it.answer) for it in items] == [
+        (e["context"], e["choices"], e["answer"]) for e in expected
+    ]
+    yaml = (out / "nextline.yaml").read_text()
+    assert "output_type: multiple_choice" in yaml and "test: nextline.jsonl" in yaml
+
+
+def test_load_items_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "a", "choices": ["b", "c"], "answer": 2}\n')
+    with pytest.raises(ValueError, match="not a choice index"):
+        mc.load_items(bad)
+    bad.write_text('{"context": "a"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        mc.load_items(bad)
+
+
+# --- tokenizing and scoring ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory, checkpoint, code_text) -> Path:
+    """dsv3-tiny with a BPE tokenizer trained on the text, without a pre-tokenizer, so merges
+    span spaces and newlines: tok(context) + tok(continuation) often differs from
+    tok(context + continuation), which is what lm_eval's split has to get right."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, trainers
+
+    directory = tmp_path_factory.mktemp("bpe-model")
+    for f in checkpoint("dsv3-tiny").iterdir():
+        shutil.copy(f, directory)
+    tok = HFTokenizer(models.BPE(unk_token="<unk>"))
+    tok.decoder = decoders.BPEDecoder()
+    trainer = trainers.BpeTrainer(vocab_size=250, special_tokens=["<unk>"], show_progress=False)
+    tok.train_from_iterator(code_text.split("\n\n"), trainer=trainer)
+    assert tok.get_vocab_size() <= 256  # dsv3-tiny's vocabulary
+    (directory / "tokenizer.json").write_text(tok.to_str())
+    return directory
+
+
+def test_encode_pair_is_lm_evals(bpe_dir, code_text):
+    from lm_eval.api.model import TemplateLM
+
+    tok = Tokenizer(bpe_dir)
+
+    class Harness(TemplateLM):  # only lm_eval's own _encode_pair over our tokenizer
+        eot_token_id = 1
+
+        def tok_encode(self, string, add_special_tokens=None, **kwargs):
+            return tok.encode(string, add_special_tokens=False)
+
+        _loglikelihood_tokens = loglikelihood_rolling = generate_until = None
+
+    harness = Harness.__new__(Harness)
+    pairs = [p for it in mc.build_items(code_text, mc.BuildConfig(items=40)) for p in _requests(it)]
+    pairs += [("x = 1 \n", "y"), ("def f():\n    ", "return 2"), ("a\t", " b")]  # trailing whitespace
+    differs = 0
+    for context, continuation in pairs:
+        ours = loglik.encode_pair(tok, context, continuation)
+        assert ours == tuple(harness._encode_pair(context, continuation))
+        differs += ours[0] + ours[1] != tok.encode(context) + tok.encode(continuation)
+    assert differs > 0  # the merges really cross the split somewhere
+
+
+def _requests(item: dict) -> list[tuple[str, str]]:
+    return mc.Item(item["context"], tuple(item["choices"]), item["answer"]).requests()
+
+
+def _one_pass(model, ctx: list[int], cont: list[int], tier: CacheConfig) -> float:
+    """log p(cont | ctx) from a single forward over ctx + cont[:-1] (no shared prefix)."""
+    ids = torch.tensor(ctx + cont)
+    logits = model.forward(ids[:-1], model.make_cache(tier), all_logits=True)[-len(cont) :]
+    return float(torch.log_softmax(logits.double(), -1)[torch.arange(len(cont)), torch.tensor(cont)].sum())
+
+
+@pytest.mark.parametrize("tier", ["f32", "tq4"])
+def test_loglikelihood_with_a_shared_context_equals_one_pass_per_pair(
+    tier, ours, checkpoint, bpe_dir, code_text
+):
+    model, tok = ours("dsv3-tiny"), Tokenizer(bpe_dir)
+    items = mc.build_items(code_text, mc.BuildConfig(items=3, seed=5))
+    pairs = [p for it in items for p in _requests(it)]
+    got = loglik.loglikelihood(model, tok, pairs, CacheConfig(tier))
+    assert len(got) == len(pairs) == 12
+    for (context, continuation), (ll, _) in zip(pairs, got, strict=True):
+        ctx, cont = loglik.encode_pair(tok, context, continuation)
+        assert ll == pytest.approx(_one_pass(model, ctx, cont, CacheConfig(tier)), abs=1e-3)
+        assert ll < 0
+
+
+class CharTokenizer:
+    """One token per character (its code point): every id sequence below 256 is a string."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_is_greedy_and_truncation(ours):
+    model, tok = ours("dsv3-tiny"), CharTokenizer()
+    context = "def f(x):"
+    cache = model.make_cache()
+    logits, greedy = model.forward(torch.tensor(tok.encode(context)), cache)[0], []
+    for _ in range(4):
+        greedy.append(int(logits.argmax()))
+        logits = model.forward(torch.tensor(greedy[-1:]), cache)[0]
+    cont = "".join(map(chr, greedy))
+    (ll, is_greedy), (_, not_greedy) = loglik.loglikelihood(
+        model, tok, [(context, cont), (context, cont[:-1] + chr(greedy[-1] ^ 1))]
+    )
+    assert is_greedy and not not_greedy
+    assert ll == pytest.approx(_one_pass(model, tok.encode(context), greedy, CacheConfig()), abs=1e-4)
+    # lm_eval keeps the last max_length + 1 tokens of context + continuation
+    assert loglik._truncate(list(range(10)), [1, 2, 3], max_length=8) == list(range(4, 10))
+
+
+def test_accuracy_and_wilson_intervals(ours, bpe_dir, code_text):
+    model, tok = ours("dsv3-tiny"), Tokenizer(bpe_dir)
+    items = [mc.Item(e["context"], tuple(e["choices"]), e["answer"]) for e in mc.build_items(code_text)[:6]]
+    results = mc.score_items(model, tok, items, CacheConfig())
+    row = mc.summarize(items, results, reference=results)
+    correct = sum(
+        max(range(4), key=lambda k: r.loglikelihoods[k]) == it.answer
+        for it, r in zip(items, results, strict=True)
+    )
+    assert row["acc"] == correct / 6 and row["items"] == 6 and row["same_pred_as_f32"] == 1.0
+    assert row["acc_ci"] == list(mc.stats.wilson_interval(correct, 6))
+    for it, r in zip(items, results, strict=True):  # acc_norm: per character of the choice
+        norm = [ll / len(c) for ll, c in zip(r.loglikelihoods, it.choices, strict=True)]
+        assert r.pred_norm == norm.index(max(norm))
+
+
+def test_lm_eval_reaches_our_accuracy_on_the_same_items(ours, bpe_dir, code_text, tmp_path, monkeypatch):
+    """lm_eval loads the task YAML, builds the requests and tokenizes them itself; its LM here
+    scores each request by one independent forward pass. Accuracy and every prediction must
+    equal `eval mc`'s, which shares context prefills and tokenizes through loglik."""
+    task_dir = tmp_path / "task"
+    task_dir.mkdir()
+    mc.write_jsonl(mc.build_items(code_text, mc.BuildConfig(items=5, seed=11)), task_dir / "nextline.jsonl")
+    (task_dir / "nextline.yaml").write_text(mc.task_yaml("nextline.jsonl", "test"))
+    monkeypatch.chdir(task_dir)  # datasets resolves data_files against the working directory
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))  # read when datasets is imported
+    model, tok = ours("dsv3-tiny"), Tokenizer(bpe_dir)
+    harness = _harness_results(model, tok, task_dir)
+    items = mc.load_items(task_dir / "nextline.jsonl")
+    results = mc.score_items(model, tok, items, CacheConfig())
+    assert [s["arguments"] for s in harness["samples"]] == [it.requests() for it in items]
+    assert [s["acc"] for s in harness["samples"]] == [
+        float(r.pred == it.answer) for it, r in zip(items, results, strict=True)
+    ]
+    assert [s["acc_norm"] for s in harness["samples"]] == [
+        float(r.pred_norm == it.answer) for it, r in zip(items, results, strict=True)
+    ]
+    ours_row = mc.summarize(items, results)
+    assert harness["acc"] == pytest.approx(ours_row["acc"]) and harness["acc_norm"] == pytest.approx(
+        ours_row["acc_norm"]
+    )
+
+
+def _harness_results(model, tok, task_dir: Path) -> dict:
+    from lm_eval import evaluator
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.tasks import TaskManager
+
+    class Engine(TemplateLM):
+        eot_token_id = 1
+
+        def tok_encode(self, string, add_special_tokens=None, **kwargs):
+            return tok.encode(string, add_special_tokens=False)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+            out = []
+            for _, ctx, cont in requests:
+                ll = _one_pass(model, ctx, cont, CacheConfig())
+                out.append((ll, False))
+            return out
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def generate_until(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+    tasks = TaskManager(include_path=str(task_dir), include_defaults=False).load([mc.TASK_NAME])
+    out = evaluator.evaluate(Engine(), tasks, log_samples=True, bootstrap_iters=0, verbosity="ERROR")
+    samples = sorted(out["samples"][mc.TASK_NAME], key=lambda s: s["doc_id"])
+    metrics = out["results"][mc.TASK_NAME]
+    return {
+        "samples": [{**s, "arguments": [tuple(a) for a in s["arguments"]]} for s in samples],
+        "acc": metrics["acc,none"],
+        "acc_norm": metrics["acc_norm,none"],
+    }
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+
+def test_cli_mc_json(capsys, tmp_path, code_text, monkeypatch):
+    for name in ("KV8", "KV_TQ", "KV_TQ_POLAR"):
+        monkeypatch.delenv(name, raising=False)
+    task = tmp_path / "t.jsonl"
+    mc.write_jsonl(mc.build_items(code_text, mc.BuildConfig(items=4)), task)
+    code = main(["eval", "mc", "builtin:tiny", "--task", str(task), "--kv-cache-dtype", "tq4,f32", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["items"] == 4 and [r["tier"] for r in payload["tiers"]] == ["f32", "tq4"]
+    for r in payload["tiers"]:
+        assert 0 <= r["acc_ci"][0] <= r["acc"] <= r["acc_ci"][1] <= 1
+        assert r["items"] == 4
+    assert "same_pred_as_f32" in payload["tiers"][1] and "same_pred_as_f32" not in payload["tiers"][0]
+    assert main(["eval", "mc", "builtin:tiny", "--task", str(task), "--limit", "2"]) == 0
+    assert "| f32 |" in capsys.readouterr().out
+
+
+def test_cli_mc_missing_task(capsys, tmp_path):
+    code = main(["eval", "mc", "builtin:tiny", "--task", str(tmp_path / "none.jsonl")])
+    assert code == 2
+    assert "no task file" in capsys.readouterr().err
