@@ -65,6 +65,8 @@ def loglikelihood(
         ctx, cont = encode_pair(tokenizer, context, continuation, prefix)
         if not cont:
             raise ValueError(f"the continuation {continuation!r} encodes to no tokens")
+        if not ctx:
+            raise ValueError(f"the context {context!r} encodes to no tokens (only whitespace?)")
         ctx = _truncate(ctx, cont, max_length)
         if state is None or state[0] != ctx:
             cache = model.make_cache(cache_config)

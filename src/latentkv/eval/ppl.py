@@ -36,6 +36,7 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.eval import stats
+from latentkv.kv.cache import CacheLayout, make_cache
 
 SHORT_CONTEXT, LONG_CONTEXT = 256, 1024
 ROW_CHUNK = 256  # logits rows compared at a time (float64 working set: ROW_CHUNK x vocab)
@@ -106,6 +107,13 @@ class ContextScores:
     seconds: np.ndarray  # [tiers]: time spent scoring
     targets: list[torch.Tensor] = field(default_factory=list)  # per window [N-1], for the unigram
 
+    @classmethod
+    def empty(cls, context: int, tiers: list[CacheConfig], windows: int) -> ContextScores:
+        def zeros():
+            return np.zeros((len(tiers), windows))
+
+        return cls(context, tiers, windows, zeros(), zeros(), zeros(), np.zeros(len(tiers)))
+
     @property
     def tokens_per_window(self) -> int:
         return self.context - 1
@@ -120,9 +128,7 @@ def score_context(
     """Score windows [W, N] under f32 (the reference) and every tier, window by window."""
     tiers = _with_reference(tiers)
     W, N = windows.shape
-    out = ContextScores(
-        N, list(tiers), W, *(np.zeros((len(tiers), W)) for _ in range(3)), np.zeros(len(tiers))
-    )
+    out = ContextScores.empty(N, tiers, W)
     t0 = last = time.perf_counter()
     for w in range(W):
         window, targets = windows[w], windows[w, 1:]
@@ -150,53 +156,52 @@ def _with_reference(tiers: Sequence[CacheConfig]) -> list[CacheConfig]:
 
 
 def summarize(
-    scores: ContextScores, layout, resamples: int = 1000, seed: int = 0, level: float = 0.95
+    scores: ContextScores, layout: CacheLayout, resamples: int = 1000, seed: int = 0, level: float = 0.95
 ) -> dict:
     """Per tier: ppl, delta ppl % vs f32, mean KL per token, top-1 agreement, each with its
     bootstrap interval over windows (paired across tiers); bytes per token per layer."""
-    from latentkv.kv.cache import make_cache
-
     counts = np.full(scores.windows, float(scores.tokens_per_window))
-    index = None
+    index = None  # [resamples, windows], shared by every statistic of every tier
     if scores.windows >= MIN_WINDOWS_FOR_INTERVALS and resamples > 0:
         index = stats.resample_indices(scores.windows, resamples, seed)
-    ref_nll = scores.nll[0].sum() / counts.sum()
-    ref_boot = stats.resampled_ratio(scores.nll[0], counts, index) if index is not None else None
-
-    def interval(samples):
-        return None if samples is None else list(stats.percentile_interval(samples, level))
-
-    rows = []
-    for i, tier in enumerate(scores.tiers):
-        nll = scores.nll[i].sum() / counts.sum()
-        boot = {}
-        if index is not None:
-            boot["nll"] = stats.resampled_ratio(scores.nll[i], counts, index)
-            boot["kl"] = stats.resampled_ratio(scores.kl[i], counts, index)
-            boot["agree"] = stats.resampled_ratio(scores.agree[i], counts, index)
-        rows.append(
-            {
-                "tier": tier.kv_cache_dtype,
-                "bytes_per_token_layer": make_cache(layout, tier).bytes_per_token_layer(),
-                "tokens": int(counts.sum()),
-                "nll": float(nll),
-                "ppl": math.exp(nll),
-                "ppl_ci": interval(np.exp(boot["nll"]) if boot else None),
-                "delta_ppl_pct": 100 * math.expm1(nll - ref_nll),
-                "delta_ppl_pct_ci": interval(100 * np.expm1(boot["nll"] - ref_boot) if boot else None),
-                "kld": float(scores.kl[i].sum() / counts.sum()),
-                "kld_ci": interval(boot.get("kl")),
-                "top1": float(scores.agree[i].sum() / counts.sum()),
-                "top1_ci": interval(boot.get("agree")),
-                "seconds": round(float(scores.seconds[i]), 3),
-            }
-        )
+    rows = [_tier_row(scores, i, counts, index, level) for i in range(len(scores.tiers))]
+    for row, tier in zip(rows, scores.tiers, strict=True):
+        row["bytes_per_token_layer"] = make_cache(layout, tier).bytes_per_token_layer()
     return {
         "context": scores.context,
         "windows": scores.windows,
         "tokens_scored": int(counts.sum()),
         "tiers": rows,
     }
+
+
+def _tier_row(
+    scores: ContextScores, i: int, counts: np.ndarray, index: np.ndarray | None, level: float
+) -> dict:
+    """Tier i's statistics; row 0 is f32, the reference of the paired delta."""
+    total = counts.sum()
+    nll, ref_nll = scores.nll[i].sum() / total, scores.nll[0].sum() / total
+    row = {
+        "tier": scores.tiers[i].kv_cache_dtype,
+        "tokens": int(total),
+        "nll": float(nll),
+        "ppl": math.exp(nll),
+        "delta_ppl_pct": 100 * math.expm1(nll - ref_nll),
+        "kld": float(scores.kl[i].sum() / total),
+        "top1": float(scores.agree[i].sum() / total),
+        "seconds": round(float(scores.seconds[i]), 3),
+    }
+    if index is None:
+        return {**row, "ppl_ci": None, "delta_ppl_pct_ci": None, "kld_ci": None, "top1_ci": None}
+    boot_nll = stats.resampled_ratio(scores.nll[i], counts, index)
+    boot_ref = stats.resampled_ratio(scores.nll[0], counts, index)
+    intervals = {
+        "ppl_ci": np.exp(boot_nll),
+        "delta_ppl_pct_ci": 100 * np.expm1(boot_nll - boot_ref),
+        "kld_ci": stats.resampled_ratio(scores.kl[i], counts, index),
+        "top1_ci": stats.resampled_ratio(scores.agree[i], counts, index),
+    }
+    return {**row, **{k: list(stats.percentile_interval(v, level)) for k, v in intervals.items()}}
 
 
 # --- the unigram baseline ----------------------------------------------------------------
