@@ -149,8 +149,25 @@ def test_mixed_tiers_in_one_batch(ours):
 def test_per_sequence_fallback_matches(ours, monkeypatch, tier):
     """Past the padded-read budget every sequence is read on its own: the same results."""
     monkeypatch.setattr(batch, "BATCH_ATTEND_ELEMENTS", 0)
-    monkeypatch.setattr(batch, "GATHER_BATCH_MAX_BYTES", 0)  # experts grouped, not gathered
+    monkeypatch.setattr(batch, "EVERY_EXPERT_MAX_BYTES", 0)  # experts grouped by expert
+    monkeypatch.setattr(batch, "GATHER_BATCH_MAX_BYTES", 0)
     _assert_agrees(_compare_steps(ours("glm5-tiny-dsa"), RAGGED[:8], tier, seed=15, steps=2))
+
+
+@pytest.mark.parametrize("path", ["every", "gathered", "grouped"])
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_moe_decode_paths_match_the_layer(ours, monkeypatch, path, B):
+    """Each MoE decode path against `MoE.__call__` on the same rows, one row at a time (the
+    single-token decode path) as the reference."""
+    model = ours("dsv3-tiny")  # grouped routing: 4 groups, 2 kept
+    moe = model.blocks[-1].mlp
+    limits = {"every": (1 << 40, 0), "gathered": (0, 1 << 40), "grouped": (0, 0)}[path]
+    monkeypatch.setattr(batch, "EVERY_EXPERT_MAX_BYTES", limits[0])
+    monkeypatch.setattr(batch, "GATHER_BATCH_MAX_BYTES", limits[1])
+    monkeypatch.setattr(batch, "EVERY_EXPERT_MIN_PICKS", 0)
+    x = torch.randn(B, model.cfg.hidden_size, generator=torch.Generator().manual_seed(B))
+    expected = torch.cat([moe(x[b : b + 1]) for b in range(B)])
+    assert _relative(batch.moe_decode(moe, x), expected) <= TOLERANCE
 
 
 def test_dsa_selection_matters_here(ours, monkeypatch):

@@ -27,6 +27,7 @@ within that rounding.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,7 @@ from latentkv.kv.attention import consumer_for
 from latentkv.kv.cache import F32Rows, LatentCache, PackedLatentCache, PackedRows, RowReader
 from latentkv.kv.codecs import EncodedRows
 from latentkv.models.layers import RotaryTables, linear
-from latentkv.models.moe import MoE
+from latentkv.models.moe import ExpertStore, MoE
 
 if TYPE_CHECKING:
     from latentkv.models.indexer import Indexer
@@ -47,25 +48,41 @@ if TYPE_CHECKING:
 # beyond it every sequence is read on its own (tiled), which bounds memory at long contexts.
 BATCH_ATTEND_ELEMENTS = 8 * 1024 * 1024
 
-# Decode runs the k chosen experts of all B tokens as one gathered batched matmul while the
-# gathered copies stay under this many bytes; otherwise tokens are grouped by expert.
+# MoE in decode (see `moe_decode`): all experts at once while the layer's experts are this small,
+# the chosen experts gathered while the copies stay under GATHER_BATCH_MAX_BYTES.
+EVERY_EXPERT_MAX_BYTES = 16 * 1024 * 1024
+EVERY_EXPERT_MIN_PICKS = 1  # ... and the B tokens make at least this many picks per expert
 GATHER_BATCH_MAX_BYTES = 64 * 1024 * 1024
 
 Cache = LatentCache | PackedLatentCache
 
 
+@dataclass
+class _Step:
+    """What every layer of one batched step shares."""
+
+    rope: RotaryTables  # the B positions
+    ends: list[int]  # tokens each sequence attends over, the new one included
+    blocked: torch.Tensor | None  # [B, T] True past a sequence's end; None when all have T
+    groups: list[list[int]]  # sequences per tier (one group unless the batch mixes tiers)
+
+
 def decode_batch(model: Model, tokens: torch.Tensor, caches: Sequence[Cache]) -> torch.Tensor:
     """tokens [B] (int64), one cache per sequence -> logits [B, vocab]; each cache gains one row."""
     lengths = _check(model, tokens, caches)
-    ends = [n + 1 for n in lengths]  # tokens each sequence attends over, the new one included
-    table = model.rope.tables(0, max(ends))
+    ends = [n + 1 for n in lengths]
+    T = max(ends)
+    table = model.rope.tables(0, T)
     positions = torch.tensor(lengths, dtype=torch.long)
     rope = RotaryTables(table.cos.index_select(0, positions), table.sin.index_select(0, positions))
-    valid = torch.arange(max(ends))[None, :] < torch.tensor(ends)[:, None]  # [B, T]
+    blocked = None
+    if min(ends) < T:
+        blocked = torch.arange(T)[None, :] >= torch.tensor(ends)[:, None]  # [B, T]
+    step = _Step(rope, ends, blocked, _tier_groups(caches))
     x = model.embed.index_select(0, tokens).float()  # [B, D]
     selected = None
     for i, block in enumerate(model.blocks):
-        x, selected = _block(block, x, caches, i, rope, valid, selected)
+        x, selected = _block(block, x, caches, i, step, selected)
     for cache in caches:
         cache.commit(1)
     return linear(model.norm(x), model.lm_head)
@@ -93,26 +110,34 @@ def _check(model: Model, tokens: torch.Tensor, caches: Sequence[Cache]) -> list[
     return lengths
 
 
+def _tier_groups(caches: Sequence[Cache]) -> list[list[int]]:
+    """Indices of the caches stored alike (same class and codec parameters), in batch order."""
+    groups: dict[tuple, list[int]] = {}
+    for b, cache in enumerate(caches):
+        groups.setdefault((type(cache).__name__, repr(cache.codec_params())), []).append(b)
+    return list(groups.values())
+
+
 def _block(
     block: Block,
     x: torch.Tensor,
     caches: Sequence[Cache],
     layer: int,
-    rope: RotaryTables,
-    valid: torch.Tensor,
+    step: _Step,
     selected: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`Block.__call__` for one new token in each of B sequences: x [B, D] -> [B, D]."""
+    """`Block.__call__` for one new token in each of B sequences: x [B, D] -> [B, D].
+    `selected` is the DSA choice as a `blocked` mask (True: not attended), shared layers reuse it."""
     h = block.attn_norm(x)
     parts = linear(h, block.w_in, block.b_in).split(block.split, dim=-1)
-    query, rows, q_resid = block.attn.project(parts[0], parts[1], rope)  # [H, B, W], [B, W]
-    readers = [cache.append(layer, rows[b : b + 1]) for b, cache in enumerate(caches)]
+    query, rows, q_resid = block.attn.project(parts[0], parts[1], step.rope)  # [H, B, W], [B, W]
+    readers = [cache.append(layer, row) for cache, row in zip(caches, rows.split(1), strict=True)]
     if block.indexer is not None:
-        new_keys = block.indexer.keys(parts[2], rope)  # [B, D_i]
-        keys = [cache.append_index_keys(layer, new_keys[b : b + 1]) for b, cache in enumerate(caches)]
-        selected = _select(block.indexer, h, q_resid, rope, keys, valid)
-    allowed = valid if selected is None else selected
-    x = x + block.attn.output(attend(query, readers, allowed))
+        new_keys = block.indexer.keys(parts[2], step.rope).split(1)  # B x [1, D_i]
+        keys = [cache.append_index_keys(layer, k) for cache, k in zip(caches, new_keys, strict=True)]
+        selected = _select(block.indexer, h, q_resid, step, keys)
+    blocked = step.blocked if selected is None else selected
+    x = x + block.attn.output(attend(query, readers, blocked, step.groups))
     h = block.mlp_norm(x)
     x = x + (moe_decode(block.mlp, h) if isinstance(block.mlp, MoE) else block.mlp(h))
     return x, selected
@@ -122,87 +147,102 @@ def _block(
 
 
 def _select(
-    indexer: Indexer,
-    x: torch.Tensor,
-    q_resid: torch.Tensor,
-    rope: RotaryTables,
-    keys: list[torch.Tensor],
-    valid: torch.Tensor,
+    indexer: Indexer, x: torch.Tensor, q_resid: torch.Tensor, step: _Step, keys: list[torch.Tensor]
 ) -> torch.Tensor | None:
-    """Each sequence's DSA choice as a bool mask [B, T] (its top-k, or all its tokens while it has
-    at most k); None when no sequence has more than k tokens."""
-    lengths = [k.shape[0] for k in keys]
-    if max(lengths) <= indexer.topk:
+    """Each sequence's DSA choice as a `blocked` mask [B, T]: True except at its top-k (all its
+    tokens while it has at most k). None when no sequence has more than k tokens."""
+    ends, k = step.ends, indexer.topk
+    if max(ends) <= k:
         return None
-    B, T = valid.shape
+    B, T = len(ends), max(ends)
     q = linear(q_resid, indexer.w.wq_b).view(B, indexer.n_heads, indexer.head_dim)
-    q = rope.rotate(q, indexer.interleaved)  # [B, h_i, D_i]
+    q = step.rope.rotate(q, indexer.interleaved)  # [B, h_i, D_i]
     weights = linear(x, indexer.w.weights_proj)  # [B, h_i]
-    mask = valid.clone()
-    if B * T * (indexer.head_dim + indexer.n_heads) <= BATCH_ATTEND_ELEMENTS:
-        head = torch.relu(
-            torch.matmul(q, pad_sequence(keys, batch_first=True).transpose(1, 2))
-        )  # [B, h_i, T]
-        scores = torch.matmul(weights.unsqueeze(1), head).squeeze(1).masked_fill_(~valid, float("-inf"))
-        top = torch.zeros_like(mask).scatter_(1, scores.topk(indexer.topk, dim=-1).indices, True)
-        over = torch.tensor(lengths)[:, None] > indexer.topk  # [B, 1]
-        return torch.where(over, top, mask)
-    for b, k in enumerate(keys):
-        if lengths[b] > indexer.topk:
-            head = torch.relu(torch.matmul(q[b], k.T))  # [h_i, T_b]
-            chosen = torch.matmul(weights[b], head).topk(indexer.topk).indices
-            mask[b].zero_()
-            mask[b, chosen] = True
-    return mask
+    if B * T * (indexer.head_dim + indexer.n_heads) > BATCH_ATTEND_ELEMENTS:
+        return _select_each(q, weights, keys, step, k)
+    padded = keys[0].unsqueeze(0) if B == 1 else pad_sequence(keys, batch_first=True)  # [B, T, D_i]
+    head = torch.relu(torch.matmul(q, padded.transpose(1, 2)))  # [B, h_i, T]
+    scores = torch.matmul(weights.unsqueeze(1), head).squeeze(1)  # [B, T]
+    if step.blocked is not None:
+        scores.masked_fill_(step.blocked, float("-inf"))
+    top = torch.ones(B, T, dtype=torch.bool).scatter_(1, scores.topk(k, dim=-1).indices, False)
+    if min(ends) > k:
+        return top
+    over = torch.tensor([n > k for n in ends])[:, None]  # [B, 1]
+    return torch.where(over, top, step.blocked)
+
+
+def _select_each(
+    q: torch.Tensor, weights: torch.Tensor, keys: list[torch.Tensor], step: _Step, k: int
+) -> torch.Tensor:
+    """`_select` one sequence at a time (long contexts)."""
+    B, T = len(keys), max(step.ends)
+    blocked = torch.ones(B, T, dtype=torch.bool) if step.blocked is None else step.blocked.clone()
+    for b, keys_b in enumerate(keys):
+        if step.ends[b] > k:
+            head = torch.relu(torch.matmul(q[b], keys_b.T))  # [h_i, T_b]
+            blocked[b] = True
+            blocked[b, torch.matmul(weights[b], head).topk(k).indices] = False
+        else:
+            blocked[b, : step.ends[b]] = False
+    return blocked
 
 
 # --- attention ----------------------------------------------------------------------------
 
 
-def attend(query: torch.Tensor, readers: list[RowReader], allowed: torch.Tensor) -> torch.Tensor:
-    """query [H, B, Lkv+R] (scaled), one reader per sequence, allowed bool [B, T] -> context
-    [H, B, Lkv]. Readers of one tier are read together (padded); mixed tiers go tier by tier."""
-    groups: dict[tuple, list[int]] = {}
-    for b, reader in enumerate(readers):
-        groups.setdefault(_tier_key(reader), []).append(b)
+def attend(
+    query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None, groups: list[list[int]]
+) -> torch.Tensor:
+    """query [H, B, Lkv+R] (scaled), one reader per sequence, blocked bool [B, T] (True: not
+    attended; None: every row of every reader) -> context [H, B, Lkv]. `groups` lists the
+    sequences stored alike; each group is read together (padded)."""
     if len(groups) == 1:
-        return _attend_group(query, readers, allowed)
+        return _attend_group(query, readers, blocked)
     H, B, _ = query.shape
     out = None
-    for members in groups.values():
+    for members in groups:
         index = torch.tensor(members)
-        part = _attend_group(query[:, index], [readers[b] for b in members], allowed[index])
+        part = _attend_group(
+            query[:, index], [readers[b] for b in members], None if blocked is None else blocked[index]
+        )
         if out is None:
             out = part.new_empty(H, B, part.shape[-1])
         out[:, index] = part
     return out
 
 
-def _tier_key(reader: RowReader) -> tuple:
-    if isinstance(reader, PackedRows):
-        return ("packed", repr(reader.codec_c.params()), repr(reader.codec_r.params()))
-    return (type(reader).__name__,)
-
-
-def _attend_group(query: torch.Tensor, readers: list[RowReader], allowed: torch.Tensor) -> torch.Tensor:
-    """Context [H, B, Lkv] of readers of one tier; allowed [B, T] (T >= every reader's length)."""
+def _attend_group(
+    query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None
+) -> torch.Tensor:
+    """Context [H, B, Lkv] of readers of one tier; blocked [B, T'] with T' >= every reader's length."""
     B = len(readers)
     T = max(len(r) for r in readers)
-    allowed = allowed[:, :T]
+    if blocked is not None:
+        blocked = blocked[:, :T]
     if B * T * query.shape[-1] > BATCH_ATTEND_ELEMENTS:
-        return _attend_each(query, readers, allowed)
+        return _attend_each(query, readers, blocked)
     q = query.transpose(0, 1)  # [B, H, W]
     if isinstance(readers[0], F32Rows):
-        rows = pad_sequence([r.rows for r in readers], batch_first=True)  # [B, T, W]
-        scores = torch.matmul(q, rows.transpose(1, 2)).masked_fill_(~allowed[:, None, :], float("-inf"))
+        rows = _pad([r.rows for r in readers])  # [B, T, W]
+        scores = torch.matmul(q, rows.transpose(1, 2))  # [B, H, T]
+        if blocked is not None:
+            scores.masked_fill_(blocked[:, None, :], float("-inf"))
         ctx = torch.matmul(torch.softmax(scores, dim=-1), rows[..., : readers[0].kv_lora_rank])
         return ctx.transpose(0, 1)
     if isinstance(readers[0], PackedRows):
-        return _attend_packed(q, readers, allowed, T).transpose(0, 1)
-    return _attend_each(query, readers, allowed)
+        return _attend_packed(q, readers, blocked, T).transpose(0, 1)
+    return _attend_each(query, readers, blocked)
 
 
-def _attend_packed(q: torch.Tensor, readers: list[PackedRows], allowed: torch.Tensor, T: int) -> torch.Tensor:
+def _pad(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[T_b, ...] each -> [B, max T_b, ...], zero past each one's end (a view when B == 1)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else pad_sequence(tensors, batch_first=True)
+
+
+def _attend_packed(
+    q: torch.Tensor, readers: list[PackedRows], blocked: torch.Tensor | None, T: int
+) -> torch.Tensor:
     """q [B, H, n_c + n_r] over B packed readers of one codec pair -> [B, H, n_c].
 
     `latentkv.kv.attention.attend`'s one-tile arithmetic over the padded rows: padding is zero
@@ -214,20 +254,22 @@ def _attend_packed(q: torch.Tensor, readers: list[PackedRows], allowed: torch.Te
     for codec, part, qp in ((codec_c, "c", q[..., :n]), (codec_r, "r", q[..., n:])):
         consumer = consumer_for(codec)
         encoded = [getattr(r, part) for r in readers]
-        codes = pad_sequence([e.codes for e in encoded], batch_first=True)  # [B, T, bytes]
-        scales = pad_sequence([e.scales for e in encoded], batch_first=True)
-        values, factor = consumer.read(codec, EncodedRows(codes.view(B * T, -1), scales.view(B * T, -1)))
+        codes = _pad([e.codes for e in encoded]).view(B * T, -1)  # [B T, bytes]
+        scales = _pad([e.scales for e in encoded]).view(B * T, -1)
+        values, factor = consumer.read(codec, EncodedRows(codes, scales))
         values = values.view(B, T, codec.width)
         if consumer.rotated:
             qp = codec.rotation.rotate(qp.reshape(B * H, -1)).view(B, H, -1)
-        block = torch.matmul(qp.to(torch.float32), values.transpose(1, 2))  # [B, H, T]
+        block = torch.matmul(qp, values.transpose(1, 2))  # [B, H, T]
         if factor is not None:
             factor = factor.view(B, 1, T)
             block.mul_(factor)
         s = block if s is None else s.add_(block)
         if part == "c":
             vc, fc = values, factor
-    p = torch.softmax(s.masked_fill_(~allowed[:, None, :], float("-inf")), dim=-1)
+    if blocked is not None:
+        s.masked_fill_(blocked[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
     if fc is not None:
         p = p * fc
     out = torch.matmul(p, vc)  # [B, H, n_c] in the working basis
@@ -236,13 +278,12 @@ def _attend_packed(q: torch.Tensor, readers: list[PackedRows], allowed: torch.Te
     return out
 
 
-def _attend_each(query: torch.Tensor, readers: list[RowReader], allowed: torch.Tensor) -> torch.Tensor:
+def _attend_each(query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None) -> torch.Tensor:
     """One sequence at a time through its reader (tiled, any tier), as single-sequence decode does."""
     parts = []
     for b, reader in enumerate(readers):
-        mask = allowed[b, : len(reader)]
-        if not bool(mask.all()):
-            reader = reader.select(mask.nonzero().squeeze(1))
+        if blocked is not None and bool(blocked[b, : len(reader)].any()):
+            reader = reader.select((~blocked[b, : len(reader)]).nonzero().squeeze(1))
         parts.append(reader.attend(query[:, b : b + 1], None))  # [H, 1, Lkv]
     return torch.cat(parts, dim=1)
 
@@ -251,24 +292,51 @@ def _attend_each(query: torch.Tensor, readers: list[RowReader], allowed: torch.T
 
 
 def moe_decode(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """`MoE.__call__` for B decode tokens x [B, D]: when the experts are small, each token's k
-    experts are gathered and run as one batched matmul over all B tokens (a fixed shape per
-    (token, expert), so each token's result does not depend on the others); else grouped by expert."""
+    """`MoE.__call__` for B decode tokens x [B, D], in the fewest ops the expert sizes allow:
+
+    every expert  when the B tokens pick about as many experts as there are and the whole layer
+                  is small: one matmul of all tokens through all experts, the unchosen ones weighted 0
+    gathered      when each expert is small: each token's k experts copied out and run as one
+                  batched matmul (a fixed shape per (token, expert))
+    grouped       otherwise: one matmul per hit expert over its tokens (`MoE._dispatch`)
+    """
     idx, weights = moe.router(x)  # [B, k]
     experts = moe.experts
     B, k = idx.shape
-    gathered = B * k * (experts.gate_up[0].numel() + experts.down[0].numel()) * experts.gate_up.element_size()
-    if experts.gather and gathered <= GATHER_BATCH_MAX_BYTES:
-        flat = idx.reshape(-1)
-        xw = x.to(experts.gate_up.dtype)[:, None, :, None]  # [B, 1, D, 1]
-        gate_up = experts.gate_up.index_select(0, flat).view(B, k, *experts.gate_up.shape[1:])
-        gate, up = torch.matmul(gate_up, xw).squeeze(-1).chunk(2, dim=-1)  # [B, k, I] each
-        down = experts.down.index_select(0, flat).view(B, k, *experts.down.shape[1:])  # [B, k, D, I]
-        y = torch.matmul(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [B, k, D]
-        out = torch.matmul(weights.unsqueeze(1).to(y.dtype), y).squeeze(1).to(x.dtype)  # [B, D]
+    E = len(experts)
+    expert_bytes = (experts.gate_up[0].numel() + experts.down[0].numel()) * experts.gate_up.element_size()
+    if B * k >= EVERY_EXPERT_MIN_PICKS * E and E * expert_bytes <= EVERY_EXPERT_MAX_BYTES:
+        out = _every_expert(experts, x, torch.zeros(B, E).scatter_(1, idx, weights))
+    elif experts.gather and B * k * expert_bytes <= GATHER_BATCH_MAX_BYTES:
+        out = _gathered(experts, x, idx, weights)
     else:
         out = torch.zeros_like(x)
         moe._dispatch(x, idx, weights, out)
     if moe.shared is not None:
         out += moe.shared(x)
     return out
+
+
+def _every_expert(experts: ExpertStore, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """x [B, D] through all E experts, mixed by mix [B, E] (zero for the unchosen) -> [B, D]."""
+    E, two_i, D = experts.gate_up.shape
+    B = x.shape[0]
+    h = linear(x, experts.gate_up.view(E * two_i, D)).view(B, E, two_i)
+    gate, up = h.chunk(2, dim=-1)  # [B, E, I] each
+    act = (F.silu(gate) * up).transpose(0, 1)  # [E, B, I]
+    y = torch.matmul(act.to(experts.down.dtype), experts.down.transpose(1, 2))  # [E, B, D]
+    return torch.matmul(mix.unsqueeze(1), y.transpose(0, 1).to(x.dtype)).squeeze(1)  # [B, D]
+
+
+def _gathered(
+    experts: ExpertStore, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Each token's k experts gathered: x [B, D], idx / weights [B, k] -> [B, D]."""
+    B, k = idx.shape
+    flat = idx.reshape(-1)
+    xw = x.to(experts.gate_up.dtype)[:, None, :, None]  # [B, 1, D, 1]
+    gate_up = experts.gate_up.index_select(0, flat).view(B, k, *experts.gate_up.shape[1:])
+    gate, up = torch.matmul(gate_up, xw).squeeze(-1).chunk(2, dim=-1)  # [B, k, I] each
+    down = experts.down.index_select(0, flat).view(B, k, *experts.down.shape[1:])  # [B, k, D, I]
+    y = torch.matmul(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [B, k, D]
+    return torch.matmul(weights.unsqueeze(1).to(y.dtype), y).squeeze(1).to(x.dtype)  # [B, D]

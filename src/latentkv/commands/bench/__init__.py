@@ -1,6 +1,6 @@
-"""`latentkv bench decode|attention|resume`: decode tok/s per KV tier (optionally beside
-transformers), the attention read alone per tier, and resuming a saved conversation against
-prefilling it again. Tables print as markdown; --json / --out give JSON. One module per
+"""`latentkv bench decode|attention|resume|batch`: decode tok/s per KV tier (optionally beside
+transformers), the attention read alone per tier, resuming a saved conversation against
+prefilling it again, and batched decode (B sequences together). Tables print as markdown; --json / --out give JSON. One module per
 subcommand, each with `add` (its arguments), `run` (-> JSON payload) and `table`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import importlib
 import json
 
-SUBCOMMANDS = ("decode", "attention", "resume")
+SUBCOMMANDS = ("decode", "attention", "resume", "batch")
 
 
 def _module(name: str):
