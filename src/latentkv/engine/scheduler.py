@@ -1,0 +1,563 @@
+"""Continuous batching: one worker thread owns the model; requests come and go between steps.
+
+    scheduler = Scheduler(model, CacheConfig("tq4"), max_num_seqs=8, kv_dir=..., model_dir=...)
+    scheduler.start()
+    handle = scheduler.submit(Request(prompt_ids, SamplingParams(max_tokens=64)))  # never blocks
+    for event in handle:            # (or `async for`): TokenEvent ..., then exactly one Finished
+        ...
+    scheduler.shutdown()            # what is still queued or running finishes "cancelled"
+
+Every step of the worker:
+    1. drop cancelled requests (waiting or running): they finish "cancelled", their slot frees
+    2. admit waiting requests while fewer than max_num_seqs run: resume the session if any,
+       prefill what is not cached with `Model.forward`, sample the first token from its logits
+    3. one `Model.decode_batch` over every running sequence (each its own cache), sample each
+       sequence's next token; a sequence that samples a stop token or reaches max_tokens leaves
+
+Submitting never blocks: the waiting queue is bounded (QueueFull). HTTP handlers only submit
+and read handles; they never run model steps.
+
+Tokens. A sampled stop token ends the request with reason "stop": it is not yielded as a
+TokenEvent, but it counts in `completion_tokens` (it was sampled, as vLLM counts it). Logprobs
+are of the model's own distribution, log_softmax(logits), whatever the temperature / top_p.
+
+Sampling is `latentkv.engine.sampling.sample` with a generator per request, so a seeded request
+draws the same numbers whatever else runs. Batching changes the logits only within float32
+rounding (see `latentkv.models.batch`), so greedy and seeded requests give the tokens they give
+alone unless two candidates tie within that rounding.
+
+Sessions. A request naming a session resumes `kv_dir/NAME.kv` (`Session.resume`, the same files
+as `latentkv generate --session NAME --kv-dir DIR`), keeps the saved tokens its prompt starts
+with (`cached_tokens`: not prefilled again), and saves the cache's rows when it finishes (also
+when cancelled; not after an error), so a finished turn survives a crash or restart. Two
+requests on one session never run together: the later one waits in the queue (requests behind
+it are admitted meanwhile) and then resumes what the earlier one saved. A file held by another
+process finishes the request with "error". prompt_logprobs needs every prompt position's logits,
+so such a request prefills its whole prompt (cached_tokens 0) and still saves the session.
+
+Errors inside the worker finish the request that raised with reason "error" (a failing batched
+step is retried one sequence at a time to find it); the worker and the other requests go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import queue
+import re
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from latentkv.config import CacheConfig
+from latentkv.engine import sampling
+
+SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+SESSION_SUFFIX = ".kv"  # as `latentkv generate --session`: the CLI and the server share files
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int  # 0 allowed: score the prompt only
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # generation ends when one is sampled (not yielded; reason "stop")
+    logprobs: int | None = None  # None: none; k >= 0: logprob of each sampled token + top-k alternatives
+    prompt_logprobs: bool = False  # logprob of every prompt token given the ones before (entry 0 None)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 (got {self.logprobs})")
+
+    def sampler(self) -> sampling.SamplingParams:
+        return sampling.SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    session: str | None = None  # KV session name (file kv_dir/<name>.kv), resumed + saved
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was resumed from the session file (not prefilled)
+    prompt_logprobs: (
+        list[dict | None] | None
+    )  # per prompt token: None for entry 0, else {"token","logprob","top"}
+    error: str | None = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+class QueueFull(Exception):
+    """The waiting queue is full (the server answers 429)."""
+
+
+class SchedulerClosed(Exception):
+    """The scheduler was shut down."""
+
+
+def valid_session_name(name: str) -> bool:
+    """A plain file name: [A-Za-z0-9._-], 1 to 128 characters, not starting with '.'."""
+    return isinstance(name, str) and bool(SESSION_NAME.fullmatch(name)) and not name.startswith(".")
+
+
+@dataclass
+class SchedulerStats:
+    running: int
+    waiting: int
+    prompt_tokens_total: int  # prefilled (cached tokens not counted)
+    generation_tokens_total: int
+    kv_bytes_in_use: int  # latent rows + indexer keys of the running sequences' caches
+    kv_bytes_capacity: int  # what max_num_seqs caches of max_model_len tokens hold
+    kv_cache_dtype: str
+
+
+class RequestHandle:
+    """The client's side of one request: iterate it (blocking or async) for its events."""
+
+    def __init__(self, request: Request, wake: threading.Condition):
+        self.request = request
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_events: asyncio.Queue | None = None
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop this request (e.g. the client went away); the worker frees its slot at the next step."""
+        self._cancelled.set()
+        with self._wake:
+            self._wake.notify_all()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def _emit(self, event: TokenEvent | Finished) -> None:
+        """Called by the worker; hands the event to whichever iterator reads this handle."""
+        with self._lock:
+            if self._async_events is None:
+                self._events.put(event)
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._async_events.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                self._cancelled.set()
+
+    def __iter__(self):
+        while True:
+            event = self._events.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    async def __aiter__(self):
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            self._async_events = asyncio.Queue()
+            while not self._events.empty():  # what the worker sent before we attached
+                self._async_events.put_nowait(self._events.get())
+        while True:
+            event = await self._async_events.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+@dataclass
+class _Sequence:
+    """A request while the worker holds it."""
+
+    handle: RequestHandle
+    params: SamplingParams
+    prompt: list[int]
+    generator: torch.Generator | None = None
+    cache: object = None
+    session: object = None  # latentkv.kv.store_session.Session, when the request names one
+    cached_tokens: int = 0
+    generated: list[int] | None = None  # sampled tokens, the stop token included
+    pending: int | None = None  # the last sampled token, not yet in the cache
+    prompt_logprobs: list[dict | None] | None = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    sampler: sampling.SamplingParams | None = None
+    finished: bool = False
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model,
+        cache_config: CacheConfig,
+        *,
+        max_num_seqs: int = 8,
+        max_queue: int = 64,
+        max_model_len: int | None = None,
+        kv_dir: Path | None = None,
+        model_dir: Path | None = None,
+    ):
+        limit = model.cfg.max_position_embeddings
+        if max_num_seqs < 1 or max_queue < 0:
+            raise ValueError(
+                f"max_num_seqs must be >= 1 and max_queue >= 0 (got {max_num_seqs}, {max_queue})"
+            )
+        if max_model_len is not None and not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be between 1 and the model's context of {limit}")
+        self.model = model
+        self.cache_config = cache_config
+        self.max_num_seqs = max_num_seqs
+        self.max_queue = max_queue
+        self.max_model_len = max_model_len or limit
+        self.kv_dir = Path(kv_dir) if kv_dir is not None else None
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        probe = model.make_cache(cache_config)  # fails here, not per request, if the tier cannot fit
+        per_token = probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
+        self._capacity = per_token * self.max_model_len * max_num_seqs
+        self._header = None  # the KV file header, built on the first session request
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._busy_sessions: set[str] = set()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._prompt_total = 0
+        self._generation_total = 0
+        self._kv_in_use = 0
+
+    # --- the client side --------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread (once)."""
+        with self._cond:
+            if self._closing:
+                raise SchedulerClosed("the scheduler was shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="latentkv-scheduler", daemon=True)
+                self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the worker; what is still waiting or running finishes with reason "cancelled"."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        else:  # never started: nothing runs, finish what was queued here
+            self._finish_all("cancelled")
+
+    def submit(self, request: Request) -> RequestHandle:
+        """Queue a request; never blocks. ValueError for an invalid request, QueueFull when the
+        queue is full, SchedulerClosed after shutdown."""
+        self._validate(request)
+        handle = RequestHandle(request, self._cond)
+        seq = _Sequence(handle, request.params, list(request.prompt), generated=[])
+        with self._cond:
+            if self._closing:
+                raise SchedulerClosed("the scheduler is shut down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})"
+                )
+            self._waiting.append(seq)
+            self._cond.notify_all()
+        return handle
+
+    def stats(self) -> SchedulerStats:
+        with self._cond:
+            return SchedulerStats(
+                running=len(self._running),
+                waiting=len(self._waiting),
+                prompt_tokens_total=self._prompt_total,
+                generation_tokens_total=self._generation_total,
+                kv_bytes_in_use=self._kv_in_use,
+                kv_bytes_capacity=self._capacity,
+                kv_cache_dtype=self.cache_config.kv_cache_dtype,
+            )
+
+    def _validate(self, request: Request) -> None:
+        prompt, params = request.prompt, request.params
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model.cfg.vocab_size
+        if bad := [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]:
+            raise ValueError(f"token ids out of range for a vocabulary of {vocab}: {bad[:5]}")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{len(prompt) + params.max_tokens} tokens, over the context limit of {self.max_model_len}"
+            )
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab} (got {params.logprobs})")
+        if request.session is not None:
+            if not valid_session_name(request.session):
+                raise ValueError(
+                    f"invalid session name {str(request.session)[:40]!r}: use 1 to 128 letters, digits, '.', "
+                    "'_' or '-', not starting with '.'"
+                )
+            if self.model_dir is None:
+                raise ValueError("sessions need the scheduler's model_dir (the KV file records the weights)")
+
+    # --- the worker -------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and not self._running and not self._waiting:
+                    self._cond.wait()
+                if self._closing:
+                    break
+                admitted = self._take_admissible()
+            try:
+                self._step(admitted)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not leave clients waiting forever
+                traceback.print_exc()
+                for seq in admitted + self._running:
+                    if not seq.finished:
+                        self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+        self._finish_all("cancelled")
+
+    def _step(self, admitted: list[_Sequence]) -> None:
+        self._drop_cancelled()
+        for seq in admitted:
+            self._guarded(seq, self._admit)
+        if self._running:
+            self._decode_step()
+        self._update_kv_bytes()
+
+    def _take_admissible(self) -> list[_Sequence]:
+        """Under the lock: waiting requests to start now (free slots; not on a busy session)."""
+        taken, kept = [], collections.deque()
+        free = self.max_num_seqs - len(self._running)
+        while self._waiting:
+            seq = self._waiting.popleft()
+            name = seq.handle.request.session
+            if (
+                seq.handle.cancelled
+                or len(taken) >= free
+                or (name is not None and name in self._busy_sessions)
+            ):
+                kept.append(seq)
+                continue
+            if name is not None:
+                self._busy_sessions.add(name)
+            taken.append(seq)
+        self._waiting = kept
+        return taken
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            gone = [s for s in self._waiting if s.handle.cancelled]
+            self._waiting = collections.deque(s for s in self._waiting if not s.handle.cancelled)
+        for seq in gone + [s for s in self._running if s.handle.cancelled]:
+            self._finish(seq, "cancelled")
+
+    def _guarded(self, seq: _Sequence, step, *args) -> None:
+        """Run one sequence's step; an exception finishes that request with reason "error"."""
+        try:
+            step(seq, *args)
+        except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            traceback.print_exc()
+
+    def _admit(self, seq: _Sequence) -> None:
+        """Resume the session, prefill the rest of the prompt, sample the first token."""
+        params = seq.params
+        seq.sampler = params.sampler()
+        seq.generator = None if seq.sampler.greedy else seq.sampler.generator()
+        todo = self._open_cache(seq)
+        t0 = time.perf_counter()
+        logits = self.model.forward(
+            torch.tensor(todo, dtype=torch.long), seq.cache, all_logits=params.prompt_logprobs
+        )
+        seq.prefill_seconds = time.perf_counter() - t0
+        with self._cond:
+            self._prompt_total += len(todo)
+        if params.prompt_logprobs:
+            seq.prompt_logprobs = _prompt_logprobs(seq.prompt, logits, params.logprobs)
+        self._running.append(seq)
+        if params.max_tokens == 0:
+            self._finish(seq, "length")
+            return
+        self._advance(seq, logits[-1])
+
+    def _open_cache(self, seq: _Sequence) -> list[int]:
+        """The sequence's cache (resumed from its session, if any); returns the tokens to prefill."""
+        name = seq.handle.request.session
+        if name is None:
+            seq.cache = self.model.make_cache(self.cache_config)
+            return seq.prompt
+        from latentkv.kv.store_header import KVFileBusy
+        from latentkv.kv.store_session import Session, reusable_prefix
+
+        try:
+            seq.session, seq.cache = Session.resume(
+                self._session_path(name), self._session_header(), self.cache_config
+            )
+        except KVFileBusy:
+            raise RuntimeError(f"session {name!r} is in use by another process") from None
+        keep = 0 if seq.params.prompt_logprobs else reusable_prefix(seq.session.tokens, seq.prompt)
+        seq.cache.trim(keep)
+        seq.session.keep(keep)
+        seq.cached_tokens = keep
+        return seq.prompt[keep:]
+
+    def _session_path(self, name: str) -> Path:
+        from latentkv.config import sessions_dir
+
+        directory = self.kv_dir if self.kv_dir is not None else sessions_dir()
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return directory / f"{name}{SESSION_SUFFIX}"
+
+    def _session_header(self):
+        if self._header is None:
+            from latentkv.kv.store import header_for
+            from latentkv.models.loader import Checkpoint
+
+            cache = self.model.make_cache(self.cache_config)
+            self._header = header_for(self.model.cfg, cache, Checkpoint(self.model_dir).fingerprint())
+        return self._header
+
+    def _decode_step(self) -> None:
+        """One batched decode over every running sequence, then each samples its next token."""
+        seqs = list(self._running)
+        tokens = torch.tensor([s.pending for s in seqs], dtype=torch.long)
+        t0 = time.perf_counter()
+        try:
+            rows = list(self.model.decode_batch(tokens, [s.cache for s in seqs]))
+        except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
+            rows = [self._decode_alone(s) for s in seqs]
+        seconds = time.perf_counter() - t0
+        for seq, logits in zip(seqs, rows, strict=True):
+            if logits is not None:
+                seq.decode_seconds += seconds
+                self._guarded(seq, self._advance, logits)
+
+    def _decode_alone(self, seq: _Sequence) -> torch.Tensor | None:
+        try:
+            return self.model.decode_batch(torch.tensor([seq.pending]), [seq.cache])[0]
+        except Exception as exc:  # noqa: BLE001
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            return None
+
+    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        """Sample the next token from logits [vocab]: yield it, or finish."""
+        params = seq.params
+        token = sampling.sample(logits, seq.sampler, seq.generator)
+        seq.generated.append(token)
+        with self._cond:
+            self._generation_total += 1
+        if token in params.stop_token_ids:
+            self._finish(seq, "stop")
+            return
+        logprob, top = None, None
+        if params.logprobs is not None:
+            logprob, top = _token_logprobs(logits, token, params.logprobs)
+        seq.handle._emit(TokenEvent(token, logprob, top))
+        if len(seq.generated) >= params.max_tokens:
+            self._finish(seq, "length")
+        else:
+            seq.pending = token
+
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+        """The request leaves: save its session (unless it failed), free its slot, tell the client."""
+        if seq.finished:
+            return
+        seq.finished = True
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq.session is not None:
+            error = self._close_session(seq, save=reason != "error") or error
+        name = seq.handle.request.session
+        with self._cond:
+            self._busy_sessions.discard(name)
+            self._cond.notify_all()
+        seq.handle._emit(
+            Finished(
+                reason="error" if error else reason,
+                prompt_tokens=len(seq.prompt),
+                completion_tokens=len(seq.generated or ()),
+                cached_tokens=seq.cached_tokens,
+                prompt_logprobs=seq.prompt_logprobs,
+                error=error,
+                prefill_seconds=seq.prefill_seconds,
+                decode_seconds=seq.decode_seconds,
+            )
+        )
+
+    def _close_session(self, seq: _Sequence, save: bool) -> str | None:
+        """Save the cache's rows (prompt + every generated token fed back) and close the file."""
+        session, seq.session = seq.session, None
+        try:
+            if save:
+                ids = (seq.prompt + seq.generated)[: seq.cache.length]
+                session.save(ids, seq.cache)
+            return None
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            return f"saving session {seq.handle.request.session!r} failed: {exc}"
+        finally:
+            session.close()
+
+    def _finish_all(self, reason: str) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for seq in list(self._running) + waiting:
+            self._finish(seq, reason)
+        self._update_kv_bytes()
+
+    def _update_kv_bytes(self) -> None:
+        total = sum(s.cache.nbytes() + s.cache.index_nbytes() for s in self._running)
+        with self._cond:
+            self._kv_in_use = total
+
+
+def _token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """log_softmax(logits)[token] and the k most likely (id, logprob), from logits [vocab]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return float(logprobs[token]), _top(logprobs, k)
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    if k == 0:
+        return []
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]))
+    return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def _prompt_logprobs(prompt: list[int], logits: torch.Tensor, k: int | None) -> list[dict | None]:
+    """Entry i > 0: the logprob of prompt[i] given prompt[:i], from logits [len(prompt), vocab]."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # row i predicts prompt[i + 1]
+    targets = torch.tensor(prompt[1:], dtype=torch.long)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    out: list[dict | None] = [None]
+    for i, token in enumerate(prompt[1:]):
+        out.append({"token": token, "logprob": chosen[i], "top": _top(logprobs[i], k or 0)})
+    return out
