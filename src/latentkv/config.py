@@ -291,15 +291,19 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
 
 # --- runtime configuration ----------------------------------------------------------------
 
-# The tiers, named as vLLM's --kv-cache-dtype; kept in step with latentkv.kv.codecs.CODEC_NAMES
+# The tiers, named as vLLM's --kv-cache-dtype; kept in step with latentkv.kv.codecs.TIER_NAMES
 # (a test checks it) so this module stays free of imports from the rest of the package.
+# The mixed tiers (tq4-r8: tq4 latent, fp8 rope key; -r16: bf16 rope key) follow the single-codec ones.
 KV_CACHE_DTYPES = (
     "f32",
     "bf16",
     "fp8",
     *(f"tq{b}" for b in range(2, 7)),
     *(f"polar{b}" for b in range(2, 7)),
+    *(f"{base}-{r}" for base in ("tq4", "tq3") for r in ("r8", "r16")),
 )
+# Tiers whose latent codec takes --kv-group-size (one scale per group of values).
+GROUPED_KV_CACHE_DTYPES = tuple(n for n in KV_CACHE_DTYPES if n not in ("f32", "bf16"))
 KV_CACHE_ALIASES = {"auto": "f32", "fp32": "f32", "float32": "f32", "bfloat16": "bf16", "fp8_e4m3": "fp8"}
 DEFAULT_ROTATION_SEED = 0x9E3779B9
 WEIGHT_DTYPES = ("f32", "bf16")
@@ -311,7 +315,8 @@ class CacheConfig:
 
     kv_cache_dtype: str = "f32"
     rotation_seed: int = DEFAULT_ROTATION_SEED  # tq* / polar*
-    group_size: int | None = None  # fp8: one scale per group_size values instead of per row
+    group_size: int | None = None  # fp8, tq*, polar*: one scale per group_size values instead of per row
+    recent_window: int = 0  # the last W tokens read in f32 by attention (0: off); not part of the bytes
 
     def __post_init__(self) -> None:
         name = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
@@ -321,10 +326,12 @@ class CacheConfig:
                 f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; choose from {', '.join(KV_CACHE_DTYPES)}"
             )
         if self.group_size is not None:
-            if name != "fp8":
-                raise ConfigError(f"--kv-group-size applies to fp8 only, not to {name}")
+            if name not in GROUPED_KV_CACHE_DTYPES:
+                raise ConfigError(f"--kv-group-size applies to fp8, tq* and polar* tiers only, not to {name}")
             if self.group_size < 1:
                 raise ConfigError(f"--kv-group-size must be positive (got {self.group_size})")
+        if self.recent_window < 0:
+            raise ConfigError(f"--kv-recent-window must be 0 (off) or positive (got {self.recent_window})")
 
 
 def parse_kv_cache_dtypes(text: str) -> list[str]:
@@ -410,8 +417,8 @@ class ServerConfig:
             raise ConfigError("--api-key is empty (leave it out to serve without a key)")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
-        if self.max_queue < 0:
-            raise ConfigError(f"the queue bound must be >= 0 (got {self.max_queue})")
+        if self.max_queue < 1:
+            raise ConfigError(f"--max-queue must be >= 1 (got {self.max_queue})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2 (got {self.max_model_len})")
 

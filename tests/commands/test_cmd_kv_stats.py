@@ -172,7 +172,7 @@ def test_the_table(capsys):
         (["--ram-gb", "0"], "--ram-gb must be positive"),
         (["--rows", "0"], "at least 1"),
         (["--kv-cache-dtype", "int4"], "unknown --kv-cache-dtype 'int4'"),
-        (["--kv-group-size", "8", "--kv-cache-dtype", "tq4"], "applies to fp8 only"),
+        (["--kv-group-size", "8", "--kv-cache-dtype", "bf16"], "applies to fp8, tq* and polar* tiers"),
     ],
 )
 def test_user_errors(args, message, capsys):

@@ -10,7 +10,7 @@ import pytest
 from latentkv.cli import main
 from latentkv.commands.common import kv_cache_dtype_text
 from latentkv.config import KV_CACHE_DTYPES
-from latentkv.kv.codecs import get_codec
+from latentkv.kv.codecs import TIERS, get_codec
 from latentkv.models.registry import BUILTIN_DIR
 
 TINY = json.loads((BUILTIN_DIR / "tiny" / "config.json").read_text())
@@ -33,8 +33,9 @@ def _generate_json(capsys, *extra: str, prompt: str = "5,6,7", n: int = 4) -> tu
 def _row_bytes(tier: str, **kwargs) -> int:
     """Bytes per token per layer, derived from the codecs themselves (c and r, each with scales)."""
     group = kwargs.pop("group_size", None)
-    c = get_codec(tier, LKV, group_size=group, **kwargs)
-    r = get_codec(tier, ROPE, group_size=group if group and ROPE % group == 0 else None, **kwargs)
+    parts = TIERS[tier]  # c's codec and r's (they differ for the mixed tiers, e.g. tq4-r8: tq4 + fp8)
+    c = get_codec(parts.c, LKV, group_size=group, **kwargs)
+    r = get_codec(parts.r, ROPE, group_size=group if group and ROPE % group == 0 else None, **kwargs)
     return c.bytes_per_row + r.bytes_per_row
 
 
@@ -168,7 +169,10 @@ def test_demo_takes_a_tier(capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--kv-cache-dtype", "tq4", "--kv-group-size", "8"], "--kv-group-size applies to fp8 only"),
+        (
+            ["--kv-cache-dtype", "bf16", "--kv-group-size", "8"],
+            "--kv-group-size applies to fp8, tq* and polar* tiers",
+        ),
         (["--kv-cache-dtype", "fp8", "--kv-group-size", "5"], "must divide the row width 32"),
         (["--kv-cache-dtype", "fp8", "--kv-group-size", "0"], "--kv-group-size must be positive"),
         (["--kv-cache-dtype", "tq9"], "unknown --kv-cache-dtype 'tq9'; choose from f32"),

@@ -20,13 +20,19 @@ def cache(codec: Codec, tokens: int) -> EncodedRows:
     return codec.encode(rows)
 
 
-CODEC_CASES = [*CODEC_NAMES, "fp8-g16"]
+CODEC_CASES = [*CODEC_NAMES, "fp8-g16", "tq4-g16", "tq3-g8", "polar4-g16", "polar3-g8"]
 
 
 def make(case: str, width: int) -> Codec:
-    if case == "fp8-g16":
-        return get_codec("fp8", width, group_size=16)
-    return get_codec(case, width)
+    """A codec by case name: a registry name, or NAME-gG for NAME with grouped scales of G values."""
+    name, _, group = case.partition("-g")
+    return get_codec(name, width, group_size=int(group) if group else None)
+
+
+def rope_width(case: str) -> int:
+    """The r width of the fused tests: 8, or the group size where the case groups more values."""
+    _, _, group = case.partition("-g")
+    return max(8, int(group or 0))
 
 
 @pytest.mark.parametrize("case", CODEC_CASES)
@@ -62,7 +68,7 @@ def test_default_tile_and_one_query(case):
     assert rel(attention.scores(codec, q, enc), reference) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["bf16", "fp8", "fp8-g16", "tq3", "polar4"])
+@pytest.mark.parametrize("case", ["bf16", "fp8", "fp8-g16", "tq3", "polar4", "tq4-g16", "polar4-g16"])
 def test_reads_stay_within_one_tile(case, monkeypatch):
     """The packed rows are read tile by tile, never the whole cache at once."""
     codec = make(case, 64)
@@ -135,7 +141,7 @@ def test_errors():
 )
 def test_fused_attend_matches_decode_then_softmax(case, tokens, masked):
     """The one-pass online-softmax attention equals scores -> softmax -> context in float64."""
-    codec_c, codec_r = make(case, 64), make(case, 8 if case != "fp8-g16" else 16)
+    codec_c, codec_r = make(case, 64), make(case, rope_width(case))
     c, r = cache(codec_c, tokens), cache(codec_r, tokens)
     H, S = 4, 3
     query = torch.randn(H, S, codec_c.width + codec_r.width)
@@ -154,3 +160,70 @@ def test_fused_attend_matches_decode_then_softmax(case, tokens, masked):
     reference = torch.softmax(scores, dim=-1) @ rows_c
     assert ours.shape == (H, S, codec_c.width)
     assert rel(ours, reference) < 1e-5
+
+
+def _reference(query, rows_c, rows_r, allowed):
+    """float64 (context [H, S, n_c], lse [H, S]) of MLA attention over decoded rows."""
+    q = query.double()
+    n = rows_c.shape[1]
+    scores = q[..., :n] @ rows_c.double().T + q[..., n:] @ rows_r.double().T
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ rows_c.double(), torch.logsumexp(scores, dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("c_case", "r_case"), [("tq4", "fp8"), ("tq4", "bf16"), ("tq3", "fp8"), ("tq4-g16", "fp8-g16")]
+)
+@pytest.mark.parametrize("tokens", [5, 2 * TILE + 7])
+def test_fused_attend_with_a_mixed_codec_pair(c_case, r_case, tokens):
+    """The mixed tiers: c rotated (tq), r in fp8 or bf16 in the plain basis."""
+    codec_c, codec_r = make(c_case, 64), make(r_case, 16)
+    c, r = cache(codec_c, tokens), cache(codec_r, tokens)
+    query = torch.randn(4, 3, 64 + 16)
+    allowed = torch.rand(3, tokens) < 0.7
+    allowed[:, 0] = True
+    ours = attention.attend(codec_c, codec_r, query, c, r, allowed, tile=TILE)
+    reference, _ = _reference(query, codec_c.decode(c), codec_r.decode(r), allowed)
+    assert rel(ours, reference) < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [7, 3 * TILE + 5])
+def test_lse_and_merge_of_disjoint_rows_equal_one_softmax(tokens):
+    """attend_with_lse's log-sum-exp is the float64 one; merging two halves is attention over all rows,
+    also for queries that see nothing in one half (their part has lse -inf)."""
+    codec_c, codec_r = make("tq4", 64), make("fp8", 8)
+    c, r = cache(codec_c, tokens), cache(codec_r, tokens)
+    query = torch.randn(2, 4, 72) * 3
+    allowed = torch.rand(4, tokens) < 0.6
+    allowed[0, : tokens // 2] = False  # query 0 sees nothing in the first half...
+    allowed[0, -1] = True
+    allowed[1, tokens // 2 :] = False  # ...query 1 nothing in the second
+    allowed[1, 0] = True
+    out, lse = attention.attend_with_lse(codec_c, codec_r, query, c, r, allowed, tile=TILE)
+    ref_out, ref_lse = _reference(query, codec_c.decode(c), codec_r.decode(r), allowed)
+    assert rel(out, ref_out) < 1e-5
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    half = tokens // 2
+    parts = [
+        attention.attend_with_lse(
+            codec_c, codec_r, query, c.rows(a, b), r.rows(a, b), allowed[:, a:b], tile=TILE
+        )
+        for a, b in ((0, half), (half, tokens))
+    ]
+    merged = attention.merge(parts)
+    assert torch.isfinite(merged).all()
+    assert rel(merged, ref_out) < 1e-5
+
+
+def test_f32_window_attention_with_lse():
+    rows = torch.randn(9, 40)
+    query = torch.randn(3, 2, 40)
+    allowed = torch.rand(2, 9) < 0.5
+    allowed[:, 4] = True
+    out, lse = attention.attend_f32_with_lse(query, rows, 32, allowed)
+    ref_out, ref_lse = _reference(query, rows[:, :32], rows[:, 32:], allowed)
+    assert rel(out, ref_out) < 1e-6
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="width 40 against rows of width 36"):
+        attention.attend_f32_with_lse(query, rows[:, :36], 32)

@@ -1,8 +1,8 @@
 """Arguments and loading shared by the commands that run a model.
 
 The KV tier is chosen here, once: `--kv-cache-dtype` (or the seed system's environment
-aliases, read by `config.kv_cache_dtype_from_env`) plus `--kv-group-size` and `--kv-seed`
-become a `CacheConfig` that the command passes down. A tier that cannot store the model's
+aliases, read by `config.kv_cache_dtype_from_env`) plus `--kv-group-size`, `--kv-seed` and
+`--kv-recent-window` become a `CacheConfig` that the command passes down. A tier that cannot store the model's
 latent rows is refused from config.json alone, before any weight is read.
 """
 
@@ -38,7 +38,8 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True) -> 
 def add_cache_arguments(
     p: argparse.ArgumentParser, multiple: bool = False, default: str = "f32", note: str = ""
 ) -> None:
-    """--kv-cache-dtype (one tier, or a comma list / `all` when `multiple`), --kv-group-size, --kv-seed."""
+    """--kv-cache-dtype (one tier, or a comma list / `all` when `multiple`), --kv-group-size, --kv-seed,
+    --kv-recent-window."""
     from latentkv.config import KV_CACHE_DTYPES
 
     names = ", ".join(KV_CACHE_DTYPES)
@@ -57,7 +58,9 @@ def add_cache_arguments(
         type=int,
         default=None,
         metavar="N",
-        help="fp8 only: one scale per N values instead of one per row (N must divide kv_lora_rank)",
+        help="fp8, tq*, polar*: one scale per N values instead of one per row (N must divide "
+        "kv_lora_rank; the rope key is grouped too when N divides its width; tq*/polar* group the "
+        "rotated coordinates)",
     )
     p.add_argument(
         "--kv-seed",
@@ -65,6 +68,14 @@ def add_cache_arguments(
         default=None,
         metavar="S",
         help="rotation seed of the tq*/polar* tiers (default: 0x9E3779B9; decimal or 0x hex)",
+    )
+    p.add_argument(
+        "--kv-recent-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="read the N most recent tokens' rows in full precision (float32), older ones in the "
+        "tier (default: 0, off; the KV file still stores every row in the tier)",
     )
 
 
@@ -121,17 +132,19 @@ def cache_config(args: argparse.Namespace, default: str = "f32"):
 
 
 def cache_configs(args: argparse.Namespace, default: str = "all") -> list:
-    """A CacheConfig per tier of a comma list (or `all`); --kv-group-size applies to fp8 only."""
-    from latentkv.config import CacheConfig, ConfigError, parse_kv_cache_dtypes
+    """A CacheConfig per tier of a comma list (or `all`); --kv-group-size applies to the tiers
+    that take groups (fp8, tq*, polar* and the mixed tq*-r*), the other flags to every tier."""
+    from latentkv.config import GROUPED_KV_CACHE_DTYPES, CacheConfig, ConfigError, parse_kv_cache_dtypes
 
     text = kv_cache_dtype_text(args.kv_cache_dtype, default)
     params = _cache_params(args)
     try:
         names = list(dict.fromkeys(parse_kv_cache_dtypes(text)))
-        if params.get("group_size") is not None and "fp8" not in names:
-            raise ConfigError(f"--kv-group-size applies to fp8 only, and {text!r} has no fp8")
+        grouped = [n for n in names if n in GROUPED_KV_CACHE_DTYPES]
+        if params.get("group_size") is not None and not grouped:
+            raise ConfigError(f"--kv-group-size applies to fp8, tq* and polar* tiers, and {text!r} has none")
         return [
-            CacheConfig(n, **{k: v for k, v in params.items() if k != "group_size" or n == "fp8"})
+            CacheConfig(n, **{k: v for k, v in params.items() if k != "group_size" or n in grouped})
             for n in names
         ]
     except ConfigError as exc:
@@ -144,6 +157,8 @@ def _cache_params(args: argparse.Namespace) -> dict:
         params["group_size"] = args.kv_group_size
     if args.kv_seed is not None:
         params["rotation_seed"] = args.kv_seed
+    if args.kv_recent_window is not None:
+        params["recent_window"] = args.kv_recent_window
     return params
 
 
@@ -252,4 +267,6 @@ def describe_tier(cache) -> str:
         parts.append(f"{part} {codec.code_bytes}+{4 * codec.scale_count} B")
     extra = {k: v for k, v in params["c"].items() if k in ("group_size", "rotation_seed") and v is not None}
     tail = "".join(f", {k} {hex(v) if k == 'rotation_seed' else v}" for k, v in extra.items())
+    if cache.recent_window:
+        tail += f", the last {cache.recent_window} tokens read in f32"
     return f"{cache.codec}: {', '.join(parts)}{tail}"

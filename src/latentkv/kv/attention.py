@@ -13,6 +13,7 @@ a row is `factor_t * values_t`, with the per-row factor kept out of the dot prod
     fp8       rows      lut[byte]  (group scales folded in)  scale_t  (1 when grouped)
     tq*       rotated   level[code]                          radius_t / sqrt(n)
     polar*    rotated   unit vector from the angles          radius_t
+    (tq* and polar* with grouped radii fold each group's radius into its values: factor 1)
 
     s_t = factor_t * (B q) . values_t          B = R (rotate) for tq / polar, identity otherwise
     o   = B^T sum_t (w_t factor_t) values_t    one unrotation per call, however large T is
@@ -65,11 +66,15 @@ def _read_fp8(codec: Fp8Codec, enc: EncodedRows) -> tuple[torch.Tensor, torch.Te
     return grouped.view(len(enc), codec.width), None
 
 
-def _read_turbo(codec: TurboCodec, enc: EncodedRows) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_turbo(codec: TurboCodec, enc: EncodedRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if codec.group_size is not None:  # one radius per group: fold them into the values
+        return codec.rotated_rows(enc), None
     return codec.rotated_values(enc.codes), enc.scales[:, 0] / math.sqrt(codec.width)
 
 
-def _read_polar(codec: PolarCodec, enc: EncodedRows) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_polar(codec: PolarCodec, enc: EncodedRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if codec.group_size is not None:
+        return codec.rotated_rows(enc), None
     return codec.unit_vectors(enc.codes), enc.scales[:, 0]
 
 
@@ -163,6 +168,63 @@ def attend(
     `scores` then `context` would unpack it twice); the running max / normaliser keep memory
     at one tile however long T is.
     """
+    return _attend(codec_c, codec_r, query, c, r, allowed, tile, want_lse=False)[0]
+
+
+def attend_with_lse(
+    codec_c: Codec,
+    codec_r: Codec,
+    query: torch.Tensor,
+    c: EncodedRows,
+    r: EncodedRows,
+    allowed: torch.Tensor | None = None,
+    *,
+    tile: int = DEFAULT_TILE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend`, plus the log-sum-exp of each query's scores [H, S] (-inf where nothing is allowed),
+    so that attention over two disjoint sets of rows can be merged exactly (`merge`)."""
+    out, lse = _attend(codec_c, codec_r, query, c, r, allowed, tile, want_lse=True)
+    assert lse is not None
+    return out, lse
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over disjoint row sets, each (context [H, S, n], lse [H, S]) -> the context over
+    their union: sum_i out_i exp(lse_i - lse) with lse = log sum_i exp(lse_i). A part with no
+    allowed row (lse -inf) contributes nothing, whatever its (NaN) context."""
+    lses = torch.stack([lse for _, lse in parts])  # [P, H, S]
+    total = torch.logsumexp(lses, dim=0)  # [H, S]
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    out = torch.zeros_like(parts[0][0])
+    for (ctx, _), weight in zip(parts, torch.exp(lses - safe), strict=True):
+        out += torch.where(weight[..., None] > 0, ctx * weight[..., None], 0.0)
+    return out
+
+
+def attend_f32_with_lse(
+    query: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int, allowed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_with_lse` over float32 rows [T, Lkv + R] (the full-precision recent window):
+    query [H, S, Lkv + R] (scaled), allowed bool [S, T] or None -> (context [H, S, Lkv], lse [H, S])."""
+    if query.shape[-1] != rows.shape[1]:
+        raise ValueError(f"queries of width {query.shape[-1]} against rows of width {rows.shape[1]}")
+    s = torch.matmul(query.to(torch.float32), rows.T)  # [H, S, T]
+    if allowed is not None:
+        s.masked_fill_(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [H, S]
+    return torch.matmul(torch.softmax(s, dim=-1), rows[:, :kv_lora_rank]), lse
+
+
+def _attend(
+    codec_c: Codec,
+    codec_r: Codec,
+    query: torch.Tensor,
+    c: EncodedRows,
+    r: EncodedRows,
+    allowed: torch.Tensor | None,
+    tile: int,
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check(codec_c, c, tile)
     _check(codec_r, r, tile)
     cons_c, cons_r = consumer_for(codec_c), consumer_for(codec_r)
@@ -185,10 +247,11 @@ def attend(
         s = _scaled(qc @ vc.T, fc).add_(_scaled(qr @ vr.T, fr))  # [M, T]
         if allowed is not None:
             s.view(H, S, -1).masked_fill_(~allowed, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1).view(H, S) if want_lse else None
         out = _scaled(torch.softmax(s, dim=-1), fc) @ vc  # [M, n_c]
         if cons_c.rotated:
             out = codec_c.rotation.unrotate(out)
-        return out.view(H, S, n)
+        return out.view(H, S, n), lse
     best = torch.full((M, 1), float("-inf"))  # running max of the scores
     norm = torch.zeros(M, 1)  # running sum of exp(score - best)
     acc = torch.zeros(M, n)  # running sum of exp(score - best) * factor * values, working basis
@@ -216,7 +279,8 @@ def attend(
     out = acc / norm
     if cons_c.rotated:
         out = codec_c.rotation.unrotate(out)
-    return out.view(H, S, n)
+    lse = (best + torch.log(norm)).view(H, S) if want_lse else None
+    return out.view(H, S, n), lse
 
 
 def _scaled(block: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:

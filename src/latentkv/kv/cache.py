@@ -8,12 +8,23 @@ Two storages share one small interface (append / commit / view / trim / nbytes /
 
     LatentCache        f32, rows [c | r] side by side: the reference, byte-identical to the
                        engine before any tier existed
-    PackedLatentCache  any codec of `latentkv.kv.codecs` (bf16, fp8, tq*, polar*): c and r
-                       encoded separately, each with its own scale(s)
+    PackedLatentCache  any tier of `latentkv.kv.codecs` (bf16, fp8, tq*, polar*, tq4-r8, ...):
+                       c and r encoded separately, each with its own codec and scale(s)
 
 `append` returns a reader over every row so far; attention asks the reader for
 `scores(query)` and `context(weights)`, which read the stored format directly (see
 `latentkv.kv.attention`), so no float copy of a packed cache is ever built.
+
+A packed cache may keep a full-precision window (`CacheConfig.recent_window` = W > 0): a query
+at position p reads the rows of positions p - W + 1 .. p (itself and its W - 1 predecessors)
+as exact float32 and every older row from the tier. The rule depends on the query's position
+only, so a prompt prefilled in one pass sees exactly what token-by-token decoding sees. The
+cache holds the float32 rows of the last W committed tokens per layer (W * 4 * (Lkv + R) bytes
+per layer, whatever the context) on top of the tier's rows, which it stores for every token as
+without a window. `state()` and the KV file hold the tier's rows only: the window is not part
+of the bytes. After a resume (`from_state`) or a `trim` that reaches back past the rows it
+holds, the window is refilled from the tier's decoded rows, so those rows are no longer exact
+and the logits that follow are not bit-identical to an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import torch
 
 from latentkv.config import CacheConfig, ModelConfig
 from latentkv.kv import attention
-from latentkv.kv.codecs import Codec, EncodedRows, get_codec
+from latentkv.kv.codecs import GROUPED_CODECS, TIERS, Codec, EncodedRows, get_codec
 
 
 @dataclass(frozen=True)
@@ -83,8 +94,15 @@ class RowReader(Protocol):
         """weights [H, S, T] -> [H, S, Lkv]: sum_t w_t c_t."""
         ...
 
-    def attend(self, query: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-        """query [H, S, Lkv+R] (scaled), allowed bool [S, T] or None -> context [H, S, Lkv]."""
+    def attend(
+        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """query [H, S, Lkv+R] (scaled), allowed bool [S, T] or None -> context [H, S, Lkv].
+
+        `positions` [S]: the queries' token positions. Only a cache with a recent window reads
+        them (to know which rows a query sees in full precision); without them it assumes the
+        queries are the tokens of the pass that made the reader, and refuses a slice of them.
+        """
         ...
 
 
@@ -107,7 +125,9 @@ class F32Rows:
     def context(self, weights: torch.Tensor) -> torch.Tensor:
         return torch.matmul(weights, self.rows[:, : self.kv_lora_rank])
 
-    def attend(self, query: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         scores = self.scores(query)  # [H, S, T]
         if allowed is not None:
             scores.masked_fill_(~allowed, float("-inf"))
@@ -127,6 +147,14 @@ class PackedRows:
     def select(self, index: torch.Tensor) -> PackedRows:
         return PackedRows(self.c.select(index), self.r.select(index), self.codec_c, self.codec_r)
 
+    def rows(self, start: int, stop: int) -> PackedRows:
+        """Rows [start, stop) as views (no copy)."""
+        return PackedRows(self.c.rows(start, stop), self.r.rows(start, stop), self.codec_c, self.codec_r)
+
+    def decoded(self) -> torch.Tensor:
+        """The rows decoded to float32 [T, Lkv+R] (what refills a recent window after a resume)."""
+        return torch.cat([self.codec_c.decode(self.c), self.codec_r.decode(self.r)], dim=1)
+
     def scores(self, query: torch.Tensor) -> torch.Tensor:
         n = self.codec_c.width
         return attention.scores(self.codec_c, query[..., :n], self.c) + attention.scores(
@@ -136,8 +164,140 @@ class PackedRows:
     def context(self, weights: torch.Tensor) -> torch.Tensor:
         return attention.context(self.codec_c, weights, self.c)
 
-    def attend(self, query: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return attention.attend(self.codec_c, self.codec_r, query, self.c, self.r, allowed)
+
+    def attend_with_lse(
+        self, query: torch.Tensor, allowed: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return attention.attend_with_lse(self.codec_c, self.codec_r, query, self.c, self.r, allowed)
+
+
+class WindowedRows:
+    """A packed tier's rows plus the float32 rows of the recent window (see the module docstring).
+
+    A query at position p reads row t from `recent` when p - W < pos_t, from the tier otherwise;
+    the two parts are attended separately and merged through their log-sum-exps, which is exactly
+    one softmax over the union. Row positions are 0..T-1, or, after `select` (DSA), the selected
+    indices.
+    """
+
+    def __init__(
+        self,
+        packed: PackedRows,
+        recent: torch.Tensor,
+        recent_start: int,
+        window: int,
+        query_start: int,
+        query_count: int,
+        positions: torch.Tensor | None = None,
+    ):
+        self.packed = packed
+        self.recent = recent  # [Tr, Lkv+R] f32: the exact rows of positions recent_start ..
+        self.recent_start = recent_start
+        self.window = window
+        self.query_start, self.query_count = query_start, query_count  # the pass that made the reader
+        self.positions = positions  # [T] int64, or None for 0..T-1
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def select(self, index: torch.Tensor) -> WindowedRows:
+        positions = index if self.positions is None else self.positions.index_select(0, index)
+        return WindowedRows(
+            self.packed.select(index),
+            self.recent,
+            self.recent_start,
+            self.window,
+            self.query_start,
+            self.query_count,
+            positions.to(torch.int64),
+        )
+
+    def _query_positions(self, count: int, positions: torch.Tensor | None) -> torch.Tensor:
+        if positions is not None:
+            if positions.shape != (count,):
+                raise ValueError(f"positions {tuple(positions.shape)} for {count} queries")
+            return positions.to(torch.int64)
+        if count != self.query_count:
+            raise ValueError(
+                f"a cache with a recent window needs the positions of these {count} queries (its "
+                f"reader was made for the {self.query_count} tokens from position {self.query_start})"
+            )
+        return torch.arange(self.query_start, self.query_start + count)
+
+    def _split(self, qpos: torch.Tensor):
+        """(tier rows, their [S, To] mask, columns; recent f32 rows [Tn, Lkv+R], their [S, Tn] mask, columns).
+
+        Columns are a slice of 0..T-1 for a whole cache, an index tensor after `select`.
+        """
+        T, first_exact = len(self), qpos - self.window + 1  # [S]: the oldest exact position per query
+        if self.positions is None:
+            old_end = min(max(int(qpos.max()) - self.window + 1, 0), T)
+            new_start = min(max(int(first_exact.min()), 0), T)
+            old_cols, new_cols = slice(0, old_end), slice(new_start, T)
+            old = self.packed.rows(0, old_end)
+            old_mask = torch.arange(old_end)[None, :] < first_exact[:, None]  # [S, To]
+            new_pos = torch.arange(new_start, T)
+        else:
+            is_old = self.positions[None, :] < first_exact[:, None]  # [S, T]
+            old_cols = is_old.any(dim=0).nonzero().squeeze(1)
+            new_cols = (~is_old).any(dim=0).nonzero().squeeze(1)
+            old, old_mask = self.packed.select(old_cols), is_old[:, old_cols]
+            new_pos = self.positions.index_select(0, new_cols)
+        new_mask = new_pos[None, :] >= first_exact[:, None]  # [S, Tn]
+        at = new_pos - self.recent_start
+        if len(at) and (int(at.min()) < 0 or int(at.max()) >= len(self.recent)):
+            raise RuntimeError(
+                f"the recent window holds positions {self.recent_start}..{self.recent_start + len(self.recent) - 1}, "
+                f"not {int(new_pos.min())}..{int(new_pos.max())}"
+            )
+        if self.positions is None:
+            recent = self.recent[new_start - self.recent_start : T - self.recent_start]
+        else:
+            recent = self.recent.index_select(0, at)
+        return old, old_mask, old_cols, recent, new_mask, new_cols
+
+    def attend(
+        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        old, old_mask, old_cols, recent, new_mask, new_cols = self._split(
+            self._query_positions(query.shape[1], positions)
+        )
+        parts = []
+        if len(old):
+            parts.append(old.attend_with_lse(query, _mask(allowed, old_cols, old_mask)))
+        if len(recent):
+            n = self.packed.codec_c.width
+            parts.append(attention.attend_f32_with_lse(query, recent, n, _mask(allowed, new_cols, new_mask)))
+        return parts[0][0] if len(parts) == 1 else attention.merge(parts)
+
+    def scores(self, query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """query [H, S, Lkv+R] -> [H, S, T], each query's window columns from the f32 rows."""
+        _, _, _, recent, new_mask, new_cols = self._split(self._query_positions(query.shape[1], positions))
+        out = self.packed.scores(query)  # [H, S, T]
+        exact = torch.matmul(query.to(torch.float32), recent.T)  # [H, S, Tn]
+        out[..., new_cols] = torch.where(new_mask, exact, out[..., new_cols])
+        return out
+
+    def context(self, weights: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """weights [H, S, T] -> [H, S, Lkv], each query's window rows read in f32."""
+        _, _, _, recent, new_mask, new_cols = self._split(self._query_positions(weights.shape[1], positions))
+        tier_w = weights.clone()
+        tier_w[..., new_cols] = torch.where(new_mask, 0.0, tier_w[..., new_cols])
+        exact_w = torch.where(new_mask, weights[..., new_cols], 0.0)  # [H, S, Tn]
+        n = self.packed.codec_c.width
+        return self.packed.context(tier_w) + torch.matmul(exact_w, recent[:, :n])
+
+
+def _mask(
+    allowed: torch.Tensor | None, cols: slice | torch.Tensor, part: torch.Tensor
+) -> torch.Tensor | None:
+    """allowed [S, T] restricted to `cols`, and'ed with a part's own mask [S, len(cols)]; None if all True."""
+    mask = part if allowed is None else allowed[:, cols] & part
+    return None if bool(mask.all()) else mask
 
 
 # --- caches ------------------------------------------------------------------------------
@@ -152,6 +312,7 @@ class _SequenceCache:
     """
 
     codec = "f32"
+    recent_window = 0  # tokens read in f32 on top of the tier (PackedLatentCache); f32 rows are all exact
 
     def __init__(self, layout: CacheLayout):
         self.layout = layout
@@ -241,12 +402,30 @@ class LatentCache(_SequenceCache):
 
 
 class PackedLatentCache(_SequenceCache):
-    """Rows encoded by a codec: c and r each as (uint8 codes, float32 scales) per token."""
+    """Rows encoded by a codec: c and r each as (uint8 codes, float32 scales) per token; with
+    `recent_window` W > 0, also the float32 rows of the last W tokens (see the module docstring)."""
 
-    def __init__(self, layout: CacheLayout, codec_c: Codec, codec_r: Codec):
+    def __init__(
+        self,
+        layout: CacheLayout,
+        codec_c: Codec,
+        codec_r: Codec,
+        tier: str | None = None,
+        recent_window: int = 0,
+    ):
         super().__init__(layout)
-        self.codec = codec_c.name
+        if recent_window < 0:
+            raise ValueError(f"recent_window must be >= 0, got {recent_window}")
+        if tier is None and codec_c.name != codec_r.name:
+            raise ValueError(
+                f"name the tier of a cache that stores c in {codec_c.name} and r in {codec_r.name}"
+            )
+        self.codec = tier or codec_c.name  # the tier's name (what the KV file records)
         self.codec_c, self.codec_r = codec_c, codec_r
+        self.recent_window = recent_window
+        # the exact rows of the last <= W committed tokens, per layer: positions length - len .. length - 1
+        self._recent = [torch.empty(0, layout.row_width) for _ in range(layout.num_layers)]
+        self._pending: list[torch.Tensor | None] = [None] * layout.num_layers  # held + this pass's rows
         self._buffers = [
             tuple(
                 _Buffer(width, dtype)
@@ -266,7 +445,54 @@ class PackedLatentCache(_SequenceCache):
         c, r = self.codec_c.encode(rows[:, :n]), self.codec_r.encode(rows[:, n:])
         for buffer, part in zip(self._buffers[layer], (c.codes, c.scales, r.codes, r.scales), strict=True):
             buffer.write(self.length, part)
-        return self._reader(layer, self.length + rows.shape[0])
+        packed = self._reader(layer, self.length + rows.shape[0])
+        if not self.recent_window:
+            return packed
+        held = self._recent[layer]
+        self._pending[layer] = pending = torch.cat([held, rows.to(torch.float32)])
+        return WindowedRows(
+            packed, pending, self.length - len(held), self.recent_window, self.length, rows.shape[0]
+        )
+
+    def commit(self, n: int) -> None:
+        super().commit(n)
+        if not self.recent_window:
+            return
+        for layer, pending in enumerate(self._pending):
+            if pending is None:  # a layer this pass did not write: rebuild its window from the tier
+                self._refill(layer)
+                continue
+            # pending: the rows held before the pass, then the pass's; keep up to the committed length
+            kept = pending[: len(self._recent[layer]) + n]
+            self._recent[layer] = kept[-self.recent_window :].clone()
+            self._pending[layer] = None
+
+    def trim(self, length: int) -> None:
+        old = self.length
+        super().trim(length)
+        if not self.recent_window:
+            return
+        for layer in range(self.layout.num_layers):
+            held = self._recent[layer]  # positions old - len(held) .. old - 1
+            start = old - len(held)
+            want = max(0, length - self.recent_window)  # the window now starts here
+            exact = held[max(0, want - start) : max(0, length - start)]
+            if want >= start:
+                self._recent[layer] = exact.clone()
+            else:  # the window reaches back past the exact rows held: the older ones come from the tier
+                decoded = self._reader(layer, start).rows(want, min(start, length)).decoded()
+                self._recent[layer] = torch.cat([decoded, exact])
+            self._pending[layer] = None
+
+    def _refill(self, layer: int) -> None:
+        """The window of `layer` from the tier's rows, decoded (after a resume: no exact rows left)."""
+        start = max(0, self.length - self.recent_window)
+        self._recent[layer] = self._reader(layer, self.length).rows(start, self.length).decoded()
+        self._pending[layer] = None
+
+    def window_nbytes(self) -> int:
+        """Bytes of the float32 window rows held (W rows per layer at most; 0 without a window)."""
+        return sum(t.numel() * 4 for t in self._recent)
 
     def _reader(self, layer: int, end: int) -> PackedRows:
         codes_c, scales_c, codes_r, scales_r = (b.data[:end] for b in self._buffers[layer])
@@ -304,30 +530,42 @@ class PackedLatentCache(_SequenceCache):
 
     @classmethod
     def from_state(
-        cls, layout: CacheLayout, codec_c: Codec, codec_r: Codec, state: dict[str, torch.Tensor]
+        cls,
+        layout: CacheLayout,
+        codec_c: Codec,
+        codec_r: Codec,
+        state: dict[str, torch.Tensor],
+        *,
+        tier: str | None = None,
+        recent_window: int = 0,
     ) -> PackedLatentCache:
-        cache = cls(layout, codec_c, codec_r)
+        """A cache holding `state()`'s rows; a recent window is refilled from their decoded values."""
+        cache = cls(layout, codec_c, codec_r, tier=tier, recent_window=recent_window)
         for i in range(layout.num_layers):
             parts = (state[f"{k}.{i}"] for k in ("c_codes", "c_scales", "r_codes", "r_scales"))
             for buffer, part in zip(cache._buffers[i], parts, strict=True):
                 buffer.write(0, part)
         cache._load_index_state(state)
         cache.length = state["c_codes.0"].shape[0]
+        if recent_window:
+            for i in range(layout.num_layers):
+                cache._refill(i)
         return cache
 
 
 def codecs_for(layout: CacheLayout, cfg: CacheConfig) -> tuple[Codec, Codec]:
     """The codec pair (c, r) a tier uses; raises ValueError if the widths don't suit it.
 
-    A group size that does not divide the rope width leaves r with one scale per row.
+    The group size applies to c; r is grouped too when its codec takes groups and the group
+    size divides its width, else it keeps one scale per row (a bf16 r has no scales at all).
     """
+    tier = TIERS[cfg.kv_cache_dtype]
     rope_width = layout.row_width - layout.kv_lora_rank
-    group_r = cfg.group_size if cfg.group_size and rope_width % cfg.group_size == 0 else None
+    group = cfg.group_size
+    group_r = group if group and tier.r in GROUPED_CODECS and rope_width % group == 0 else None
     try:
-        codec_c = get_codec(
-            cfg.kv_cache_dtype, layout.kv_lora_rank, seed=cfg.rotation_seed, group_size=cfg.group_size
-        )
-        codec_r = get_codec(cfg.kv_cache_dtype, rope_width, seed=cfg.rotation_seed, group_size=group_r)
+        codec_c = get_codec(tier.c, layout.kv_lora_rank, seed=cfg.rotation_seed, group_size=group)
+        codec_r = get_codec(tier.r, rope_width, seed=cfg.rotation_seed, group_size=group_r)
     except ValueError as exc:
         raise ValueError(
             f"--kv-cache-dtype {cfg.kv_cache_dtype} cannot store this model's latent rows "
@@ -339,5 +577,7 @@ def codecs_for(layout: CacheLayout, cfg: CacheConfig) -> tuple[Codec, Codec]:
 def make_cache(layout: CacheLayout, cfg: CacheConfig | None = None) -> LatentCache | PackedLatentCache:
     """An empty cache of the configured tier (f32, the reference, when none is given)."""
     if cfg is None or cfg.kv_cache_dtype == "f32":
-        return LatentCache(layout)
-    return PackedLatentCache(layout, *codecs_for(layout, cfg))
+        return LatentCache(layout)  # every row is already exact: a recent window changes nothing
+    return PackedLatentCache(
+        layout, *codecs_for(layout, cfg), tier=cfg.kv_cache_dtype, recent_window=cfg.recent_window
+    )

@@ -150,7 +150,13 @@ class LoadResult:
         if verdict.action == SAME and is_f32(self.header.codec):
             return LatentCache.from_state(layout, self.state)
         if verdict.action == SAME:
-            return PackedLatentCache.from_state(layout, *codecs_for(layout, cfg), self.state)
+            return PackedLatentCache.from_state(
+                layout,
+                *codecs_for(layout, cfg),
+                self.state,
+                tier=cfg.kv_cache_dtype,
+                recent_window=cfg.recent_window,
+            )
         if verdict.action == REENCODE:
             return _reencode(layout, cfg, self.state, len(self.tokens))
         raise KVMismatch(verdict)

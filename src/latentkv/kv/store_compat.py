@@ -111,10 +111,12 @@ def codec_differences(file: CodecSpec, current: CodecSpec) -> list[str]:
 
 
 def describe(spec: CodecSpec) -> str:
-    """'tq4 (rotation seed 0x9e3779b9)', 'fp8 (group size 32)', 'fp8 (one scale per row)', 'bf16'."""
+    """'tq4 (rotation seed 0x9e3779b9)', 'tq4-r8 (rotation seed 0x9e3779b9, group size 32)',
+    'fp8 (group size 32)', 'fp8 (one scale per row)', 'bf16'."""
     params = spec.c.params
     if "rotation_seed" in params:
-        return f"{spec.tier} (rotation seed {_param('rotation_seed', params['rotation_seed'])})"
+        group = f", group size {params['group_size']}" if params.get("group_size") is not None else ""
+        return f"{spec.tier} (rotation seed {_param('rotation_seed', params['rotation_seed'])}{group})"
     if "group_size" in params:
         group = params["group_size"]
         return f"{spec.tier} ({'one scale per row' if group is None else f'group size {group}'})"

@@ -98,7 +98,8 @@ class MLA:
         for s0 in range(0, S, tile):
             s1 = min(S, s0 + tile)
             allowed = _allowed(start + s0, s1 - s0, T, selected, s0) if S > 1 else None  # [s, T]
-            parts.append(rows.attend(query[:, s0:s1], allowed))  # [H, s, Lkv] (q already scaled via q_b)
+            positions = torch.arange(start + s0, start + s1)  # a recent window reads these (kv/cache.py)
+            parts.append(rows.attend(query[:, s0:s1], allowed, positions))  # [H, s, Lkv] (q scaled via q_b)
         ctx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return self.output(ctx)
 

@@ -24,6 +24,16 @@ from latentkv.kv.store_header import CODEC_REVISION
 
 GOLDEN = Path(__file__).parent.parent.parent / "data" / "codec_golden.json"
 WIDTHS = (64, 512)
+# Grouped radii of the rotated codecs: their params carry group_size, so they are new formats
+# beside the per-row ones (whose digests must not move). Keyed "tq4-g16/512".
+GROUPED = [
+    *((f"tq{b}", 16) for b in range(2, 7)),
+    *((f"polar{b}", 16) for b in range(2, 7)),
+    ("tq4", 64),
+    ("tq4", 8),
+    ("polar4", 2),
+    ("polar4", 64),
+]
 
 
 def golden_rows(width: int) -> torch.Tensor:
@@ -35,8 +45,8 @@ def golden_rows(width: int) -> torch.Tensor:
     return rows.float()
 
 
-def digest(name: str, width: int) -> str:
-    enc = get_codec(name, width).encode(golden_rows(width))
+def digest(name: str, width: int, group: int | None = None) -> str:
+    enc = get_codec(name, width, group_size=group).encode(golden_rows(width))
     h = hashlib.sha256()
     h.update(enc.codes.contiguous().numpy().tobytes())
     h.update(enc.scales.contiguous().numpy().tobytes())
@@ -55,6 +65,16 @@ def test_codec_bytes_match_the_recorded_revision(name, width):
     )
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize(("name", "group"), GROUPED)
+def test_grouped_codec_bytes_match_the_recorded_revision(name, group, width):
+    recorded = json.loads(GOLDEN.read_text())
+    assert recorded["codec_revision"] == CODEC_REVISION
+    assert digest(name, width, group) == recorded["digests"][f"{name}-g{group}/{width}"], (
+        f"{name} with groups of {group} at width {width} now encodes different bytes: bump CODEC_REVISION"
+    )
+
+
 def test_golden_input_is_what_it_claims():
     rows = golden_rows(64)
     assert rows.shape == (16, 64) and torch.all(rows[5] == 0)
@@ -64,7 +84,10 @@ def test_golden_input_is_what_it_claims():
 if __name__ == "__main__" and "--record" in sys.argv:
     out = {
         "codec_revision": CODEC_REVISION,
-        "digests": {f"{n}/{w}": digest(n, w) for n in CODEC_NAMES for w in WIDTHS},
+        "digests": {
+            **{f"{n}/{w}": digest(n, w) for n in CODEC_NAMES for w in WIDTHS},
+            **{f"{n}-g{g}/{w}": digest(n, w, g) for n, g in GROUPED for w in WIDTHS},
+        },
     }
     GOLDEN.write_text(json.dumps(out, indent=1) + "\n")
     print(f"recorded {len(out['digests'])} digests at codec revision {CODEC_REVISION}")

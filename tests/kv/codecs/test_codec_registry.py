@@ -47,10 +47,19 @@ def test_rotated_codecs_refuse_non_power_of_two_widths(name, width):
         get_codec(name, width)
 
 
-@pytest.mark.parametrize("name", [n for n in CODEC_NAMES if n != "fp8"])
-def test_group_size_is_fp8_only(name):
-    with pytest.raises(ValueError, match="fp8 only"):
+@pytest.mark.parametrize("name", ["f32", "bf16"])
+def test_the_identity_codecs_take_no_group_size(name):
+    with pytest.raises(ValueError, match=r"group size applies to fp8, tq\* and polar\* only, not to " + name):
         get_codec(name, 64, group_size=16)
+
+
+@pytest.mark.parametrize("name", [n for n in CODEC_NAMES if n.startswith(("tq", "polar"))])
+def test_rotated_codecs_take_a_group_size_that_divides_the_width(name):
+    codec = get_codec(name, 64, group_size=16)
+    assert codec.params()["group_size"] == 16 and codec.scale_count == 4
+    assert "group_size" not in get_codec(name, 64).params()  # per-row params unchanged (old files match)
+    with pytest.raises(ValueError, match=f"{name} group size 24 must divide the row width 64"):
+        get_codec(name, 64, group_size=24)
 
 
 @pytest.mark.parametrize("name", list(BYTES_512_64))

@@ -1,11 +1,13 @@
-"""KV row codecs, by name: f32, bf16, fp8, tq2..tq6, polar2..polar6.
+"""KV row codecs, by name: f32, bf16, fp8, tq2..tq6, polar2..polar6; and the tiers built from them.
 
     codec = get_codec("tq4", width=512)        # one codec per row width (c and r separately)
     enc = codec.encode(rows)                   # EncodedRows(codes uint8 [N, B], scales f32 [N, S])
     codec.bytes_per_row                        # B + 4 S, exactly what a row costs
+    TIERS["tq4-r8"]                            # Tier(c="tq4", r="fp8"): which codec stores c and r
 
 Names follow vLLM's `--kv-cache-dtype`. The rotated codecs (tq*, polar*) need power-of-two
-widths and refuse others with a ValueError that suggests fp8.
+widths and refuse others with a ValueError that suggests fp8. `group_size` (one scale per
+group of values instead of one per row) applies to fp8, tq* and polar*.
 """
 
 from __future__ import annotations
@@ -17,15 +19,19 @@ from latentkv.kv.codecs.fp8 import Fp8Codec
 from latentkv.kv.codecs.identity import Bf16Codec, F32Codec
 from latentkv.kv.codecs.polar import PolarCodec
 from latentkv.kv.codecs.rotation import DEFAULT_SEED
+from latentkv.kv.codecs.tiers import TIER_NAMES, TIERS, Tier
 from latentkv.kv.codecs.turbo import TurboCodec
 
 # name -> factory(width, seed, group_size)
 _Factory = Callable[[int, int, int | None], Codec]
 
 
+GROUPED_CODECS = ("fp8", *(f"tq{b}" for b in range(2, 7)), *(f"polar{b}" for b in range(2, 7)))
+
+
 def _no_groups(name: str, group_size: int | None) -> None:
     if group_size is not None:
-        raise ValueError(f"group size applies to fp8 only, not to {name}")
+        raise ValueError(f"group size applies to fp8, tq* and polar* only, not to {name}")
 
 
 def _identity(cls: type[F32Codec] | type[Bf16Codec]) -> _Factory:
@@ -42,8 +48,7 @@ def _fp8(width: int, seed: int, group_size: int | None) -> Codec:
 
 def _rotated(cls: type[TurboCodec] | type[PolarCodec], prefix: str, bits: int) -> _Factory:
     def make(width: int, seed: int, group_size: int | None) -> Codec:
-        _no_groups(f"{prefix}{bits}", group_size)
-        return cls(width, bits, seed=seed)
+        return cls(width, bits, seed=seed, group_size=group_size)
 
     return make
 
@@ -61,8 +66,8 @@ CODEC_NAMES: tuple[str, ...] = tuple(CODECS)
 def get_codec(name: str, width: int, *, seed: int = DEFAULT_SEED, group_size: int | None = None) -> Codec:
     """The codec `name` bound to rows of `width` values.
 
-    `seed` is the rotation seed of the rotated codecs; `group_size` gives fp8 one scale per
-    `group_size` values (it must divide `width`) instead of one per row.
+    `seed` is the rotation seed of the rotated codecs; `group_size` gives fp8, tq* and polar*
+    one scale per `group_size` values (it must divide `width`) instead of one per row.
     """
     if name not in CODECS:
         raise ValueError(f"unknown KV codec {name!r}; valid names: {', '.join(CODEC_NAMES)}")
@@ -71,6 +76,10 @@ def get_codec(name: str, width: int, *, seed: int = DEFAULT_SEED, group_size: in
 
 __all__ = [
     "CODEC_NAMES",
+    "GROUPED_CODECS",
+    "TIERS",
+    "TIER_NAMES",
+    "Tier",
     "Bf16Codec",
     "Codec",
     "EncodedRows",

@@ -19,6 +19,13 @@ n/2 * b + (n/2 - 1) * (b - 1) bits, rounded up to a byte (n = 512, b = 4: 224 by
 Decoding runs top-down: each angle splits its radius into (cur cos theta, cur sin theta), which
 preserves the norm, down to y_hat; then x_hat = R^T y_hat. A consumer stops before R^T: the unit
 vectors y_hat / radius are the rows in the rotated basis. Zero, NaN and inf rows get radius 0.
+
+Grouped radii (`group_size` g, a power of two from 2 to n): the recursion stops at level
+log2(g), so each group of g rotated coordinates keeps its own radius r^(log2 g)_j (times ||x||,
+one float32 scale per group) instead of being folded into deeper angles. That is PolarQuant's
+own block structure (the paper stops after 4 levels, g = 16): levels 1 .. log2(g) are coded as
+above, n/2 * b + (n/2 - n/g) * (b - 1) bits, plus 4 n/g scale bytes. `group_size=None` is the
+per-row format above, byte for byte (and its params() carry no group_size).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch
 from latentkv.kv.codecs.base import Codec, EncodedRows
 from latentkv.kv.codecs.packing import BitLayout, unpack_uniform
 from latentkv.kv.codecs.rotation import DEFAULT_SEED, Rotation
-from latentkv.kv.codecs.turbo import require_power_of_two, unit_rows
+from latentkv.kv.codecs.turbo import check_group_size, require_power_of_two, unit_rows
 
 
 class AngleGrid:
@@ -49,7 +56,7 @@ class AngleGrid:
 
 
 def angle_grids(width: int, bits: int) -> list[AngleGrid]:
-    """The grid of each level, level 1 first."""
+    """The grid of each level, level 1 first, for a recursion over `width` values (the row, or a group)."""
     grids = [AngleGrid(-math.pi, math.pi, bits)]
     deep_bits = max(bits - 1, 1)
     for level in range(2, int(math.log2(width)) + 1):
@@ -59,9 +66,10 @@ def angle_grids(width: int, bits: int) -> list[AngleGrid]:
 
 
 class PolarCodec(Codec):
-    """polar{bits}: rotated rows as quantized recursive polar angles plus one radius per row."""
+    """polar{bits}: rotated rows as quantized recursive polar angles plus one radius per row (or
+    per `group_size` rotated coordinates)."""
 
-    def __init__(self, width: int, bits: int, seed: int = DEFAULT_SEED):
+    def __init__(self, width: int, bits: int, seed: int = DEFAULT_SEED, group_size: int | None = None):
         self.name = f"polar{bits}"
         require_power_of_two(self.name, width)
         if width < 2:
@@ -71,19 +79,25 @@ class PolarCodec(Codec):
         self.width = width
         self.bits = bits
         self.seed = seed
+        self.group_size = group_size
+        self.group = check_group_size(self.name, width, group_size, smallest=2)
         self.rotation = Rotation(width, seed)
-        self.grids = angle_grids(width, bits)
+        self.grids = angle_grids(self.group, bits)
         self.counts = [width >> level for level in range(1, len(self.grids) + 1)]  # angles per level
         self.deep_bits = max(bits - 1, 1)
-        self.layout = BitLayout([bits] * self.counts[0] + [self.deep_bits] * (width // 2 - 1))
+        self.deep_count = sum(self.counts[1:])  # n/2 - n/g
+        self.layout = BitLayout([bits] * self.counts[0] + [self.deep_bits] * self.deep_count)
         self.code_bytes = self.layout.nbytes
-        self.scale_count = 1
+        self.scale_count = width // self.group
 
     def params(self) -> dict[str, Any]:
-        return {"name": self.name, "width": self.width, "bits": self.bits, "rotation_seed": self.seed}
+        params = {"name": self.name, "width": self.width, "bits": self.bits, "rotation_seed": self.seed}
+        if self.group_size is not None:
+            params["group_size"] = self.group_size
+        return params
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [N, n] -> (angle bin indices int64 [N, n - 1], level 1 first; radius float32 [N])."""
+        """Rows [N, n] -> (angle bin indices int64 [N, n - n/g], level 1 first; radii float32 [N, n/g])."""
         unit, radius = unit_rows(x)
         cur = self.rotation.rotate(unit)  # [N, n]
         parts = []
@@ -91,29 +105,38 @@ class PolarCodec(Codec):
             even, odd = cur[:, 0::2], cur[:, 1::2]  # [N, m] each
             parts.append(grid.quantize(torch.atan2(odd, even)))
             cur = torch.hypot(even, odd)
-        return torch.cat(parts, dim=1), radius
+        if self.group_size is None:
+            return torch.cat(parts, dim=1), radius[:, None]
+        # cur [N, n/g]: each group's norm within the unit row; times ||x|| it is the group's radius
+        radii = (cur.to(torch.float64) * radius.to(torch.float64)[:, None]).to(torch.float32)
+        return torch.cat(parts, dim=1), radii
 
     def encode(self, x: torch.Tensor) -> EncodedRows:
-        idx, radius = self.quantize(self.check_rows(x))
-        return EncodedRows(self.layout.pack(idx), radius[:, None])
+        idx, radii = self.quantize(self.check_rows(x))
+        return EncodedRows(self.layout.pack(idx), radii)
 
     def unpack(self, codes: torch.Tensor) -> torch.Tensor:
-        """Packed rows uint8 [N, code_bytes] -> angle bin indices int32 [N, n - 1], level 1 first."""
+        """Packed rows uint8 [N, code_bytes] -> angle bin indices int32 [N, n - n/g], level 1 first."""
         half = self.width // 2
-        if half % 8:
+        if half % 8 or not self.deep_count:
             return self.layout.unpack(codes)
-        # Level 1 ends on a byte boundary, and the deeper levels fill all but < 8 bits of the rest:
-        # both sections unpack as uniform codes (the last, phantom, deep value is padding).
+        # Level 1 ends on a byte boundary, and the deeper levels fill the rest: both sections
+        # unpack as uniform codes, the deep one with phantom values read from the padding bits.
         split = half * self.bits // 8
         first = unpack_uniform(codes[:, :split], self.bits, half)  # [N, n/2]
-        deep = unpack_uniform(codes[:, split:], self.deep_bits, half)[:, :-1]  # [N, n/2 - 1]
+        per = 8 // math.gcd(8, self.deep_bits)
+        padded = self.deep_count + (-self.deep_count) % per
+        if (padded * self.deep_bits + 7) // 8 != codes.shape[1] - split:
+            return self.layout.unpack(codes)
+        deep = unpack_uniform(codes[:, split:], self.deep_bits, padded)[:, : self.deep_count]
         return torch.cat((first, deep), dim=1)
 
     def unit_vectors(self, codes: torch.Tensor) -> torch.Tensor:
-        """Packed rows uint8 [N, code_bytes] -> the decoded unit rows in the rotated basis [N, n]."""
-        idx = self.unpack(codes)  # [N, n - 1]
+        """Packed rows uint8 [N, code_bytes] -> the decoded rows in the rotated basis [N, n], each
+        group (the whole row without groups) a unit vector."""
+        idx = self.unpack(codes)  # [N, n - n/g]
         n_rows = codes.shape[0]
-        cur = torch.ones(n_rows, 1, 1, dtype=torch.float32)
+        cur = torch.ones(n_rows, self.scale_count, 1, dtype=torch.float32)
         stop = idx.shape[1]
         for grid, count in zip(reversed(self.grids), reversed(self.counts), strict=True):
             level = idx[:, stop - count : stop].reshape(-1)  # [N * m]
@@ -122,6 +145,14 @@ class PolarCodec(Codec):
             cur = (cos_sin * cur).view(n_rows, 2 * count, 1)  # child 2j = cur_j cos, 2j+1 = cur_j sin
         return cur.view(n_rows, self.width)
 
+    def rotated_rows(self, enc: EncodedRows) -> torch.Tensor:
+        """The decoded rows in the rotated basis, float32 [N, n] (each group times its radius)."""
+        units = self.unit_vectors(enc.codes)  # [N, n]
+        if self.group_size is None:
+            return units * enc.scales
+        grouped = units.view(len(enc), self.scale_count, self.group) * enc.scales[..., None]
+        return grouped.view(len(enc), self.width)
+
     def decode(self, enc: EncodedRows) -> torch.Tensor:
         self.check_encoded(enc)
-        return self.rotation.unrotate(self.unit_vectors(enc.codes) * enc.scales)
+        return self.rotation.unrotate(self.rotated_rows(enc))

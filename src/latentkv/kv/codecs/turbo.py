@@ -14,6 +14,19 @@ Codes are packed densely, b bits per value LSB first (value 2k in the low nibble
 
 Because R is orthogonal, q . x_hat = R q . (level[code] * radius / sqrt(n)): a consumer rotates
 the query once and never unrotates a cached row.
+
+Grouped radii (`group_size` g, a divisor of n): the row is rotated as a whole, then cut into
+n/g groups of g coordinates *in the rotated basis*, each with its own radius:
+
+    y      = R (x / ||x||)                             the unit row, rotated (outliers spread out)
+    radius_j = ||x|| * ||y_j||                         one float32 scale per group j
+    u_j    = y_j / ||y_j|| * sqrt(g)                   coordinates ~ N(0, 1) again
+    x_hat  = R^T concat_j (level[code_j] * radius_j / sqrt(g))
+
+so code_bytes is unchanged and the row costs 4 n/g scale bytes instead of 4. Grouping in the
+rotated basis keeps the consumer's shape: the query is still rotated once, and each group's
+factor radius_j / sqrt(g) folds into its values. `group_size=None` is the per-row format above,
+byte for byte (its params() carry no group_size, so files written before groups existed match).
 """
 
 from __future__ import annotations
@@ -51,33 +64,74 @@ def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return unit, torch.where(inert, 0.0, radius)
 
 
-class TurboCodec(Codec):
-    """tq{bits}: rotated rows, one Lloyd-Max code of `bits` bits per value, one radius per row."""
+def check_group_size(name: str, width: int, group_size: int | None, smallest: int = 1) -> int:
+    """The group of a rotated codec (the whole row when `group_size` is None); ValueError if it
+    does not divide the row width or is below `smallest`."""
+    if group_size is None:
+        return width
+    if group_size < smallest or width % group_size:
+        raise ValueError(
+            f"{name} group size {group_size} must divide the row width {width}"
+            + (f" and be at least {smallest}" if smallest > 1 else "")
+        )
+    return group_size
 
-    def __init__(self, width: int, bits: int, seed: int = DEFAULT_SEED):
+
+def group_radii(
+    unit_rotated: torch.Tensor, radius: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated unit rows [N, n] and row radii [N] -> (unit groups [N, n/g, g], radii f32 [N, n/g]).
+
+    Norms in float64; a group whose norm is 0 (or a row whose radius is 0) gets radius 0 and a
+    zero unit vector, so it decodes to zeros.
+    """
+    n_rows, width = unit_rotated.shape
+    groups = unit_rotated.to(torch.float64).view(n_rows, width // group, group)  # [N, G, g]
+    norm = torch.linalg.vector_norm(groups, dim=-1)  # [N, G]
+    inert = (norm == 0) | (radius[:, None] == 0)
+    unit = torch.where(inert[..., None], 0.0, groups / torch.where(inert, 1.0, norm)[..., None])
+    radii = torch.where(inert, 0.0, norm * radius.to(torch.float64)[:, None])
+    return unit.to(torch.float32), radii.to(torch.float32)
+
+
+class TurboCodec(Codec):
+    """tq{bits}: rotated rows, one Lloyd-Max code of `bits` bits per value, one radius per row
+    (or per `group_size` rotated coordinates)."""
+
+    def __init__(self, width: int, bits: int, seed: int = DEFAULT_SEED, group_size: int | None = None):
         self.name = f"tq{bits}"
         require_power_of_two(self.name, width)
         self.width = width
         self.bits = bits
         self.seed = seed
+        self.group_size = group_size
+        self.group = check_group_size(self.name, width, group_size)
         self.rotation = Rotation(width, seed)
         self.levels = lloyd.levels(bits)  # [2^b] float32, ascending
         self._thresholds = lloyd.thresholds(bits)  # [2^b - 1]
         self.code_bytes = packed_bytes(width * bits)
-        self.scale_count = 1
+        self.scale_count = width // self.group
 
     def params(self) -> dict[str, Any]:
-        return {"name": self.name, "width": self.width, "bits": self.bits, "rotation_seed": self.seed}
+        params = {"name": self.name, "width": self.width, "bits": self.bits, "rotation_seed": self.seed}
+        if self.group_size is not None:
+            params["group_size"] = self.group_size
+        return params
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [N, n] -> (level indices int32 [N, n], radius float32 [N])."""
+        """Rows [N, n] -> (level indices int32 [N, n], radii float32 [N, n/g]; g = n without groups)."""
         unit, radius = unit_rows(x)
-        u = self.rotation.rotate(unit) * math.sqrt(self.width)  # [N, n], ~ N(0, 1)
-        return lloyd.nearest_level(u, self._thresholds), radius
+        y = self.rotation.rotate(unit)  # [N, n]
+        if self.group_size is None:
+            u = y * math.sqrt(self.width)  # [N, n], ~ N(0, 1)
+            return lloyd.nearest_level(u, self._thresholds), radius[:, None]
+        groups, radii = group_radii(y, radius, self.group)  # [N, G, g], [N, G]
+        u = (groups * math.sqrt(self.group)).view(x.shape[0], self.width)
+        return lloyd.nearest_level(u, self._thresholds), radii
 
     def encode(self, x: torch.Tensor) -> EncodedRows:
-        idx, radius = self.quantize(self.check_rows(x))
-        return EncodedRows(pack_uniform(idx, self.bits), radius[:, None])
+        idx, radii = self.quantize(self.check_rows(x))
+        return EncodedRows(pack_uniform(idx, self.bits), radii)
 
     def unpack(self, codes: torch.Tensor) -> torch.Tensor:
         """Packed rows uint8 [N, code_bytes] -> level indices int32 [N, n]."""
@@ -88,7 +142,17 @@ class TurboCodec(Codec):
         idx = self.unpack(codes)
         return self.levels.index_select(0, idx.flatten()).view(idx.shape)
 
+    def rotated_rows(self, enc: EncodedRows) -> torch.Tensor:
+        """The decoded rows in the rotated basis, float32 [N, n] (grouped: each group's radius applied)."""
+        values = self.rotated_values(enc.codes)  # [N, n]
+        if self.group_size is None:
+            return values * (enc.scales / math.sqrt(self.width))
+        grouped = (
+            values.view(len(enc), self.scale_count, self.group)
+            * (enc.scales / math.sqrt(self.group))[..., None]
+        )
+        return grouped.view(len(enc), self.width)
+
     def decode(self, enc: EncodedRows) -> torch.Tensor:
         self.check_encoded(enc)
-        y = self.rotated_values(enc.codes) * (enc.scales / math.sqrt(self.width))  # [N, n]
-        return self.rotation.unrotate(y)
+        return self.rotation.unrotate(self.rotated_rows(enc))
