@@ -9,11 +9,13 @@ projections, RoPE, router, experts, lm_head); what reads a cache is ragged:
     DSA         I[b, t] = sum_h w_b[h] relu(q_b[h] . k_{b,t}),  top-k per sequence (T_b + 1 > k only)
     attention   softmax over each sequence's allowed tokens (its own length, its top-k), one bmm
 
-so the per-sequence work per layer is the cache write alone; scores, softmax and context are one
-batched pass over the padded rows. Packed tiers are padded still encoded and unpacked once per
-layer through the same codec consumers `latentkv.kv.attention` uses. When the padded values would
-exceed BATCH_ATTEND_ELEMENTS (long contexts), each sequence is read on its own through its
-cache's `RowReader.attend`, tiled as in a single-sequence decode.
+so the per-sequence work per layer is the cache write alone (for a packed tier, the encoding of
+its row too); scores, softmax and context are one batched pass over the padded rows. Packed
+tiers are padded still encoded and unpacked once per layer through the same codec consumers
+`latentkv.kv.attention` uses. When the padded values would exceed BATCH_ATTEND_ELEMENTS (long
+contexts), or for a reader of any other kind, each sequence is read on its own through its
+`RowReader.attend`, tiled as in a single-sequence decode. A batch may mix tiers: each group of
+caches stored alike is read together.
 
 What is guaranteed: a sequence's logits are the single-sequence decode's (`Model.forward` on
 one token) up to float32 rounding: the same formulas, but dense products over B rows and
@@ -220,19 +222,20 @@ def _attend_group(
     T = max(len(r) for r in readers)
     if blocked is not None:
         blocked = blocked[:, :T]
-    if B * T * query.shape[-1] > BATCH_ATTEND_ELEMENTS:
+    kind = type(readers[0])
+    if B * T * query.shape[-1] > BATCH_ATTEND_ELEMENTS or any(type(r) is not kind for r in readers):
         return _attend_each(query, readers, blocked)
     q = query.transpose(0, 1)  # [B, H, W]
-    if isinstance(readers[0], F32Rows):
+    if kind is F32Rows:
         rows = _pad([r.rows for r in readers])  # [B, T, W]
         scores = torch.matmul(q, rows.transpose(1, 2))  # [B, H, T]
         if blocked is not None:
             scores.masked_fill_(blocked[:, None, :], float("-inf"))
         ctx = torch.matmul(torch.softmax(scores, dim=-1), rows[..., : readers[0].kv_lora_rank])
         return ctx.transpose(0, 1)
-    if isinstance(readers[0], PackedRows):
+    if kind is PackedRows:
         return _attend_packed(q, readers, blocked, T).transpose(0, 1)
-    return _attend_each(query, readers, blocked)
+    return _attend_each(query, readers, blocked)  # any other reader: through its own `attend`
 
 
 def _pad(tensors: list[torch.Tensor]) -> torch.Tensor:
