@@ -367,3 +367,28 @@ def test_layout_of_refuses_a_partial_layer_set(small):
     _, _, header, _ = small
     with pytest.raises(KVFileError, match="layers"):
         layout_of(dataclasses.replace(header, layers=(0, 1)))
+
+
+@pytest.mark.parametrize("tier", ["tq4", "tq4-r8"])
+def test_resume_with_a_recent_window(ours, fingerprint, tmp_path, tier):
+    """The file stores the tier's rows only; on resume the window is refilled from them (decoded).
+    The tier bytes come back exactly, and the rows the window held exactly before the restart are
+    now decoded ones, so the continuation is not bit-identical to the uninterrupted run."""
+    model, window = ours("glm5-tiny"), 6
+    cfg = CacheConfig(tier, recent_window=window)
+    cache, history, last = _run_first_turn(model, cfg)
+    header = header_for(model.cfg, cache, fingerprint("glm5-tiny"))
+    assert header == header_for(model.cfg, model.make_cache(CacheConfig(tier)), fingerprint("glm5-tiny"))
+    path = tmp_path / "chat.kv"
+    with KVFile.create(path, header) as f:
+        f.append(history, cache, 0, len(history))
+    with KVFile.open(path) as f:
+        result = f.load(expected=header)
+    restored = result.to_cache(cfg)
+    assert restored.codec == tier and restored.recent_window == window
+    _assert_same_state(restored.state(), cache.state())
+    assert restored.window_nbytes() == cache.window_nbytes() > 0
+    # the same next step over both: the resumed window rows are decoded, the uninterrupted exact
+    token = torch.tensor([last])
+    resumed, uninterrupted = model.forward(token, restored), model.forward(token, cache)
+    assert 0 < float((resumed - uninterrupted).abs().max()) < 1.0

@@ -140,7 +140,7 @@ def test_same_knobs_but_other_sizes_are_refused_not_misread():
 @pytest.mark.parametrize("tier", KV_CACHE_DTYPES)
 def test_resume_flags_and_cache_config_rebuild_the_files_codec(tier):
     kw = {"rotation_seed": 0x1234} if tier.startswith(("tq", "polar")) else {}
-    kw = {"group_size": 8} if tier == "fp8" else kw
+    kw = {"group_size": 8} if tier in ("fp8", "tq4", "polar3", "tq4-r8") else kw
     spec = header(tier, **kw).codec
     assert codec_spec(LAYOUT, cache_config_for(spec)) == spec
     assert codec_spec_of(make_cache(LAYOUT, cache_config_for(spec))) == spec
@@ -148,6 +148,63 @@ def test_resume_flags_and_cache_config_rebuild_the_files_codec(tier):
     assert flags.startswith(f"--kv-cache-dtype {tier}")
     assert ("--kv-seed 0x1234" in flags) == ("rotation_seed" in kw)
     assert ("--kv-group-size 8" in flags) == ("group_size" in kw)
+
+
+# --- the variants of issue 5: mixed tiers, grouped radii, the recent window -----------------
+
+
+@pytest.mark.parametrize("other", ["tq4", "tq4-r16", "tq3-r8", "fp8"])
+def test_a_mixed_tier_file_is_refused_under_any_other_tier(other):
+    file = header("tq4-r8")
+    assert file.codec.c.params["name"] == "tq4" and file.codec.r.params["name"] == "fp8"
+    assert KVHeader.from_json(file.to_json()) == file  # the header records both parts
+    verdict = compare(file, header(other))
+    assert verdict.action == REFUSE
+    assert verdict.differences == (f"tier: file tq4-r8, current {other}",)
+    assert verdict.resume_flags == "--kv-cache-dtype tq4-r8"
+    assert verdict.message.startswith("file is tq4-r8 (rotation seed 0x9e3779b9), current is ")
+    assert verdict.message.endswith("pass --kv-cache-dtype tq4-r8 to resume it")
+    back = compare(header(other), file)
+    assert back.action == REFUSE and back.resume_flags.startswith(f"--kv-cache-dtype {other}")
+
+
+def test_the_mixed_tiers_are_wider_than_their_base():
+    assert "never widened" in compare(header("tq4"), header("tq4-r8")).message
+    assert "never widened" in compare(header("tq4-r8"), header("tq4-r16")).message
+    assert "never widened" not in compare(header("tq4-r16"), header("tq4")).message
+
+
+@pytest.mark.parametrize("tier", ["tq4", "polar4", "tq3-r8"])
+def test_grouped_radii_are_recorded_and_another_group_size_is_refused(tier):
+    grouped, per_row = header(tier, group_size=8), header(tier)
+    assert grouped.codec.c.params["group_size"] == 8 and grouped.codec.c.scale_count == 4
+    verdict = compare(grouped, per_row)
+    assert verdict.action == REFUSE
+    assert verdict.differences == ("group size: file 8, current none",)
+    assert verdict.resume_flags == f"--kv-cache-dtype {tier} --kv-group-size 8"
+    assert (
+        f"file is {tier} (rotation seed 0x9e3779b9, group size 8), current is {tier} (rotation"
+        in verdict.message
+    )
+    other = compare(grouped, header(tier, group_size=16))
+    assert other.action == REFUSE and "group size: file 8, current 16" in other.differences
+    assert compare(per_row, grouped).resume_flags == f"--kv-cache-dtype {tier}"
+
+
+def test_a_per_row_file_written_before_groups_existed_still_matches():
+    """The docs' builtin:tiny tq4 header (docs/kv-file-format.md): params without a group_size key."""
+    old_c = {"bits": 4, "name": "tq4", "rotation_seed": 2654435769, "width": 32}
+    old_r = {"bits": 4, "name": "tq4", "rotation_seed": 2654435769, "width": 8}
+    spec = header("tq4").codec
+    assert (spec.c.params, spec.c.code_bytes, spec.c.scale_count) == (old_c, 16, 1)
+    assert (spec.r.params, spec.r.code_bytes, spec.r.scale_count) == (old_r, 4, 1)
+
+
+@pytest.mark.parametrize("tier", ["tq4", "fp8", "tq4-r8"])
+def test_the_recent_window_is_not_part_of_the_file(tier):
+    """The file holds the tier's rows whatever the window, so a file loads under any window."""
+    assert codec_spec(LAYOUT, CacheConfig(tier, recent_window=16)) == codec_spec(LAYOUT, CacheConfig(tier))
+    assert compare(header(tier, recent_window=16), header(tier)).action == SAME
 
 
 def test_the_default_seed_needs_no_flag():
