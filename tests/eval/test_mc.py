@@ -34,12 +34,13 @@ def code_text() -> str:
 
 
 def test_items_are_true_next_lines_among_distinct_substantive_distractors(code_text):
-    lines = code_text.split("\n")
-    items = mc.build_items(code_text, mc.BuildConfig(items=60, seed=3))
+    raw = [line + "  " * (k % 3 == 0) for k, line in enumerate(code_text.split("\n"))]  # trailing blanks
+    lines = [line.rstrip() for line in raw]
+    items = mc.build_items("\n".join(raw), mc.BuildConfig(items=60, seed=3))
     assert len(items) == 60
     for it in items:
         i = it["line"] - 1
-        assert it["choices"][it["answer"]] == lines[i]  # the true next line, verbatim
+        assert it["choices"][it["answer"]] == lines[i]  # the true next line, less trailing blanks
         ctx_lines = it["context"].split("\n")
         assert lines[i - len(ctx_lines) : i] == ctx_lines  # the lines right before it
         assert mc.BOUNDARY not in it["context"] and len(ctx_lines) <= 6 and len(it["context"]) <= 400
@@ -47,6 +48,7 @@ def test_items_are_true_next_lines_among_distinct_substantive_distractors(code_t
         indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
         for c in it["choices"]:
             assert c.startswith(indent) and len(c.strip()) >= 12  # same indentation; not trivial
+            assert c == c.rstrip()
             assert sum(line.strip() == c.strip() for line in lines) == 1  # unique in the text
     assert len({it["answer"] for it in items}) == 4  # the answer moves around
 

@@ -68,9 +68,9 @@ def _substantive(line: str, min_chars: int) -> bool:
 
 def build_items(text: str, cfg: BuildConfig = BuildConfig()) -> list[dict]:
     """Items from a text (fixed seed): JSON-ready dicts with context, choices, answer and the
-    1-based line number of the true line. Targets and distractors are substantive lines whose
+    1-based line number of the true line. Lines lose their trailing whitespace. Targets and distractors are substantive lines whose
     stripped text occurs once in the whole text (so no distractor can equal the answer)."""
-    lines = text.split("\n")
+    lines = [line.rstrip() for line in text.split("\n")]  # trailing blanks would tell the true line apart
     seen = Counter(line.strip() for line in lines)
     usable = [
         i for i, line in enumerate(lines) if _substantive(line, cfg.min_chars) and seen[line.strip()] == 1
