@@ -126,3 +126,9 @@ def tiny_server(tmp_path_factory):
     )
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """start_server(model, log, *flags, key=..., env=...), for modules that need their own server."""
+    return start_server

@@ -62,7 +62,7 @@ class _Answer:
     def __init__(self, body: ChatCompletionRequest, prompt_len: int, ready, served: str):
         self.req = body
         self.prompt_len = prompt_len
-        self.strings = TokenStrings(ready.tokenizer)
+        self.strings = TokenStrings(ready.tokenizer, body.return_tokens_as_token_ids)
         self.top = body.top_logprobs or 0
         self.id, self.created, self.model = new_id("chatcmpl"), now(), served
 

@@ -8,6 +8,11 @@ A choice is one scheduler request (n choices of a prompt are n requests with der
 Its events become text through the Detokenizer and StopStrings of `server.text`; reaching a
 stop string cancels the handle, trims the text and reports finish_reason "stop". A Piece carries
 the tokens consumed since the previous piece, so streamed logprobs line up with streamed text.
+
+The scheduler ends a request on a sampled stop token without yielding it. Where the token must
+be listed (echoed logprobs: lm-evaluation-harness counts one entry per generated token), the
+request is submitted without stop tokens and its ChoiceRun stops on them instead: the token is
+yielded, listed in the logprobs, left out of the text.
 """
 
 from __future__ import annotations
@@ -62,36 +67,43 @@ class ChoiceRun:
         stops = StopStrings(self.spec.stop)
         pending: list = []
         consumed = 0
-        hit = False
+        stopped = False  # by a stop string or a listed stop token: the rest is cancelled
         tail = ""
         finished = None
         async for event in self.handle:
             if isinstance(event, Finished):
                 finished = event
                 break
-            if hit:
+            if stopped:
                 continue  # events the worker produced before it saw the cancel
             consumed += 1
             pending.append(event)
-            delta = detok.push(event.token) if detok and event.token not in self.stop_ids else ""
-            text, hit = stops.push(delta)
-            if hit:
+            if event.token in self.stop_ids:
+                stopped, tail = True, _final_text(detok, stops)
+            else:
+                text, stopped = stops.push(detok.push(event.token) if detok else "")
+                if stopped:
+                    tail = text
+                elif text:
+                    yield Piece(index, text, pending)
+                    pending = []
+            if stopped:
                 self.handle.cancel()
-                tail = text
-            elif text:
-                yield Piece(index, text, pending)
-                pending = []
         if finished is None:  # the handle ended without a Finished: the worker went away
             yield Piece(index, "", pending, "error", None, consumed, "the scheduler stopped")
-            return
-        if hit:
+        elif stopped:
             yield Piece(index, tail, pending, "stop", finished, consumed)
-            return
-        text = stops.push(detok.flush())[0] if detok else ""
-        text += stops.flush()
-        yield Piece(
-            index, text, pending, finished.reason, finished, finished.completion_tokens, finished.error
-        )
+        else:
+            text = _final_text(detok, stops)
+            yield Piece(
+                index, text, pending, finished.reason, finished, finished.completion_tokens, finished.error
+            )
+
+
+def _final_text(detok: Detokenizer | None, stops: StopStrings) -> str:
+    """What is still held back once the output ends (cut at a stop string it completes)."""
+    text, hit = stops.push(detok.flush() if detok else "")
+    return text if hit else text + stops.flush()
 
 
 def submit_all(scheduler, specs: list[Spec], tokenizer, stop_ids: frozenset[int]) -> list[ChoiceRun]:

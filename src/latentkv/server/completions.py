@@ -35,8 +35,6 @@ async def create_completion(body: CompletionRequest, request: Request, ready, se
     session = check_session(body, len(prompts))
     if body.stream and body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported when streaming; drop stream", param="echo")
-    if body.max_tokens == 0 and not body.echo:
-        raise bad_request("max_tokens 0 generates nothing: it is for scoring with echo", param="max_tokens")
     budgets = {
         len(p.ids): token_budget(len(p.ids), body.max_tokens, ready.max_model_len, "max_tokens")
         for p in prompts
@@ -64,7 +62,7 @@ class _Answer:
         self.req = body
         self.prompts = prompts
         self.n = body.n
-        self.strings = TokenStrings(ready.tokenizer)
+        self.strings = TokenStrings(ready.tokenizer, body.return_tokens_as_token_ids)
         self.tokenizer = ready.tokenizer
         self.id, self.created, self.model = new_id("cmpl"), now(), served
         self.builders = {i: CompletionLogprobsBuilder(self.strings) for i in range(len(prompts) * self.n)}

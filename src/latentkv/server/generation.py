@@ -90,11 +90,13 @@ def context_error(prompt_len: int, max_tokens: int, max_model_len: int, param: s
 
 
 def sampling_params(body, ready, max_tokens: int, choice: int, logprobs: int | None, prompt_logprobs: bool):
-    """The scheduler's SamplingParams for choice `choice` of a prompt (seed + choice)."""
+    """The scheduler's SamplingParams for choice `choice` of a prompt (seed + choice).
+
+    With prompt_logprobs (echo scoring) the stop tokens are left to the ChoiceRun, which lists
+    a sampled stop token in the logprobs where the scheduler would drop it."""
     from latentkv.engine.scheduler import SamplingParams
 
-    stop_ids = () if body.ignore_eos else tuple(ready.stop_ids)
-    stop_ids += tuple(t for t in (body.stop_token_ids or ()) if t not in stop_ids)
+    stop_ids = () if prompt_logprobs else tuple(sorted(stop_ids_of(body, ready)))
     seed = None if body.seed is None else (body.seed + choice) % SEED_SPACE
     try:
         return SamplingParams(

@@ -8,7 +8,9 @@ Chat:
     {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}
 
 A token's string is its text decoded alone; a token that is part of a multi-byte character
-decodes to U+FFFD. text_offset counts the characters of the token strings before it.
+decodes to U+FFFD, so two such tokens share a top_logprobs key (the more likely one is kept).
+`return_tokens_as_token_ids` (vLLM's flag) names every token "token_id:N" instead, one key per
+id. text_offset counts the characters of the token strings before it.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ def clamp(logprob: float) -> float:
 class TokenStrings:
     """id -> the token's text alone, cached (the vocabulary is fixed)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_ids = as_ids or tokenizer is None
         self._one = lru_cache(maxsize=65536)(self._decode)
 
     def _decode(self, token: int) -> str:
-        if self.tokenizer is None:
+        if self.as_ids:
             return f"token_id:{token}"
         return self.tokenizer.decode([token], skip_special_tokens=False)
 

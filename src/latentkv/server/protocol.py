@@ -2,7 +2,7 @@
 
 Requests accept what the `openai` client, lm-evaluation-harness and vLLM-speaking tools send.
 Extensions beyond OpenAI's fields: `session` (resume and save a named KV session),
-`stop_token_ids` and `ignore_eos` (as vLLM names them). Fields we cannot honour
+`stop_token_ids`, `ignore_eos` and `return_tokens_as_token_ids` (as vLLM names them). Fields we cannot honour
 (penalties, logit_bias, suffix, best_of other than n) are refused with 400 rather than ignored,
 since ignoring them would change results silently.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 MAX_N = 16  # choices per prompt
 MAX_LOGPROBS = 20  # OpenAI's bound for logprobs / top_logprobs
@@ -42,6 +42,7 @@ class _Sampling(_Request):
     session: str | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (unique, unlike text)
     # refused unless neutral
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -224,8 +225,14 @@ class ChatCompletion(BaseModel):
 
 
 class Delta(BaseModel):
+    """A chunk's delta: only what it carries ({"role", "content"} first, {"content"}, then {})."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
