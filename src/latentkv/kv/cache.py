@@ -228,68 +228,79 @@ class WindowedRows:
             )
         return torch.arange(self.query_start, self.query_start + count)
 
-    def _split(self, qpos: torch.Tensor):
-        """(tier rows, their [S, To] mask, columns; recent f32 rows [Tn, Lkv+R], their [S, Tn] mask, columns).
-
-        Columns are a slice of 0..T-1 for a whole cache, an index tensor after `select`.
-        """
-        T, first_exact = len(self), qpos - self.window + 1  # [S]: the oldest exact position per query
-        if self.positions is None:
+    def _split(self, qpos: torch.Tensor) -> _Split:
+        """Which rows the queries at positions qpos [S] read from the tier, which in float32."""
+        T, first_exact = len(self), qpos - self.window + 1  # [S]: each query's oldest exact position
+        if self.positions is None:  # rows 0..T-1: the tier part is a prefix, the exact part a suffix
             old_end = min(max(int(qpos.max()) - self.window + 1, 0), T)
             new_start = min(max(int(first_exact.min()), 0), T)
             old_cols, new_cols = slice(0, old_end), slice(new_start, T)
-            old = self.packed.rows(0, old_end)
-            old_mask = torch.arange(old_end)[None, :] < first_exact[:, None]  # [S, To]
+            old, old_pos = self.packed.rows(0, old_end), torch.arange(old_end)
             new_pos = torch.arange(new_start, T)
-        else:
+        else:  # DSA's selection, in its own order
             is_old = self.positions[None, :] < first_exact[:, None]  # [S, T]
             old_cols = is_old.any(dim=0).nonzero().squeeze(1)
             new_cols = (~is_old).any(dim=0).nonzero().squeeze(1)
-            old, old_mask = self.packed.select(old_cols), is_old[:, old_cols]
+            old, old_pos = self.packed.select(old_cols), self.positions.index_select(0, old_cols)
             new_pos = self.positions.index_select(0, new_cols)
-        new_mask = new_pos[None, :] >= first_exact[:, None]  # [S, Tn]
-        at = new_pos - self.recent_start
+        at = new_pos - self.recent_start  # rows of `recent`
         if len(at) and (int(at.min()) < 0 or int(at.max()) >= len(self.recent)):
+            held = f"{self.recent_start}..{self.recent_start + len(self.recent) - 1}"
             raise RuntimeError(
-                f"the recent window holds positions {self.recent_start}..{self.recent_start + len(self.recent) - 1}, "
-                f"not {int(new_pos.min())}..{int(new_pos.max())}"
+                f"the window holds positions {held}, not {int(new_pos.min())}..{int(new_pos.max())}"
             )
-        if self.positions is None:
-            recent = self.recent[new_start - self.recent_start : T - self.recent_start]
-        else:
-            recent = self.recent.index_select(0, at)
-        return old, old_mask, old_cols, recent, new_mask, new_cols
+        # a suffix of the rows is a slice of `recent` (a view); a selection gathers its rows
+        exact = self.recent[at] if self.positions is not None else self.recent[len(self.recent) - len(at) :]
+        return _Split(
+            tier=old,
+            tier_cols=old_cols,
+            tier_mask=old_pos[None, :] < first_exact[:, None],  # [S, To]
+            exact=exact,
+            exact_cols=new_cols,
+            exact_mask=new_pos[None, :] >= first_exact[:, None],  # [S, Tn]
+        )
 
     def attend(
         self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        old, old_mask, old_cols, recent, new_mask, new_cols = self._split(
-            self._query_positions(query.shape[1], positions)
-        )
+        split = self._split(self._query_positions(query.shape[1], positions))
         parts = []
-        if len(old):
-            parts.append(old.attend_with_lse(query, _mask(allowed, old_cols, old_mask)))
-        if len(recent):
-            n = self.packed.codec_c.width
-            parts.append(attention.attend_f32_with_lse(query, recent, n, _mask(allowed, new_cols, new_mask)))
+        if len(split.tier):
+            parts.append(split.tier.attend_with_lse(query, _mask(allowed, split.tier_cols, split.tier_mask)))
+        if len(split.exact):
+            mask = _mask(allowed, split.exact_cols, split.exact_mask)
+            parts.append(attention.attend_f32_with_lse(query, split.exact, self.packed.codec_c.width, mask))
         return parts[0][0] if len(parts) == 1 else attention.merge(parts)
 
     def scores(self, query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """query [H, S, Lkv+R] -> [H, S, T], each query's window columns from the f32 rows."""
-        _, _, _, recent, new_mask, new_cols = self._split(self._query_positions(query.shape[1], positions))
+        split = self._split(self._query_positions(query.shape[1], positions))
         out = self.packed.scores(query)  # [H, S, T]
-        exact = torch.matmul(query.to(torch.float32), recent.T)  # [H, S, Tn]
-        out[..., new_cols] = torch.where(new_mask, exact, out[..., new_cols])
+        exact = torch.matmul(query.to(torch.float32), split.exact.T)  # [H, S, Tn]
+        cols = split.exact_cols
+        out[..., cols] = torch.where(split.exact_mask, exact, out[..., cols])
         return out
 
     def context(self, weights: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """weights [H, S, T] -> [H, S, Lkv], each query's window rows read in f32."""
-        _, _, _, recent, new_mask, new_cols = self._split(self._query_positions(weights.shape[1], positions))
+        split = self._split(self._query_positions(weights.shape[1], positions))
+        cols, n = split.exact_cols, self.packed.codec_c.width
         tier_w = weights.clone()
-        tier_w[..., new_cols] = torch.where(new_mask, 0.0, tier_w[..., new_cols])
-        exact_w = torch.where(new_mask, weights[..., new_cols], 0.0)  # [H, S, Tn]
-        n = self.packed.codec_c.width
-        return self.packed.context(tier_w) + torch.matmul(exact_w, recent[:, :n])
+        tier_w[..., cols] = torch.where(split.exact_mask, 0.0, tier_w[..., cols])
+        exact_w = torch.where(split.exact_mask, weights[..., cols], 0.0)  # [H, S, Tn]
+        return self.packed.context(tier_w) + torch.matmul(exact_w, split.exact[:, :n])
+
+
+@dataclass(frozen=True)
+class _Split:
+    """The rows a block of queries reads from the tier and in float32, as columns of the reader."""
+
+    tier: PackedRows  # rows some query reads from the tier
+    tier_cols: slice | torch.Tensor
+    tier_mask: torch.Tensor  # [S, To]: query s reads tier row j
+    exact: torch.Tensor  # [Tn, Lkv+R] float32 rows some query reads exactly
+    exact_cols: slice | torch.Tensor
+    exact_mask: torch.Tensor  # [S, Tn]
 
 
 def _mask(
