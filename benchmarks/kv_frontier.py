@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> dict:
             model, windows, [cfg for _, cfg in variants], progress=lambda s: print(f"  {s}", file=sys.stderr)
         )
         summary = ppl.summarize(scores, model.layout, args.bootstrap, args.seed)
-        for row, label, cfg in zip(summary["tiers"], labels, [CacheConfig("f32")] + [c for _, c in variants]):
+        configs = [CacheConfig("f32")] + [c for _, c in variants]
+        for row, label, cfg in zip(summary["tiers"], labels, configs, strict=True):
             row["variant"] = label
             row["window_bytes_per_layer"] = window_bytes(model, cfg)
         summary["seconds"] = round(time.perf_counter() - t0, 1)
@@ -84,6 +85,11 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def effective_bytes(row: dict, context: int) -> float:
+    """Bytes per token per layer with the window's fixed W float32 rows spread over the context."""
+    return row["bytes_per_token_layer"] + row["window_bytes_per_layer"] / context
+
+
 def _ci(ci, fmt: str) -> str:
     return "" if ci is None else f" [{format(ci[0], fmt)}, {format(ci[1], fmt)}]"
 
@@ -94,13 +100,15 @@ def table(payload: dict) -> str:
         lines += [
             f"\ncontext {ctx['context']}: {ctx['windows']} windows, {ctx['tokens_scored']:,} tokens scored",
             "",
-            "| variant | B/token/layer | + window B/layer | ppl | delta ppl % [95% CI] | KLD [95% CI] "
-            "| top-1 [95% CI] |",
+            "| variant | B/token/layer | with the window, per token at this context | ppl "
+            "| delta ppl % [95% CI] | KLD [95% CI] | top-1 [95% CI] |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for r in sorted(ctx["tiers"], key=lambda r: (r["variant"] != "f32", r["bytes_per_token_layer"])):
+        for r in sorted(
+            ctx["tiers"], key=lambda r: (r["variant"] != "f32", effective_bytes(r, ctx["context"]))
+        ):
             lines.append(
-                f"| {r['variant']} | {r['bytes_per_token_layer']} | {r['window_bytes_per_layer'] or '-'} "
+                f"| {r['variant']} | {r['bytes_per_token_layer']} | {effective_bytes(r, ctx['context']):.0f} "
                 f"| {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f}{_ci(r['delta_ppl_pct_ci'], '+.2f')} "
                 f"| {r['kld']:.4f}{_ci(r['kld_ci'], '.4f')} | {r['top1']:.3f}{_ci(r['top1_ci'], '.3f')} |"
             )
