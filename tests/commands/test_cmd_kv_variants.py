@@ -77,3 +77,15 @@ def test_generate_with_a_recent_window_and_a_mixed_tier(capsys):
 def test_variant_errors_exit_2(args, message, capsys):
     code, out, err = _run(capsys, "generate", "builtin:tiny", "--prompt-ids", "5", *args)
     assert code == 2 and message in err and "Traceback" not in out + err
+
+
+def test_a_group_size_applies_to_the_tiers_of_a_list_that_take_groups(capsys):
+    code, out, err = _run(
+        capsys, "kv", "stats", "--kv-cache-dtype", "f32,bf16,tq4,tq4-r16", "--kv-group-size", "64", "--json"
+    )
+    assert code == 0, err
+    tiers = {t["kv_cache_dtype"]: t for t in json.loads(out)["tiers"]}
+    assert tiers["bf16"]["codec"]["c"] == {"name": "bf16", "width": 512}
+    assert tiers["tq4"]["codec"]["c"]["group_size"] == 64
+    # tq4-r16: c grouped, r bf16 (no scales to group)
+    assert (tiers["tq4-r16"]["bytes_c"], tiers["tq4-r16"]["bytes_r"]) == (256 + 8 * 4, 128)
