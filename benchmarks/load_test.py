@@ -81,14 +81,15 @@ async def one_request(client: httpx.AsyncClient, args, seed: int) -> Sample:
                 data = line[6:]
                 if data == "[DONE]":
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    sample.error = chunk["error"].get("message", "error")
-                    return sample
-                if chunk.get("usage"):
-                    sample.tokens = chunk["usage"]["completion_tokens"]
-                if not sample.ttft and chunk.get("choices"):
+                if not sample.ttft:
                     sample.ttft = time.perf_counter() - t0
+                # Parse only what is read (errors, the usage chunk): the client shares the CPUs.
+                if data.startswith('{"error"') or '"usage":{' in data:
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        sample.error = chunk["error"].get("message", "error")
+                        return sample
+                    sample.tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
         sample.error = f"{type(exc).__name__}: {exc}"
         return sample

@@ -129,8 +129,9 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def serving(request: Request) -> Ready:
-    """The loaded model, or 503 + Retry-After while it loads (or after it failed to)."""
+async def serving(request: Request) -> Ready:
+    """The loaded model, or 503 + Retry-After while it loads (or after it failed to).
+    (async: a plain def dependency would hop through a worker thread on every request)"""
     state: ServerState = request.app.state.latentkv
     if state.ready is not None:
         return state.ready
