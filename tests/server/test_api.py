@@ -182,6 +182,30 @@ def test_echo_with_logprobs_scores_every_prompt_token_like_a_full_forward_pass(c
     assert choice.logprobs.token_logprobs[1:] == pytest.approx(ref.prompt_logprobs(prompts[0]), abs=1e-4)
 
 
+def test_a_sampled_stop_token_is_listed_in_echoed_logprobs_but_not_in_the_text(client, ref):
+    """lm-eval reads token_logprobs[ctxlen:-1]: the one generated token needs its entry even when
+    it ends generation (the scheduler does not yield a stop token)."""
+    ids = ref.tokenizer.encode("the end")
+    [stop] = ref.greedy(ids, 1)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        echo=True,
+        logprobs=1,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop]},
+    )
+    choice = out.choices[0]
+    assert len(choice.logprobs.token_logprobs) == len(ids) + 1 and choice.finish_reason == "stop"
+    assert choice.text == ref.tokenizer.decode(ids) and out.usage.completion_tokens == 1
+    plain = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=5, temperature=0, extra_body={"stop_token_ids": [stop]}
+    )
+    assert plain.choices[0].text == "" and plain.choices[0].finish_reason == "stop"
+    assert plain.usage.completion_tokens == 1  # the stop token was sampled: it counts
+
+
 def test_streaming_completion_adds_up_to_the_whole_answer_then_usage(client):
     kwargs = dict(model=MODEL, prompt="stream me", max_tokens=16, temperature=0)
     whole = client.completions.create(**kwargs)
