@@ -108,8 +108,18 @@ def test_other_families_match_single_decode(ours, name):
     _assert_agrees(_compare_steps(ours(name), RAGGED[:6], "f32", seed=12, steps=2))
 
 
-def test_alone_matches_single_decode(ours):
-    _assert_agrees(_compare_steps(ours("glm5-tiny-dsa"), [19], "f32", seed=13))
+@pytest.mark.parametrize("tier", ["f32", "tq4"])
+def test_alone_is_the_single_decode(ours, tier):
+    """A batch of one is `forward` itself: the same logits and the same cache bytes."""
+    model = ours("glm5-tiny-dsa")
+    (ref,), (token,) = _prefilled(model, [19], tier, seed=13)
+    copy = _clone(ref)
+    for _ in range(3):
+        expected = model.forward(torch.tensor([token]), ref)
+        got = model.decode_batch(torch.tensor([token]), [copy])
+        assert torch.equal(got, expected)
+        token = int(expected.argmax())
+    assert all(torch.equal(v, copy.state()[k]) for k, v in ref.state().items())
 
 
 def test_the_new_rows_are_the_single_decode_rows(ours):

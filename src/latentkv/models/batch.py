@@ -17,8 +17,8 @@ contexts), or for a reader of any other kind, each sequence is read on its own t
 `RowReader.attend`, tiled as in a single-sequence decode. A batch may mix tiers: each group of
 caches stored alike is read together.
 
-What is guaranteed: a sequence's logits are the single-sequence decode's (`Model.forward` on
-one token) up to float32 rounding: the same formulas, but dense products over B rows and
+What is guaranteed: a batch of one is `Model.forward` on its token, bit for bit. In a larger
+batch, a sequence's logits are the single-sequence decode's up to float32 rounding: the same formulas, but dense products over B rows and
 attention over padded rows sum in an order that can depend on the batch's shape (tested within
 1e-5 relative of `Model.forward`, alone and beside 15 other sequences, on every tier and with
 DSA selecting). Not guaranteed: bitwise identity across batch compositions (the CPU GEMM picks
@@ -72,6 +72,8 @@ class _Step:
 def decode_batch(model: Model, tokens: torch.Tensor, caches: Sequence[Cache]) -> torch.Tensor:
     """tokens [B] (int64), one cache per sequence -> logits [B, vocab]; each cache gains one row."""
     lengths = _check(model, tokens, caches)
+    if len(caches) == 1:  # one sequence: the single-sequence decode itself (fewer ops, bit for bit)
+        return model.forward(tokens, caches[0])
     ends = [n + 1 for n in lengths]
     T = max(ends)
     table = model.rope.tables(0, T)
