@@ -53,7 +53,9 @@ BATCH_ATTEND_ELEMENTS = 8 * 1024 * 1024
 # MoE in decode (see `moe_decode`): all experts at once while the layer's experts are this small,
 # the chosen experts gathered while the copies stay under GATHER_BATCH_MAX_BYTES.
 EVERY_EXPERT_MAX_BYTES = 16 * 1024 * 1024
-EVERY_EXPERT_MIN_PICKS = 1  # ... and the B tokens make at least this many picks per expert
+# ... and the B tokens' B * k picks are at least this many per expert (all experts read once cost
+# less than copying out B * k of them once the picks reach about half the experts; measured on tiny).
+EVERY_EXPERT_MIN_PICKS = 0.5
 GATHER_BATCH_MAX_BYTES = 64 * 1024 * 1024
 
 Cache = LatentCache | PackedLatentCache
@@ -299,8 +301,8 @@ def _attend_each(query: torch.Tensor, readers: list[RowReader], blocked: torch.T
 def moe_decode(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """`MoE.__call__` for B decode tokens x [B, D], in the fewest ops the expert sizes allow:
 
-    every expert  when the B tokens pick about as many experts as there are and the whole layer
-                  is small: one matmul of all tokens through all experts, the unchosen ones weighted 0
+    every expert  when the B tokens' picks reach half the experts and the whole layer is small:
+                  one matmul of all tokens through all experts, the unchosen ones weighted 0
     gathered      when each expert is small: each token's k experts copied out and run as one
                   batched matmul (a fixed shape per (token, expert))
     grouped       otherwise: one matmul per hit expert over its tokens (`MoE._dispatch`)
