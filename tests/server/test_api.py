@@ -444,3 +444,16 @@ def test_a_disconnected_stream_is_cancelled(server):
     after = _metrics(server)
     assert _metric(after, "latentkv_requests_running") == 0
     assert _metric(after, "latentkv_generation_tokens_total") - before < 500
+
+
+def test_a_disconnected_json_request_is_cancelled(server):
+    before = _metric(_metrics(server), "latentkv_generation_tokens_total")
+    body = {"prompt": "go", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout), server.http() as http:
+        http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    deadline = time.monotonic() + 10
+    while _metric(_metrics(server), "latentkv_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    after = _metrics(server)
+    assert _metric(after, "latentkv_requests_running") == 0
+    assert _metric(after, "latentkv_generation_tokens_total") - before < 500
