@@ -330,6 +330,12 @@ def test_invalid_completion_parameters_are_400_never_422(server, body, param):
         assert error["param"] == param
 
 
+def test_a_prompt_of_no_accepted_shape_says_which_shapes_are(server):
+    with server.http() as http:
+        error = error_of(http.post("/v1/completions", json={"prompt": ["a", 1]}), 400)
+    assert error["message"].startswith("prompt: must be a string, a list of strings, a list of token ids")
+
+
 def test_a_body_that_is_not_json_is_400(server):
     with server.http() as http:
         response = http.post(

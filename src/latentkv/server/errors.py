@@ -92,17 +92,26 @@ def describe_validation(errors) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    raw_loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # A union field (prompt, content, stop) reports each alternative's type name in loc: drop them.
-    loc = [part for part in loc if not _is_type_name(part)]
+    loc = [part for part in raw_loc if not _is_type_name(part)]
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
     if first.get("type") == "missing":
         message = "field required"
     param = ".".join(loc) or None
+    if loc != raw_loc and loc and loc[-1] in UNION_FIELDS:  # every alternative failed: say what fits
+        return f"{param}: must be {UNION_FIELDS[loc[-1]]}", param
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return (f"{param}: {message}" if param else message) + more, param
+
+
+UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+}
 
 
 def _is_type_name(part: str) -> bool:
