@@ -209,3 +209,17 @@ def test_rejects_bad_batches(ours):
     with pytest.raises(ValueError, match="does not belong"):
         model.decode_batch(torch.tensor([3, 4]), [b, other])
     assert (a.length, b.length) == (2, 0)  # a refused batch writes nothing
+
+
+def test_bench_batch_rows(ours):
+    """The benchmark's bookkeeping (not its timings): aggregate = batch x per-sequence tok/s, and
+    the speedups are ratios to the batch-1 row and to the single-sequence figure."""
+    from latentkv.eval.bench import batch as bench
+
+    model = ours("glm5-tiny")
+    rows = [bench.bench_batch(model, "tiny", size, context=4, steps=2) for size in (1, 3)]
+    bench.add_speedups(rows, {("f32", 4): 100.0})
+    for row in rows:
+        assert row.aggregate_tps == pytest.approx(row.batch * row.per_sequence_tps)
+        assert row.speedup == pytest.approx(row.aggregate_tps / rows[0].aggregate_tps)
+        assert row.speedup_vs_single == pytest.approx(row.aggregate_tps / 100.0)
