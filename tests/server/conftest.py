@@ -33,6 +33,7 @@ class LiveServer:
     port: int
     log: Path
     key: str | None
+    kv_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -124,6 +125,7 @@ def tiny_server(tmp_path_factory):
         "--max-model-len",
         "512",
     )
+    server.kv_dir = root / "kv"
     yield server
     server.stop()
 

@@ -463,3 +463,39 @@ def test_a_disconnected_json_request_is_cancelled(server):
     after = _metrics(server)
     assert _metric(after, "latentkv_requests_running") == 0
     assert _metric(after, "latentkv_generation_tokens_total") - before < 500
+
+
+def test_a_failure_after_the_stream_started_is_an_error_event_then_done(server, ref, tiny_dir):
+    """A session file held by another process fails the request inside the worker, after the
+    stream's first chunk went out."""
+    from types import SimpleNamespace
+
+    from latentkv.commands.session import Conversation
+    from latentkv.config import CacheConfig
+
+    held = Conversation.open(
+        "held", server.kv_dir, SimpleNamespace(model=ref.model, directory=tiny_dir), CacheConfig()
+    )
+    try:
+        body = {"messages": [{"role": "user", "content": "x"}], "session": "held", "stream": True}
+        with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            events = [e for e in response.read().decode().split("\n\n") if e]
+        assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        error = json.loads(events[-2][6:])["error"]
+        assert "in use by another process" in error["message"] and error["type"] == "server_error"
+        assert events[-1] == "data: [DONE]"
+        with pytest.raises(openai.APIError, match="in use by another process"):
+            list(
+                server.client().chat.completions.create(
+                    model=MODEL,
+                    stream=True,
+                    **{k: body[k] for k in ("messages",)},
+                    extra_body={"session": "held"},
+                )
+            )
+        with server.http() as http:
+            failed = error_of(http.post("/v1/completions", json={"prompt": "x", "session": "held"}), 500)
+        assert failed["code"] == "generation_failed"
+    finally:
+        held.close()

@@ -35,14 +35,11 @@ async def create_completion(body: CompletionRequest, request: Request, ready, se
     session = check_session(body, len(prompts))
     if body.stream and body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported when streaming; drop stream", param="echo")
-    budgets = {
-        len(p.ids): token_budget(len(p.ids), body.max_tokens, ready.max_model_len, "max_tokens")
-        for p in prompts
-    }
     prompt_logprobs = body.echo and body.logprobs is not None
 
-    def params_for(ids: list[int], choice: int):
-        return sampling_params(body, ready, budgets[len(ids)], choice, body.logprobs, prompt_logprobs)
+    def params_for(ids: list[int], choice: int):  # every spec is built (and checked) before any submit
+        budget = token_budget(len(ids), body.max_tokens, ready.max_model_len, "max_tokens")
+        return sampling_params(body, ready, budget, choice, body.logprobs, prompt_logprobs)
 
     specs = specs_for([p.ids for p in prompts], body.n, params_for, session, body.stop_strings())
     runs = submit_all(ready.scheduler, specs, ready.tokenizer, stop_ids_of(body, ready))
