@@ -103,6 +103,12 @@ def test_sixteen_sequences_match_single_decode(ours, name, tier):
     _assert_agrees(_compare_steps(ours(name), RAGGED, tier, seed=11))
 
 
+@pytest.mark.parametrize("tier", ["f32", "tq4"])
+def test_equal_lengths_match_single_decode(ours, tier):
+    """Sequences of one length (read without padding) against the single decode."""
+    _assert_agrees(_compare_steps(ours("glm5-tiny-dsa"), [15] * 6, tier, seed=17))
+
+
 @pytest.mark.parametrize("name", ["dsv32-tiny-dsa", "dsv3-tiny-noqlora", "glm5-tiny"])
 def test_other_families_match_single_decode(ours, name):
     _assert_agrees(_compare_steps(ours(name), RAGGED[:6], "f32", seed=12, steps=2))

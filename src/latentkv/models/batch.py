@@ -166,7 +166,7 @@ def _select(
     weights = linear(x, indexer.w.weights_proj)  # [B, h_i]
     if B * T * (indexer.head_dim + indexer.n_heads) > BATCH_ATTEND_ELEMENTS:
         return _select_each(q, weights, keys, step, k)
-    padded = keys[0].unsqueeze(0) if B == 1 else pad_sequence(keys, batch_first=True)  # [B, T, D_i]
+    padded = _pad(keys)  # [B, T, D_i]
     head = torch.relu(torch.matmul(q, padded.transpose(1, 2)))  # [B, h_i, T]
     scores = torch.matmul(weights.unsqueeze(1), head).squeeze(1)  # [B, T]
     if step.blocked is not None:
@@ -243,8 +243,13 @@ def _attend_group(
 
 
 def _pad(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[T_b, ...] each -> [B, max T_b, ...], zero past each one's end (a view when B == 1)."""
-    return tensors[0].unsqueeze(0) if len(tensors) == 1 else pad_sequence(tensors, batch_first=True)
+    """[T_b, ...] each -> [B, max T_b, ...], zero past each one's end (a view when B == 1; a
+    plain stack, which skips the zero fill, when all have one length)."""
+    if len(tensors) == 1:
+        return tensors[0].unsqueeze(0)
+    if all(t.shape[0] == tensors[0].shape[0] for t in tensors):
+        return torch.stack(tensors)
+    return pad_sequence(tensors, batch_first=True)
 
 
 def _attend_packed(
