@@ -223,9 +223,11 @@ def test_bench_batch_rows(ours):
     from latentkv.eval.bench import batch as bench
 
     model = ours("glm5-tiny")
-    rows = [bench.bench_batch(model, "tiny", size, context=4, steps=2) for size in (1, 3)]
+    single, rows = bench.bench_batches(model, "tiny", [1, 3], context=4, steps=3)
+    assert single > 0 and [(r.batch, r.steps) for r in rows] == [(1, 3), (3, 3)]
     bench.add_speedups(rows, {("f32", 4): 100.0})
     for row in rows:
+        assert row.step_seconds == pytest.approx(1 / row.per_sequence_tps)
         assert row.aggregate_tps == pytest.approx(row.batch * row.per_sequence_tps)
         assert row.speedup == pytest.approx(row.aggregate_tps / rows[0].aggregate_tps)
         assert row.speedup_vs_single == pytest.approx(row.aggregate_tps / 100.0)

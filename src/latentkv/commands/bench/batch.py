@@ -14,18 +14,15 @@ def add(sub) -> None:
         help="batched decode: aggregate and per-sequence tok/s per batch size",
         description="Per (KV tier, batch size B): B sequences each prefill their own random prompt of "
         "--context tokens, then decode together through Model.decode_batch (one step = one new token "
-        "per sequence). Reports aggregate tok/s (all sequences), per-sequence tok/s, and the speedup "
-        "over batch 1 and over a single sequence decoding alone through Model.forward.",
+        "per sequence), in rounds interleaved with a single sequence decoding alone through "
+        "Model.forward. Reports the median step, aggregate tok/s (all sequences), per-sequence tok/s, "
+        "and the speedup over batch 1 and over the single sequence.",
     )
     b.add_argument("model", metavar="MODEL", help="model directory, builtin:tiny or builtin:slice")
     b.add_argument("--batch", default="1,2,4,8,16", help="comma-separated batch sizes (default: 1,2,4,8,16)")
     b.add_argument("--context", type=int, default=128, help="tokens in every sequence's cache (default: 128)")
-    b.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size (default: 32)")
     b.add_argument(
-        "--repeats",
-        type=int,
-        default=3,
-        help="measure every row this many times, keep the fastest (default: 3)",
+        "--steps", type=int, default=64, help="timed rounds: decode steps per batch size (default: 64)"
     )
     b.add_argument("--kv-cache-dtype", default="f32", help="comma-separated KV tiers, or all (default: f32)")
     b.add_argument(
@@ -43,8 +40,8 @@ def run(args: argparse.Namespace) -> dict:
 
     sizes = common.ints(args.batch, "--batch")
     tiers = common.tiers(args.kv_cache_dtype)
-    if args.context < 1 or args.steps < 1 or args.repeats < 1:
-        raise UserError("--context, --steps and --repeats must be at least 1")
+    if args.context < 1 or args.steps < 1:
+        raise UserError("--context and --steps must be at least 1")
     common.set_threads(args.threads)
     loaded = load(args.model, EngineConfig(weight_dtype=args.weight_dtype), quiet=args.json)
     model = loaded.model
@@ -56,23 +53,17 @@ def run(args: argparse.Namespace) -> dict:
     rows, single = [], {}
     for config in common.cache_configs(model, tiers):
         key = (config.kv_cache_dtype, args.context)
-        best: dict[int, object] = {}
-        for _ in range(args.repeats):  # rounds over every size, so load that comes and goes hits all alike
-            tps = bench.single_tps(model, args.context, args.steps, config)
-            single[key] = max(single.get(key, 0.0), tps)
-            for size in sizes:
-                row = bench.bench_batch(model, args.model, size, args.context, args.steps, config)
-                if size not in best or row.aggregate_tps > best[size].aggregate_tps:
-                    best[size] = row
+        single[key], tier_rows = bench.bench_batches(
+            model, args.model, sizes, args.context, args.steps, config
+        )
         common.progress(f"{config.kv_cache_dtype}: single sequence {single[key]:.1f} tok/s", args.json)
-        for size in sizes:
-            row = best[size]
-            rows.append(row)
+        for row in tier_rows:
             common.progress(
-                f"{config.kv_cache_dtype} B={size}: {row.aggregate_tps:.1f} tok/s aggregate, "
+                f"{config.kv_cache_dtype} B={row.batch}: {row.aggregate_tps:.1f} tok/s aggregate, "
                 f"{row.per_sequence_tps:.1f} per sequence",
                 args.json,
             )
+        rows += tier_rows
     bench.add_speedups(rows, single)
     load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
@@ -85,9 +76,9 @@ def run(args: argparse.Namespace) -> dict:
         "single_sequence_tps": {tier: tps for (tier, _), tps in single.items()},
         "load_average": load_average,
         "notes": [
-            f"every sequence holds {args.context} tokens of its own random prompt; {args.steps} greedy "
-            f"steps timed; {args.repeats} rounds over every batch size (and the single sequence), the "
-            "fastest round kept per row; aggregate = batch x steps / time",
+            f"every sequence starts from {args.context} tokens of its own random prompt; {args.steps} "
+            "rounds, each one greedy step of the single sequence and of every batch size in turn (load "
+            "that comes and goes hits all rows alike); median step time per row; aggregate = batch / step",
             "single: one sequence through Model.forward, the non-batched decode, same context and tier",
         ]
         + ([f"1-minute load average at the end: {load_average:.2f}"] if load_average is not None else []),

@@ -1,15 +1,17 @@
 """Batched decode speed: B sequences decoding together (`Model.decode_batch`) against one alone.
 
 Each of the B sequences prefills its own random prompt of `context` tokens into its own cache
-(distinct prompts, so DSA selects differently per sequence); then `steps` batched decode steps
-run over all of them, each step one new token per sequence. Aggregate tok/s counts every
-sequence's tokens (B x steps over the time of the steps); per-sequence tok/s is what one client
-sees (steps over the same time). The single-sequence baseline is the plain decode
-(`Model.forward` on one token) over the same context, timed the same way.
+(distinct prompts, so DSA selects differently per sequence). Then `steps` rounds run; each
+round times one single-sequence decode step (`Model.forward` on one token, the non-batched
+engine) and one batched step of every batch size, one after the other, so load that comes
+and goes on a shared machine hits every row alike. Each row reports the median step time:
+aggregate tok/s is B / median step (every sequence's token), per-sequence tok/s 1 / median
+step (what one client sees).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -27,9 +29,9 @@ class BatchRow:
     batch: int
     steps: int
     threads: int
-    step_seconds: float  # mean time of one batched step (fastest of the repeats)
-    aggregate_tps: float  # batch x steps / their time
-    per_sequence_tps: float  # steps / their time
+    step_seconds: float  # median time of one batched step
+    aggregate_tps: float  # batch / step_seconds
+    per_sequence_tps: float  # 1 / step_seconds
     speedup: float | None = None  # aggregate_tps / the batch-1 row's
     speedup_vs_single: float | None = None  # aggregate_tps / the single-sequence forward's tok/s
 
@@ -47,51 +49,54 @@ def _prefilled(model, batch: int, context: int, cache_config: CacheConfig) -> tu
     return caches, tokens
 
 
-def single_tps(model, context: int, steps: int, cache_config: CacheConfig, repeats: int = 1) -> float:
-    """Greedy decode tok/s of one sequence through `Model.forward` (fastest of `repeats`)."""
-    best = 0.0
-    for _ in range(repeats):
-        (cache,), (token,) = _prefilled(model, 1, context, cache_config)
-        model.forward(torch.tensor([token]), cache)  # warm up
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            token = int(model.forward(torch.tensor([token]), cache)[-1].argmax())
-        best = max(best, steps / (time.perf_counter() - t0))
-    return best
-
-
-def bench_batch(
-    model,
-    name: str,
-    batch: int,
-    context: int,
-    steps: int,
-    cache_config: CacheConfig | None = None,
-    repeats: int = 1,
-) -> BatchRow:
-    """`steps` greedy batched decode steps of `batch` sequences of `context` tokens (fastest of
-    `repeats`, each from freshly prefilled caches)."""
+def bench_batches(
+    model, name: str, sizes: list[int], context: int, steps: int, cache_config: CacheConfig | None = None
+) -> tuple[float, list[BatchRow]]:
+    """(single-sequence tok/s, one row per batch size), from `steps` interleaved rounds."""
     cache_config = cache_config or CacheConfig()
-    best = None
-    for _ in range(repeats):
-        caches, tokens = _prefilled(model, batch, context, cache_config)
-        ids = model.decode_batch(torch.tensor(tokens), caches).argmax(dim=-1)  # warm up
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            ids = model.decode_batch(ids, caches).argmax(dim=-1)
-        seconds = time.perf_counter() - t0
-        best = seconds if best is None else min(best, seconds)
-    return BatchRow(
-        model=name,
-        kv_cache_dtype=cache_config.kv_cache_dtype,
-        context=context,
-        batch=batch,
-        steps=steps,
-        threads=torch.get_num_threads(),
-        step_seconds=best / steps,
-        aggregate_tps=batch * steps / best,
-        per_sequence_tps=steps / best,
-    )
+    single = _prefilled(model, 1, context, cache_config)
+    batches = {size: _prefilled(model, size, context, cache_config) for size in sizes}
+    times: dict[int | None, list[float]] = {size: [] for size in [None, *sizes]}  # None: the single sequence
+    for _ in range(steps + 1):  # the first round warms up and is not counted
+        times[None].append(_single_step(model, single))
+        for size in sizes:
+            times[size].append(_batched_step(model, batches[size]))
+    median = {key: statistics.median(values[1:]) for key, values in times.items()}
+    rows = [
+        BatchRow(
+            model=name,
+            kv_cache_dtype=cache_config.kv_cache_dtype,
+            context=context,
+            batch=size,
+            steps=steps,
+            threads=torch.get_num_threads(),
+            step_seconds=median[size],
+            aggregate_tps=size / median[size],
+            per_sequence_tps=1 / median[size],
+        )
+        for size in sizes
+    ]
+    return 1 / median[None], rows
+
+
+def _single_step(model, state: tuple[list, list[int]]) -> float:
+    (cache,), tokens = state
+    ids = torch.tensor(tokens[-1:], dtype=torch.long)
+    t0 = time.perf_counter()
+    logits = model.forward(ids, cache)
+    seconds = time.perf_counter() - t0
+    tokens[-1] = int(logits[-1].argmax())
+    return seconds
+
+
+def _batched_step(model, state: tuple[list, list[int]]) -> float:
+    caches, tokens = state
+    ids = torch.tensor(tokens, dtype=torch.long)
+    t0 = time.perf_counter()
+    logits = model.decode_batch(ids, caches)
+    seconds = time.perf_counter() - t0
+    tokens[:] = logits.argmax(dim=-1).tolist()
+    return seconds
 
 
 def add_speedups(rows: list[BatchRow], single: dict[tuple[str, int], float]) -> None:
