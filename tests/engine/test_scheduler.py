@@ -216,25 +216,24 @@ def test_token_logprobs_and_stop_tokens(ours, make):
 
 
 def test_async_iteration(make):
-    scheduler = make()
+    """Several requests read concurrently on one event loop (events handed over once per step for
+    all of them), and one that attaches only after the worker has sent it events."""
+    scheduler = make(max_num_seqs=4)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+
+    async def consume(handle, delay: float = 0.0):
+        await asyncio.sleep(delay)
+        return [e async for e in handle]
 
     async def run():
-        handles = [
-            scheduler.submit(Request([5, 6 + i], SamplingParams(max_tokens=4, temperature=0.0)))
-            for i in range(3)
-        ]
-        results = []
-        for h in handles:
-            results.append([e async for e in h])
-        return results
+        handles = [scheduler.submit(Request([5, 6 + i], greedy)) for i in range(4)]
+        return await asyncio.gather(*(consume(h, 0.3 if i == 3 else 0.0) for i, h in enumerate(handles)))
 
     results = asyncio.run(run())
-    sync = [
-        _collect(scheduler.submit(Request([5, 6 + i], SamplingParams(max_tokens=4, temperature=0.0))))
-        for i in range(3)
-    ]
-    for events, (tokens, _, _) in zip(results, sync, strict=True):
-        assert [e.token for e in events[:-1]] == tokens and events[-1].reason == "length"
+    for i, events in enumerate(results):
+        tokens, _, finished = _collect(scheduler.submit(Request([5, 6 + i], greedy)))
+        assert [e.token for e in events[:-1]] == tokens
+        assert events[-1].reason == finished.reason == "length"
 
 
 def test_session_resumes_across_requests_and_restarts(ours, make, tmp_path):

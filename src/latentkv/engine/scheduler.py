@@ -140,13 +140,15 @@ class SchedulerStats:
 class RequestHandle:
     """The client's side of one request: iterate it (blocking or async) for its events."""
 
-    def __init__(self, request: Request, wake: threading.Condition):
+    def __init__(self, request: Request, wake: threading.Condition, outbox: _Outbox):
         self.request = request
         self._wake = wake
+        self._outbox = outbox
         self._lock = threading.Lock()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async_events: asyncio.Queue | None = None
+        self._pending: list[TokenEvent | Finished] = []  # for the event loop, not handed over yet
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -160,15 +162,24 @@ class RequestHandle:
         return self._cancelled.is_set()
 
     def _emit(self, event: TokenEvent | Finished) -> None:
-        """Called by the worker; hands the event to whichever iterator reads this handle."""
+        """Called by the worker; hands the event to whichever iterator reads this handle. Events
+        for an event loop wait in the outbox until the worker's step ends (one wake-up per loop
+        per step, not one per token)."""
         with self._lock:
             if self._async_events is None:
                 self._events.put(event)
                 return
-            try:
-                self._loop.call_soon_threadsafe(self._async_events.put_nowait, event)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                self._cancelled.set()
+            self._pending.append(event)
+            first = len(self._pending) == 1
+        if first:
+            self._outbox.add(self)
+
+    def _deliver(self) -> None:
+        """On the event loop: move the pending events to the async iterator."""
+        with self._lock:
+            events, self._pending = self._pending, []
+        for event in events:
+            self._async_events.put_nowait(event)
 
     def __iter__(self):
         while True:
@@ -188,6 +199,36 @@ class RequestHandle:
             yield event
             if isinstance(event, Finished):
                 return
+
+
+class _Outbox:
+    """Handles with events for their event loops; `flush` wakes each loop once for all of them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._handles: list[RequestHandle] = []
+
+    def add(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._handles.append(handle)
+
+    def flush(self) -> None:
+        with self._lock:
+            handles, self._handles = self._handles, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[RequestHandle]] = {}
+        for handle in handles:
+            by_loop.setdefault(handle._loop, []).append(handle)
+        for loop, group in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, group)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                for handle in group:
+                    handle._cancelled.set()
+
+
+def _deliver_all(handles: list[RequestHandle]) -> None:
+    for handle in handles:
+        handle._deliver()
 
 
 @dataclass
@@ -244,6 +285,7 @@ class Scheduler:
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._busy_sessions: set[str] = set()
+        self._outbox = _Outbox()
         self._closing = False
         self._thread: threading.Thread | None = None
         self._prompt_total = 0
@@ -276,7 +318,7 @@ class Scheduler:
         """Queue a request; never blocks. ValueError for an invalid request, QueueFull when the
         queue is full, SchedulerClosed after shutdown."""
         self._validate(request)
-        handle = RequestHandle(request, self._cond)
+        handle = RequestHandle(request, self._cond, self._outbox)
         seq = _Sequence(handle, request.params, list(request.prompt), generated=[])
         with self._cond:
             if self._closing:
@@ -341,14 +383,17 @@ class Scheduler:
                 for seq in admitted + self._running:
                     if not seq.finished:
                         self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                self._outbox.flush()
         self._finish_all("cancelled")
 
     def _step(self, admitted: list[_Sequence]) -> None:
         self._drop_cancelled()
         for seq in admitted:
             self._guarded(seq, self._admit)
+            self._outbox.flush()  # its first token now, not after the others' prefills
         if self._running:
             self._decode_step()
+        self._outbox.flush()
         self._update_kv_bytes()
 
     def _take_admissible(self) -> list[_Sequence]:
@@ -531,6 +576,7 @@ class Scheduler:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for seq in list(self._running) + waiting:
             self._finish(seq, reason)
+        self._outbox.flush()
         self._update_kv_bytes()
 
     def _update_kv_bytes(self) -> None:
