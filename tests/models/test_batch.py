@@ -161,6 +161,26 @@ def test_mixed_tiers_in_one_batch(ours):
             assert _relative(got[b], expected[b]) <= TOLERANCE, tier
 
 
+def test_recent_window_caches(ours):
+    """Packed caches with a full-precision recent window (their own reader kind, read one sequence
+    at a time) beside plain tq4 caches of the same codec, in one batch. The window's f32 rows are
+    not in a cache's state, so each side prefills the same prompt itself instead of copying."""
+    model = ours("glm5-tiny-dsa")
+    refs, batched, tokens = [], [], []
+    for i, (window, n) in enumerate([(4, 9), (0, 12), (4, 20), (16, 3), (0, 25)]):
+        prompt = torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(40 + i))
+        pair = [model.make_cache(CacheConfig("tq4", recent_window=window)) for _ in range(2)]
+        tokens.append([int(model.forward(prompt, c)[-1].argmax()) for c in pair][0])
+        refs.append(pair[0])
+        batched.append(pair[1])
+    got = model.decode_batch(torch.tensor(tokens), batched)
+    expected = torch.cat([model.forward(torch.tensor([t]), c) for t, c in zip(tokens, refs, strict=True)])
+    compared = [b for b in range(len(refs)) if _last_rows_equal(batched[b], refs[b])]
+    assert len(compared) >= 3
+    for b in compared:
+        assert _relative(got[b], expected[b]) <= TOLERANCE
+
+
 @pytest.mark.parametrize("tier", ["f32", "tq4"])
 def test_per_sequence_fallback_matches(ours, monkeypatch, tier):
     """Past the padded-read budget every sequence is read on its own: the same results."""

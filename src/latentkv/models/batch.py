@@ -294,9 +294,10 @@ def _attend_each(query: torch.Tensor, readers: list[RowReader], blocked: torch.T
     """One sequence at a time through its reader (tiled, any tier), as single-sequence decode does."""
     parts = []
     for b, reader in enumerate(readers):
+        position = torch.tensor([len(reader) - 1])  # the new token's (a recent window reads it)
         if blocked is not None and bool(blocked[b, : len(reader)].any()):
             reader = reader.select((~blocked[b, : len(reader)]).nonzero().squeeze(1))
-        parts.append(reader.attend(query[:, b : b + 1], None))  # [H, 1, Lkv]
+        parts.append(reader.attend(query[:, b : b + 1], None, position))  # [H, 1, Lkv]
     return torch.cat(parts, dim=1)
 
 
