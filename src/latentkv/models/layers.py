@@ -150,15 +150,20 @@ class RotaryTables:
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         self.cos, self.sin = cos, sin  # [S, d/2]
         self.S, self.half = cos.shape
-        self._mats: dict[tuple[bool, int], torch.Tensor] = {}
+        self._mats: dict[tuple[bool, int, int], torch.Tensor] = {}
+        self._values: torch.Tensor | None = None
 
-    def rotate(self, x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        """Rotate the first d = 2 * half values of x's last axis; any values after them pass through."""
+    def rotate(self, x: torch.Tensor, interleaved: bool, offset: int = 0) -> torch.Tensor:
+        """Rotate d = 2 * half values of x's last axis starting at `offset`; the values before
+        and after them pass through (offset > 0 only for passes of at most
+        MATMUL_ROPE_MAX_POSITIONS positions, e.g. decode's [c-part | rope-part] queries)."""
         width = x.shape[-1]
         if self.S <= MATMUL_ROPE_MAX_POSITIONS:
-            m = self._matrix(interleaved, width)  # [S, width, width]
+            m = self.matrix(interleaved, width, offset)  # [S, width, width]
             shape = x.shape
             return torch.matmul(x.reshape(self.S, -1, width), m).view(shape)
+        if offset:
+            raise ValueError(f"an offset rotation needs at most {MATMUL_ROPE_MAX_POSITIONS} positions")
         d = 2 * self.half
         cos = self.cos.view(self.S, *([1] * (x.dim() - 2)), self.half)
         sin = self.sin.view(self.S, *([1] * (x.dim() - 2)), self.half)
@@ -171,28 +176,33 @@ class RotaryTables:
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return torch.cat([out, x[..., d:]], dim=-1) if width > d else out
 
-    def _matrix(self, interleaved: bool, width: int) -> torch.Tensor:
-        """Per position, the [width, width] matrix M with rotate(x) = x @ M."""
-        key = (interleaved, width)
+    def matrix(self, interleaved: bool, width: int, offset: int = 0) -> torch.Tensor:
+        """Per position, the [width, width] matrix M with rotate(x) = x @ M (built once per pass;
+        a fused decode weight may multiply it in)."""
+        key = (interleaved, width, offset)
         if key not in self._mats:
-            src, dst = _rotation_pattern(interleaved, self.half, width)
-            c, s = self.cos, self.sin
-            values = [c, -s, c, s]  # out[i] = a c - b s ; out[i + h] = b c + a s
-            if width > 2 * self.half:
-                values.append(torch.ones(self.S, width - 2 * self.half))  # pass-through dims
-            m = torch.zeros(self.S, width, width)
-            m[:, src, dst] = torch.cat(values, dim=1)
-            self._mats[key] = m
+            if self._values is None:  # out[i] = a c - b s ; out[i + h] = b c + a s
+                self._values = torch.cat([self.cos, -self.sin, self.cos, self.sin], dim=1)  # [S, 4 half]
+            rotated, passed = _rotation_pattern(interleaved, self.half, width, offset)
+            m = torch.zeros(self.S, width * width)
+            m.index_copy_(1, rotated, self._values)
+            if passed.numel():
+                m.index_fill_(1, passed, 1.0)
+            self._mats[key] = m.view(self.S, width, width)
         return self._mats[key]
 
 
 @functools.cache
-def _rotation_pattern(interleaved: bool, half: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source, destination) index pairs of the nonzero entries of a rotation matrix, in the
-    order cos | -sin | cos | sin | pass-through ones, as `_matrix` fills them."""
+def _rotation_pattern(
+    interleaved: bool, half: int, width: int, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat [width * width] indices of a rotation matrix's entries: the rotated ones in the order
+    cos | -sin | cos | sin (as `RotaryTables.matrix` fills them), then the pass-through ones."""
+    if offset + 2 * half > width:
+        raise ValueError(f"cannot rotate {2 * half} values at offset {offset} of a {width}-wide axis")
     i = torch.arange(half)
     a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
-    j = torch.arange(2 * half, width)
-    src = torch.cat([a, b, b, a, j])
-    dst = torch.cat([i, i, i + half, i + half, j])
-    return src, dst
+    src = torch.cat([a, b, b, a]) + offset
+    dst = torch.cat([i, i, i + half, i + half]) + offset
+    j = torch.cat([torch.arange(offset), torch.arange(offset + 2 * half, width)])
+    return src * width + dst, j * width + j
