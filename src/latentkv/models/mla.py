@@ -29,6 +29,11 @@ from latentkv.models.layers import RMSNorm, RotaryTables, linear, per_head_linea
 
 # Budget for one score block [H, S_tile, T] in float32 elements (~32 MB).
 SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
+# Decode (one token) multiplies the per-head products into plain float32 matrices when these stay
+# this small: q_b then W_UK becomes one [H*(Lkv+R), q_lora] matrix, W_UV then o_proj one
+# [D, H*Lkv]. A small model's decode step is bound by per-op overhead, not weight bytes; a big
+# model's fused matrices would be larger than the factors (GLM-5's absorbed query: 268 MB).
+FUSED_DECODE_MAX_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -54,6 +59,8 @@ class MLA:
         self.H, self.P, self.R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.V, self.Lkv = cfg.v_head_dim, cfg.kv_lora_rank
         self.interleaved = cfg.rope_interleave
+        self._q_fused = _absorbed_query(w, self.H, self.P) if w.q_b is not None else None
+        self._o_fused = _fused_output(w)
 
     def project(
         self, q_in: torch.Tensor, kv_in: torch.Tensor, rope: RotaryTables
@@ -64,6 +71,8 @@ class MLA:
         S = q_in.shape[0]
         if w.q_a_norm is not None:
             q_resid = w.q_a_norm(q_in)
+            if S == 1 and self._q_fused is not None:
+                return self._decode_query(q_resid, rope), self._rows(kv_in, rope), q_resid
             q = linear(q_resid, w.q_b)
         else:
             q_resid, q = None, q_in
@@ -71,9 +80,18 @@ class MLA:
         q_abs = per_head_linear(q[..., : self.P].transpose(0, 1), w.w_uk_t)  # [H, S, P] -> [H, S, Lkv]
         q_rope = rope.rotate(q[..., self.P :], self.interleaved)  # [S, H, R]
         query = torch.cat([q_abs, q_rope.transpose(0, 1)], dim=-1)  # [H, S, Lkv+R]
-        c = w.kv_a_norm(kv_in[:, : self.Lkv])
-        rows = torch.cat([c, rope.rotate(kv_in[:, self.Lkv :], self.interleaved)], dim=-1)  # [S, Lkv+R]
-        return query, rows, q_resid
+        return query, self._rows(kv_in, rope), q_resid
+
+    def _rows(self, kv_in: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
+        """W_DKV x [S, Lkv+R] -> cache rows [c | r] [S, Lkv+R]."""
+        c = self.w.kv_a_norm(kv_in[:, : self.Lkv])
+        return torch.cat([c, rope.rotate(kv_in[:, self.Lkv :], self.interleaved)], dim=-1)
+
+    def _decode_query(self, q_resid: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
+        """One token's query through the absorbed matrix: q_resid [1, q_lora] -> [H, 1, Lkv+R],
+        the rope part rotated in place (one matmul for every head)."""
+        q = linear(q_resid, self._q_fused).view(1, self.H, self.Lkv + self.R)
+        return rope.rotate(q, self.interleaved, offset=self.Lkv).view(self.H, 1, self.Lkv + self.R)
 
     def attend(
         self,
@@ -89,9 +107,10 @@ class MLA:
         boolean [S, T] mask of allowed tokens (causality is applied here in both cases).
         """
         H, S, _ = query.shape
-        if S == 1 and selected is not None:
-            rows = rows.select(selected)
-            selected = None
+        if S == 1:  # decode: one tile, no mask (DSA's choice is a row selection)
+            if selected is not None:
+                rows = rows.select(selected)
+            return self.output(rows.attend(query, None, torch.arange(start, start + 1)))
         T = len(rows)
         tile = max(1, SCORE_BLOCK_ELEMENTS // max(1, H * T))
         parts = []
@@ -106,8 +125,33 @@ class MLA:
     def output(self, ctx: torch.Tensor) -> torch.Tensor:
         """Latent context [H, S, Lkv] -> W_UV per head -> o_proj: [S, D]."""
         H, S, _ = ctx.shape
+        if S == 1 and self._o_fused is not None:
+            return linear(ctx.view(1, H * self.Lkv), self._o_fused, self.w.o_bias)
         heads = per_head_linear(ctx, self.w.w_uv)  # [H, S, Lkv] -> [H, S, V]
         return linear(heads.transpose(0, 1).reshape(S, H * self.V), self.w.o, self.w.o_bias)
+
+
+def _absorbed_query(w: MLAWeights, H: int, P: int) -> torch.Tensor | None:
+    """[H*(Lkv+R), q_lora] float32: per head, W_UK^T q_b's nope rows, then q_b's rope rows
+    (None when larger than FUSED_DECODE_MAX_BYTES). Multiplied in float64."""
+    assert w.q_b is not None
+    Lkv = w.w_uk_t.shape[1]
+    q_b = w.q_b.double().view(H, -1, w.q_b.shape[-1])  # [H, P+R, q_lora]
+    if H * (Lkv + q_b.shape[1] - P) * q_b.shape[2] * 4 > FUSED_DECODE_MAX_BYTES:
+        return None
+    absorbed = torch.matmul(w.w_uk_t.double(), q_b[:, :P])  # [H, Lkv, q_lora]
+    return torch.cat([absorbed, q_b[:, P:]], dim=1).flatten(0, 1).float()
+
+
+def _fused_output(w: MLAWeights) -> torch.Tensor | None:
+    """[D, H*Lkv] float32: o_proj times W_UV per head (None when larger than
+    FUSED_DECODE_MAX_BYTES). Multiplied in float64."""
+    H, V, Lkv = w.w_uv.shape
+    D = w.o.shape[0]
+    if D * H * Lkv * 4 > FUSED_DECODE_MAX_BYTES:
+        return None
+    o = w.o.double().view(D, H, V)
+    return torch.einsum("dhv,hvl->dhl", o, w.w_uv.double()).reshape(D, H * Lkv).float()
 
 
 def _allowed(q_start: int, n: int, T: int, selected: torch.Tensor | None, row0: int) -> torch.Tensor:

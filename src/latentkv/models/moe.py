@@ -10,6 +10,8 @@ Router (per token):
 
 The expert store holds each expert's fused [gate | up] and down matrices. Tokens are grouped
 by expert so each hit expert runs one matmul over all its tokens (one per token in decode).
+A small layer decodes a token through every expert at once (the unchosen ones weighted 0, the
+shared expert folded in as more experts weighted 1): two matmuls instead of a gather per expert.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.config import ModelConfig
-from latentkv.models.layers import SwiGLU
+from latentkv.models.layers import SwiGLU, linear
 
 
 @dataclass
@@ -91,15 +93,23 @@ class ExpertStore:
         return torch.matmul(weights.unsqueeze(0).to(y.dtype), y).to(x.dtype)  # [1, D]
 
 
+# Decode runs every expert of a layer whose experts (with the shared one) hold at most this many
+# bytes: on a small model the extra arithmetic costs less than the ops it saves.
+EVERY_EXPERT_DECODE_MAX_BYTES = 4 * 1024 * 1024
+
+
 class MoE:
     def __init__(self, router: Router, experts: ExpertStore, shared: SwiGLU | None):
         self.router = router
         self.experts = experts
         self.shared = shared
+        self._every = _every_expert_weights(experts, shared)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D]."""
         idx, weights = self.router(x)
+        if x.shape[0] == 1 and self._every is not None:
+            return self._every_expert(x, idx, weights)
         if x.shape[0] == 1:
             out = self.experts.decode(x, idx[0], weights[0])
         else:
@@ -108,6 +118,15 @@ class MoE:
         if self.shared is not None:
             out += self.shared(x)
         return out
+
+    def _every_expert(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One token x [1, D] through all U = E + shared units: mix [1, U] is the router's
+        weight for the chosen experts, 0 for the others, 1 for the shared units."""
+        gate_up, down, mix_base = self._every
+        mix = mix_base.scatter(1, idx, weights.to(mix_base.dtype))  # [1, U]
+        gate, up = linear(x, gate_up).view(mix.shape[1], -1).chunk(2, dim=-1)  # [U, I] each
+        act = F.silu(gate) * up * mix.view(-1, 1)  # [U, I]
+        return linear(act.view(1, -1), down)  # [1, D]
 
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
         """Group the N*k (token, expert) pairs by expert; one matmul per hit expert."""
@@ -124,3 +143,27 @@ class MoE:
             y = self.experts[e](x.index_select(0, tok)) * pair_weights[start : start + n, None]
             out.index_add_(0, tok, y)
             start += n
+
+
+def _every_expert_weights(
+    experts: ExpertStore, shared: SwiGLU | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(gate_up [U*2I, D], down [D, U*I], mix base [1, U]) for `MoE._every_expert`: the routed
+    experts, then the shared expert cut into units of I (a SwiGLU is a sum over its units).
+    None when the layer is too large, or the shared width is not a multiple of I."""
+    E, two_i, D = experts.gate_up.shape
+    I = two_i // 2
+    shared_width = 0 if shared is None else shared.down.shape[1]
+    if shared_width % I or (E * two_i + 3 * shared_width) * D * experts.gate_up.element_size() > (
+        EVERY_EXPERT_DECODE_MAX_BYTES
+    ):
+        return None
+    units = [experts.gate_up.reshape(E * two_i, D)]
+    downs = [experts.down.transpose(0, 1).reshape(D, E * I)]  # [D, E, I] -> unit-major columns
+    if shared is not None:
+        n = shared_width // I
+        gate, up = shared.gate_up.view(2, n, I, D).unbind(0)
+        units.append(torch.stack([gate, up], dim=1).reshape(n * two_i, D))
+        downs.append(shared.down)
+    mix = torch.cat([torch.zeros(1, E), torch.ones(1, shared_width // I)], dim=1)
+    return torch.cat(units).contiguous(), torch.cat(downs, dim=1).contiguous(), mix
