@@ -180,6 +180,47 @@ def test_rotation_against_float64(S, interleaved, shape, width):
     torch.testing.assert_close(got.double(), _rotate64(x, angle, d, interleaved), rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("S", [1, 3])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("offset", [0, 5, 8])
+def test_rotation_at_an_offset_against_float64(S, interleaved, offset):
+    """Decode's absorbed query rotates the rope part after the latent part: [pass | rope | pass]."""
+    d, width = 8, 20
+    g = torch.Generator().manual_seed(offset)
+    x = torch.randn(S, 3, width, generator=g)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).double() / d))
+    angle = torch.arange(77, 77 + S).double()[:, None] * inv_freq[None, :]
+    tables = RotaryTables(angle.cos().float(), angle.sin().float())
+    got = tables.rotate(x, interleaved, offset=offset)
+    want = torch.cat([x[..., :offset].double(), _rotate64(x[..., offset:], angle, d, interleaved)], dim=-1)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+
+
+def test_rotation_at_an_offset_refuses_what_it_cannot_do():
+    angle = torch.zeros(layers.MATMUL_ROPE_MAX_POSITIONS + 1, 4)
+    with pytest.raises(ValueError, match="offset"):
+        RotaryTables(angle.cos(), angle.sin()).rotate(torch.randn(angle.shape[0], 12), True, offset=2)
+    with pytest.raises(ValueError, match="cannot rotate"):
+        RotaryTables(angle[:1].cos(), angle[:1].sin()).rotate(torch.randn(1, 12), True, offset=6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_linear_add_against_float64(dtype, with_residual):
+    g = torch.Generator().manual_seed(3)
+    x, w, r = (
+        torch.randn(1, 24, generator=g),
+        torch.randn(16, 24, generator=g),
+        torch.randn(1, 16, generator=g),
+    )
+    w = w.to(dtype)
+    got = layers.linear_add(r if with_residual else None, x, w.T)
+    want = x.double() @ w.double().T + (r.double() if with_residual else 0)
+    assert got.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_rotation_keeps_relative_position_dot_products(interleaved):
     """q.k after rotation depends only on the position difference (what attention relies on)."""

@@ -165,3 +165,28 @@ def test_num_parameters_equals_the_checkpoint_tensor_count(ours, checkpoint):
     model = ours("glm5-tiny")
     total = sum(t.numel() for t in load_file(checkpoint("glm5-tiny") / "model.safetensors").values())
     assert model.num_parameters() == total
+
+
+@pytest.mark.parametrize("name", ["glm5-tiny-dsa", "dsv3-tiny"])
+def test_fused_decode_matches_the_per_head_path(name, checkpoint, monkeypatch):
+    """Decode's fused matrices (absorbed query, fused output, every-expert MoE) against the same
+    checkpoint loaded with fusing off: same logits to float32 rounding, DSA selecting."""
+    from latentkv.models import mla, moe
+    from latentkv.models.weights import load_model
+
+    fused = load_model(checkpoint(name))
+    assert all(b.attn._o_fused is not None for b in fused.blocks)
+    monkeypatch.setattr(mla, "FUSED_DECODE_MAX_BYTES", 0)
+    monkeypatch.setattr(moe, "EVERY_EXPERT_DECODE_MAX_BYTES", 0)
+    plain = load_model(checkpoint(name))
+    assert all(b.attn._o_fused is None and b.attn._q_fused is None for b in plain.blocks)
+    assert all(getattr(b.mlp, "_every", None) is None for b in plain.blocks)
+    prompt = torch.randint(2, fused.cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(11))
+    caches = [m.make_cache() for m in (fused, plain)]
+    for m, c in zip((fused, plain), caches, strict=True):
+        m.forward(prompt, c)
+    token = torch.tensor([4])
+    for _ in range(6):
+        a, b = fused.forward(token, caches[0]), plain.forward(token, caches[1])
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+        token = a[-1].argmax().view(1)

@@ -62,8 +62,9 @@ class Indexer:
         q = rope.rotate(q, self.interleaved)  # [S, h_i, D_i]
         weights = linear(x, self.w.weights_proj)  # [S, h_i]
 
-        if S == 1:
-            return self._scores(q, weights, keys)[0].topk(self.topk).indices
+        if S == 1:  # _scores for one query, in the fewest ops: [1, h_i] @ relu([h_i, D_i] @ [D_i, T])
+            head_scores = F.linear(q.view(self.n_heads, self.head_dim), keys).relu_()  # [h_i, T]
+            return torch.mm(weights, head_scores).topk(self.topk).indices.view(self.topk)
         mask = torch.zeros(S, T, dtype=torch.bool)
         tile = max(1, INDEX_BLOCK_ELEMENTS // (self.n_heads * T))
         for s0 in range(0, S, tile):

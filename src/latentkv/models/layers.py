@@ -38,6 +38,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_add(residual: torch.Tensor | None, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight_t (just the product when residual is None), weight_t [K, N] being a
+    weight's stored transpose (a view): one op when the dtypes agree, which is what a decode
+    step, bound by per-op overhead, wants."""
+    if x.dtype != weight_t.dtype:
+        out = (x.to(weight_t.dtype) @ weight_t).to(x.dtype)
+        return out if residual is None else residual + out
+    return torch.mm(x, weight_t) if residual is None else torch.addmm(residual, x, weight_t)
+
+
 # Per-head products with at most this many rows and at least this many weight bytes run as
 # one matrix-vector product per head: batched matmul with a single row per batch is several
 # times slower than the memory bandwidth allows on the CPU (64 heads of GLM-5: ~8 ms vs ~2).
@@ -61,10 +71,12 @@ class SwiGLU:
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
         self.gate_up = gate_up  # [2I, D]
         self.down = down  # [D, I]
+        self._down_t = down.T  # [I, D] view, for linear_add
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, D] -> [N, D] (plus `residual` [N, D] if given)."""
         gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down)
+        return linear_add(residual, F.silu(gate) * up, self._down_t)
 
 
 # --- RoPE ---------------------------------------------------------------------------------

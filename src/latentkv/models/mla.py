@@ -25,7 +25,7 @@ import torch
 
 from latentkv.config import ModelConfig
 from latentkv.kv.cache import RowReader
-from latentkv.models.layers import RMSNorm, RotaryTables, linear, per_head_linear
+from latentkv.models.layers import RMSNorm, RotaryTables, linear, linear_add, per_head_linear
 
 # Budget for one score block [H, S_tile, T] in float32 elements (~32 MB).
 SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
@@ -61,6 +61,7 @@ class MLA:
         self.interleaved = cfg.rope_interleave
         self._q_fused = _absorbed_query(w, self.H, self.P) if w.q_b is not None else None
         self._o_fused = _fused_output(w)
+        self._o_fused_t = None if self._o_fused is None else self._o_fused.T  # [H*Lkv, D] view
 
     def project(
         self, q_in: torch.Tensor, kv_in: torch.Tensor, rope: RotaryTables
@@ -99,8 +100,10 @@ class MLA:
         rows: RowReader,
         start: int,
         selected: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of S queries at positions start..start+S-1 over T cached rows; -> [S, D].
+        """Attention of S queries at positions start..start+S-1 over T cached rows; -> [S, D]
+        (plus `residual` [S, D] if given).
 
         `rows` reads the cache in whatever tier it is stored (see `latentkv.kv.cache`).
         `selected` (DSA): for decode (S == 1) the [k] token indices to attend to; for S > 1 a
@@ -110,7 +113,7 @@ class MLA:
         if S == 1:  # decode: one tile, no mask (DSA's choice is a row selection)
             if selected is not None:
                 rows = rows.select(selected)
-            return self.output(rows.attend(query, None, torch.arange(start, start + 1)))
+            return self.output(rows.attend(query, None, torch.arange(start, start + 1)), residual)
         T = len(rows)
         tile = max(1, SCORE_BLOCK_ELEMENTS // max(1, H * T))
         parts = []
@@ -120,15 +123,16 @@ class MLA:
             positions = torch.arange(start + s0, start + s1)  # a recent window reads these (kv/cache.py)
             parts.append(rows.attend(query[:, s0:s1], allowed, positions))  # [H, s, Lkv] (q scaled via q_b)
         ctx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return self.output(ctx)
+        return self.output(ctx, residual)
 
-    def output(self, ctx: torch.Tensor) -> torch.Tensor:
-        """Latent context [H, S, Lkv] -> W_UV per head -> o_proj: [S, D]."""
+    def output(self, ctx: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Latent context [H, S, Lkv] -> W_UV per head -> o_proj: [S, D] (plus `residual`)."""
         H, S, _ = ctx.shape
-        if S == 1 and self._o_fused is not None:
-            return linear(ctx.view(1, H * self.Lkv), self._o_fused, self.w.o_bias)
+        if S == 1 and self._o_fused is not None and self.w.o_bias is None:
+            return linear_add(residual, ctx.view(1, H * self.Lkv), self._o_fused_t)
         heads = per_head_linear(ctx, self.w.w_uv)  # [H, S, Lkv] -> [H, S, V]
-        return linear(heads.transpose(0, 1).reshape(S, H * self.V), self.w.o, self.w.o_bias)
+        out = linear(heads.transpose(0, 1).reshape(S, H * self.V), self.w.o, self.w.o_bias)
+        return out if residual is None else residual + out
 
 
 def _absorbed_query(w: MLAWeights, H: int, P: int) -> torch.Tensor | None:

@@ -49,8 +49,8 @@ class Block:
         if self.indexer is not None:
             keys = cache.append_index_keys(layer, self.indexer.keys(parts[2], rope))
             selected = self.indexer.select(h, q_resid, rope, keys, cache.length)
-        x = x + self.attn.attend(query, all_rows, cache.length, selected)
-        x = x + self.mlp(self.mlp_norm(x))
+        x = self.attn.attend(query, all_rows, cache.length, selected, residual=x)
+        x = self.mlp(self.mlp_norm(x), residual=x)
         return x, selected
 
 
@@ -97,7 +97,7 @@ class Model:
         for i, block in enumerate(self.blocks):
             x, selected = block(x, cache, i, rope, selected)
         cache.commit(S)
-        if not all_logits:
+        if not all_logits and S > 1:
             x = x[-1:]
         return linear(self.norm(x), self.lm_head)
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.config import ModelConfig
-from latentkv.models.layers import SwiGLU, linear
+from latentkv.models.layers import SwiGLU, linear, linear_add
 
 
 @dataclass
@@ -105,11 +105,11 @@ class MoE:
         self.shared = shared
         self._every = _every_expert_weights(experts, shared)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, D] -> [N, D]."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, D] -> [N, D] (plus `residual` [N, D] if given)."""
         idx, weights = self.router(x)
         if x.shape[0] == 1 and self._every is not None:
-            return self._every_expert(x, idx, weights)
+            return self._every_expert(x, idx, weights, residual)
         if x.shape[0] == 1:
             out = self.experts.decode(x, idx[0], weights[0])
         else:
@@ -117,16 +117,18 @@ class MoE:
             self._dispatch(x, idx, weights, out)
         if self.shared is not None:
             out += self.shared(x)
-        return out
+        return out if residual is None else residual + out
 
-    def _every_expert(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _every_expert(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor:
         """One token x [1, D] through all U = E + shared units: mix [1, U] is the router's
         weight for the chosen experts, 0 for the others, 1 for the shared units."""
-        gate_up, down, mix_base = self._every
+        gate_up, down_t, mix_base = self._every
         mix = mix_base.scatter(1, idx, weights.to(mix_base.dtype))  # [1, U]
         gate, up = linear(x, gate_up).view(mix.shape[1], -1).chunk(2, dim=-1)  # [U, I] each
         act = F.silu(gate) * up * mix.view(-1, 1)  # [U, I]
-        return linear(act.view(1, -1), down)  # [1, D]
+        return linear_add(residual, act.view(1, -1), down_t)  # [1, D]
 
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
         """Group the N*k (token, expert) pairs by expert; one matmul per hit expert."""
@@ -148,7 +150,7 @@ class MoE:
 def _every_expert_weights(
     experts: ExpertStore, shared: SwiGLU | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(gate_up [U*2I, D], down [D, U*I], mix base [1, U]) for `MoE._every_expert`: the routed
+    """(gate_up [U*2I, D], down^T [U*I, D], mix base [1, U]) for `MoE._every_expert`: the routed
     experts, then the shared expert cut into units of I (a SwiGLU is a sum over its units).
     None when the layer is too large, or the shared width is not a multiple of I."""
     E, two_i, D = experts.gate_up.shape
@@ -166,4 +168,4 @@ def _every_expert_weights(
         units.append(torch.stack([gate, up], dim=1).reshape(n * two_i, D))
         downs.append(shared.down)
     mix = torch.cat([torch.zeros(1, E), torch.ones(1, shared_width // I)], dim=1)
-    return torch.cat(units).contiguous(), torch.cat(downs, dim=1).contiguous(), mix
+    return torch.cat(units).contiguous(), torch.cat(downs, dim=1).T.contiguous(), mix
