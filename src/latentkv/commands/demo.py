@@ -8,11 +8,12 @@ import sys
 from latentkv.cli import UserError
 from latentkv.commands.common import add_cache_arguments
 
-DEMO_PROMPT = "def fibonacci(n):\n    "
+DEMO_PROMPT = "class Stack:\n    def __init__(self):\n        self."
+DEMO_MODEL = "builtin:fixture"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin:tiny", help="model to run (default: builtin:tiny)")
+    p.add_argument("--model", default=DEMO_MODEL, help=f"model to run (default: {DEMO_MODEL})")
     p.add_argument("--prompt", default=DEMO_PROMPT, help="prompt text")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: 48)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
@@ -71,15 +72,24 @@ def run(args: argparse.Namespace) -> int:
     if kv["index_bytes_per_token"]:
         print(f"  DSA keys    {kv['index_bytes_per_token']:>6} B/token (indexer key cache, f32)")
     if args.compare != "none":
-        _compare_tiers(model, prompt, args.max_tokens, result.tokens, args.compare)
+        _compare_tiers(model, tok, prompt, args.max_tokens, result.tokens, args.compare)
+        if args.model == "builtin:tiny":
+            print(
+                "  (greedy; on a random-weight model logits are nearly tied, so this measures how much each\n"
+                "   tier perturbs the computation, not quality: `latentkv oracle --kv-cache-dtype all`)"
+            )
+        else:
+            print("  (greedy; what each tier costs in quality, with intervals: `latentkv eval ppl MODEL`)")
     print(
-        "\nnext: `latentkv generate builtin:tiny --prompt 'hello' --json`, `latentkv oracle`", file=sys.stderr
+        f"\nnext: `latentkv generate {args.model} --prompt 'import os' --json`, `latentkv eval ppl {args.model}`",
+        file=sys.stderr,
     )
     return 0
 
 
-def _compare_tiers(model, prompt: list[int], max_tokens: int, reference: list[int], tiers: str) -> None:
-    """Every tier side by side: row bytes, decode speed, and how long it tracks f32's tokens."""
+def _compare_tiers(model, tok, prompt: list[int], max_tokens: int, reference: list[int], tiers: str) -> None:
+    """Every tier side by side: row bytes, decode speed, how long it tracks f32's tokens, and
+    the continuation it wrote."""
     from latentkv.config import CacheConfig, ConfigError, parse_kv_cache_dtypes
     from latentkv.engine.generate import generate
     from latentkv.engine.sampling import SamplingParams
@@ -100,14 +110,18 @@ def _compare_tiers(model, prompt: list[int], max_tokens: int, reference: list[in
             print(f"  {name:<8} (not available: this model's latent widths are not powers of two)")
             continue
         cache = model.make_cache(config)
-        out = generate(model, prompt, max_tokens, SamplingParams(), cache=cache, stop_ids=())
+        out = generate(model, prompt, max_tokens, SamplingParams(), tok, cache=cache, stop_ids=())
         same = sum(a == b for a, b in zip(out.tokens, reference, strict=False))
         first = next((i for i, (a, b) in enumerate(zip(out.tokens, reference, strict=False)) if a != b), None)
         print(
             f"  {name:<8} {cache.bytes_per_token_layer():>13}   {out.stats.decode_tps:>12.1f}   "
             f"{same:>9}/{len(reference):<12}   {'-' if first is None else f'token {first}'}"
         )
-    print(
-        "  (greedy; on a random-weight model logits are nearly tied, so this measures how much each\n"
-        "   tier perturbs the computation, not quality: `latentkv oracle --kv-cache-dtype all`)"
-    )
+        if tok is not None:
+            print(f"           {_one_line(out.text)}")
+
+
+def _one_line(text: str, width: int = 100) -> str:
+    """A continuation on one line: newlines shown as the repr does, cut to `width` characters."""
+    shown = repr(text)[1:-1]
+    return shown if len(shown) <= width else shown[: width - 3] + "..."
