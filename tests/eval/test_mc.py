@@ -114,26 +114,33 @@ def bpe_dir(tmp_path_factory, checkpoint, code_text) -> Path:
     return directory
 
 
-def test_encode_pair_is_lm_evals(bpe_dir, code_text):
+@pytest.mark.parametrize("prefix", [1, 2])  # 2: a choice that starts with the prefix token
+def test_encode_pair_is_lm_evals(bpe_dir, code_text, prefix):
+    from types import SimpleNamespace
+
     from lm_eval.api.model import TemplateLM
 
     tok = Tokenizer(bpe_dir)
 
-    class Harness(TemplateLM):  # only lm_eval's own _encode_pair over our tokenizer
-        eot_token_id = 1
+    class Harness(TemplateLM):  # lm_eval's own loglikelihood -> _encode_pair over our tokenizer
+        eot_token_id = prefix  # lm_eval's prefix_token_id for an empty context
 
         def tok_encode(self, string, add_special_tokens=None, **kwargs):
             return tok.encode(string, add_special_tokens=False)
 
-        _loglikelihood_tokens = loglikelihood_rolling = generate_until = None
+        def _loglikelihood_tokens(self, requests, **kwargs):  # hand back the tokens, unscored
+            return [(ctx, cont) for _, ctx, cont in requests]
 
-    harness = Harness.__new__(Harness)
+        loglikelihood_rolling = generate_until = None
+
     pairs = [p for it in mc.build_items(code_text, mc.BuildConfig(items=40)) for p in _requests(it)]
     pairs += [("x = 1 \n", "y"), ("def f():\n    ", "return 2"), ("a\t", " b")]  # trailing whitespace
+    pairs += [("", tok.decode([2, 40, 41])), ("", "\n    return x")]  # empty contexts
+    theirs = Harness().loglikelihood([SimpleNamespace(args=p) for p in pairs], disable_tqdm=True)
     differs = 0
-    for context, continuation in pairs:
-        ours = loglik.encode_pair(tok, context, continuation)
-        assert ours == tuple(harness._encode_pair(context, continuation))
+    for (context, continuation), (ctx, cont) in zip(pairs, theirs, strict=True):
+        ours = loglik.encode_pair(tok, context, continuation, prefix)
+        assert ours == (ctx, cont)
         differs += ours[0] + ours[1] != tok.encode(context) + tok.encode(continuation)
     assert differs > 0  # the merges really cross the split somewhere
 
@@ -150,16 +157,14 @@ def _one_pass(model, ctx: list[int], cont: list[int], tier: CacheConfig) -> floa
 
 
 @pytest.mark.parametrize("tier", ["f32", "tq4"])
-def test_loglikelihood_with_a_shared_context_equals_one_pass_per_pair(
-    tier, ours, checkpoint, bpe_dir, code_text
-):
+def test_loglikelihood_with_a_shared_context_equals_one_pass_per_pair(tier, ours, bpe_dir, code_text):
     model, tok = ours("dsv3-tiny"), Tokenizer(bpe_dir)
     items = mc.build_items(code_text, mc.BuildConfig(items=3, seed=5))
     pairs = [p for it in items for p in _requests(it)]
     got = loglik.loglikelihood(model, tok, pairs, CacheConfig(tier))
-    assert len(got) == len(pairs) == 12
+    assert len(got) == len(pairs) == 3 * 8  # 4 choices after the context, 4 alone
     for (context, continuation), (ll, _) in zip(pairs, got, strict=True):
-        ctx, cont = loglik.encode_pair(tok, context, continuation)
+        ctx, cont = loglik.encode_pair(tok, context, continuation, loglik.prefix_token(model.cfg))
         assert ll == pytest.approx(_one_pass(model, ctx, cont, CacheConfig(tier)), abs=1e-3)
         assert ll < 0
 
@@ -194,15 +199,25 @@ def test_accuracy_and_wilson_intervals(ours, bpe_dir, code_text):
     items = [mc.Item(e["context"], tuple(e["choices"]), e["answer"]) for e in mc.build_items(code_text)[:6]]
     results = mc.score_items(model, tok, items, CacheConfig())
     row = mc.summarize(items, results, reference=results)
-    correct = sum(
-        max(range(4), key=lambda k: r.loglikelihoods[k]) == it.answer
-        for it, r in zip(items, results, strict=True)
-    )
-    assert row["acc"] == correct / 6 and row["items"] == 6 and row["same_pred_as_f32"] == 1.0
-    assert row["acc_ci"] == list(mc.stats.wilson_interval(correct, 6))
-    for it, r in zip(items, results, strict=True):  # acc_norm: per character of the choice
-        norm = [ll / len(c) for ll, c in zip(r.loglikelihoods, it.choices, strict=True)]
-        assert r.pred_norm == norm.index(max(norm))
+    assert row["items"] == 6 and row["same_pred_as_f32"] == 1.0
+    by_hand = {"acc": 0, "acc_norm": 0, "acc_mutual_info": 0}
+    for it, r in zip(items, results, strict=True):
+        ll, alone = r.loglikelihoods, r.unconditional
+        for (context, continuation), value in zip(it.requests(), ll + alone, strict=True):
+            ctx, cont = loglik.encode_pair(tok, context, continuation, loglik.prefix_token(model.cfg))
+            assert value == pytest.approx(_one_pass(model, ctx, cont, CacheConfig()), abs=1e-3)
+        by_hand["acc"] += _first_max(ll) == it.answer
+        by_hand["acc_norm"] += (
+            _first_max([v / len(c) for v, c in zip(ll, it.choices, strict=True)]) == it.answer
+        )
+        by_hand["acc_mutual_info"] += _first_max([c - u for c, u in zip(ll, alone, strict=True)]) == it.answer
+    for metric, correct in by_hand.items():
+        assert row[metric] == correct / 6
+        assert row[f"{metric}_ci"] == list(mc.stats.wilson_interval(correct, 6))
+
+
+def _first_max(values: list[float]) -> int:
+    return values.index(max(values))
 
 
 def test_lm_eval_reaches_our_accuracy_on_the_same_items(ours, bpe_dir, code_text, tmp_path, monkeypatch):
@@ -227,10 +242,12 @@ def test_lm_eval_reaches_our_accuracy_on_the_same_items(ours, bpe_dir, code_text
     assert [s["acc_norm"] for s in harness["samples"]] == [
         float(r.pred_norm == it.answer) for it, r in zip(items, results, strict=True)
     ]
+    assert [s["acc_mutual_info"] for s in harness["samples"]] == [
+        float(r.pred_mi == it.answer) for it, r in zip(items, results, strict=True)
+    ]
     ours_row = mc.summarize(items, results)
-    assert harness["acc"] == pytest.approx(ours_row["acc"]) and harness["acc_norm"] == pytest.approx(
-        ours_row["acc_norm"]
-    )
+    for metric in mc.METRICS:
+        assert harness[metric] == pytest.approx(ours_row[metric])
 
 
 def _harness_results(model, tok, task_dir: Path) -> dict:
@@ -239,7 +256,7 @@ def _harness_results(model, tok, task_dir: Path) -> dict:
     from lm_eval.tasks import TaskManager
 
     class Engine(TemplateLM):
-        eot_token_id = 1
+        eot_token_id = loglik.prefix_token(model.cfg)  # lm_eval's prefix_token_id defaults to it
 
         def tok_encode(self, string, add_special_tokens=None, **kwargs):
             return tok.encode(string, add_special_tokens=False)
@@ -263,8 +280,7 @@ def _harness_results(model, tok, task_dir: Path) -> dict:
     metrics = out["results"][mc.TASK_NAME]
     return {
         "samples": [{**s, "arguments": [tuple(a) for a in s["arguments"]]} for s in samples],
-        "acc": metrics["acc,none"],
-        "acc_norm": metrics["acc_norm,none"],
+        **{metric: metrics[f"{metric},none"] for metric in mc.METRICS},
     }
 
 
@@ -282,7 +298,8 @@ def test_cli_mc_json(capsys, tmp_path, code_text, monkeypatch):
     payload = json.loads(out)
     assert payload["items"] == 4 and [r["tier"] for r in payload["tiers"]] == ["f32", "tq4"]
     for r in payload["tiers"]:
-        assert 0 <= r["acc_ci"][0] <= r["acc"] <= r["acc_ci"][1] <= 1
+        for metric in ("acc", "acc_norm", "acc_mutual_info"):
+            assert 0 <= r[f"{metric}_ci"][0] <= r[metric] <= r[f"{metric}_ci"][1] <= 1
         assert r["items"] == 4
     assert "same_pred_as_f32" in payload["tiers"][1] and "same_pred_as_f32" not in payload["tiers"][0]
     assert main(["eval", "mc", "builtin:tiny", "--task", str(task), "--limit", "2"]) == 0

@@ -85,8 +85,8 @@ def _add_mc(sub) -> None:
         "mc",
         help="next-line multiple-choice accuracy per KV tier (Wilson 95%% intervals)",
         description="Score a multiple-choice task by log-likelihood (tokenized as "
-        "lm-evaluation-harness does) per KV tier: acc and acc_norm (per character of the choice) with "
-        "Wilson 95% intervals, and how often each tier picks the same choice as f32.",
+        "lm-evaluation-harness does) per KV tier: acc, acc_norm (per character of the choice) and "
+        "acc_mutual_info (context vs choice alone) with Wilson 95% intervals, and how often each tier picks the same choice as f32.",
     )
     _add_common(p, MC_TIERS)
     p.add_argument(
@@ -275,13 +275,16 @@ def mc_table(payload: dict) -> str:
     out = [
         f"task {payload['task']}: {payload['items']} items",
         "",
-        "| KV | B/token/layer | acc [Wilson 95%] | acc_norm [Wilson 95%] | same choice as f32 |",
-        "|---|---:|---|---|---:|",
+        "| KV | B/token/layer | acc [Wilson 95%] | acc_norm [Wilson 95%] | acc_mutual_info [Wilson 95%] "
+        "| same choice as f32 |",
+        "|---|---:|---|---|---|---:|",
     ]
     for r in payload["tiers"]:
         same = r.get("same_pred_as_f32")
+        accs = " | ".join(
+            f"{r[m]:.3f}{_ci(r[m + '_ci'], '.3f')}" for m in ("acc", "acc_norm", "acc_mutual_info")
+        )
         out.append(
-            f"| {r['tier']} | {r['bytes_per_token_layer']} | {r['acc']:.3f}{_ci(r['acc_ci'], '.3f')} | "
-            f"{r['acc_norm']:.3f}{_ci(r['acc_norm_ci'], '.3f')} | {'' if same is None else f'{same:.1%}'} |"
+            f"| {r['tier']} | {r['bytes_per_token_layer']} | {accs} | {'' if same is None else f'{same:.1%}'} |"
         )
     return "\n".join(out)

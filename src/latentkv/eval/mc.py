@@ -8,8 +8,11 @@ writes both.
 
 Scoring follows lm_eval's `multiple_choice`: each choice is a request
 (context, TARGET_DELIMITER + choice) scored by `loglik.loglikelihood`; the prediction is the
-argmax of the summed log-probabilities (acc), or of log-probability per character of the
-choice (acc_norm). Accuracies carry Wilson 95% intervals.
+argmax of the summed log-probabilities (acc), of the log-probability per character of the
+choice (acc_norm), or of how much the context raises the choice's log-probability over the
+choice alone (acc_mutual_info; a small model's raw likelihood mostly ranks lines by how common
+they are, this asks whether the context made the line likelier). Accuracies carry Wilson 95%
+intervals.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ class Item:
     answer: int
 
     def requests(self) -> list[tuple[str, str]]:
-        """lm_eval's (context, continuation) pairs for this item, one per choice."""
-        return [(self.context, TARGET_DELIMITER + choice) for choice in self.choices]
+        """lm_eval's (context, continuation) requests for this item, in its order: each choice
+        after the context, then each choice alone (the empty context of acc_mutual_info)."""
+        conditional = [(self.context, TARGET_DELIMITER + choice) for choice in self.choices]
+        return conditional + [("", continuation) for _, continuation in conditional]
 
 
 # --- building the task -------------------------------------------------------------------
@@ -150,6 +155,9 @@ metric_list:
   - metric: acc_norm
     aggregation: mean
     higher_is_better: true
+  - metric: acc_mutual_info
+    aggregation: mean
+    higher_is_better: true
 metadata:
   version: 1.0
 """
@@ -183,9 +191,11 @@ def load_items(path: Path, limit: int | None = None) -> list[Item]:
 
 @dataclass(frozen=True)
 class ItemResult:
-    loglikelihoods: tuple[float, ...]
+    loglikelihoods: tuple[float, ...]  # log p(choice | context)
+    unconditional: tuple[float, ...]  # log p(choice | prefix token): the choice alone
     pred: int  # argmax of the log-likelihoods (acc)
     pred_norm: int  # argmax of log-likelihood per character of the choice (acc_norm)
+    pred_mi: int  # argmax of log p(choice | context) - log p(choice) (acc_mutual_info)
 
 
 def score_items(
@@ -198,9 +208,11 @@ def score_items(
     """Every item's choices under one KV tier."""
     out = []
     for k, item in enumerate(items):
-        lls = [ll for ll, _ in loglik.loglikelihood(model, tokenizer, item.requests(), cache)]
+        scores = [ll for ll, _ in loglik.loglikelihood(model, tokenizer, item.requests(), cache)]
+        lls, unconditional = scores[: len(item.choices)], scores[len(item.choices) :]
         norm = [ll / len(choice) for ll, choice in zip(lls, item.choices, strict=True)]
-        out.append(ItemResult(tuple(lls), _argmax(lls), _argmax(norm)))
+        mi = [c - u for c, u in zip(lls, unconditional, strict=True)]
+        out.append(ItemResult(tuple(lls), tuple(unconditional), _argmax(lls), _argmax(norm), _argmax(mi)))
         if progress is not None:
             progress(k + 1)
     return out
@@ -211,19 +223,18 @@ def _argmax(values: Sequence[float]) -> int:
     return max(range(len(values)), key=lambda i: (values[i], -i))
 
 
+METRICS = {"acc": "pred", "acc_norm": "pred_norm", "acc_mutual_info": "pred_mi"}
+
+
 def summarize(items: Sequence[Item], results: Sequence[ItemResult], reference=None) -> dict:
-    """acc and acc_norm with Wilson 95% intervals; with reference results (f32), how often the
-    tier picks the same choice."""
+    """acc, acc_norm and acc_mutual_info with Wilson 95% intervals; with reference results (f32),
+    how often the tier picks the same choice (by acc's rule)."""
     n = len(items)
-    correct = sum(r.pred == it.answer for it, r in zip(items, results, strict=True))
-    correct_norm = sum(r.pred_norm == it.answer for it, r in zip(items, results, strict=True))
-    row = {
-        "items": n,
-        "acc": correct / n,
-        "acc_ci": list(stats.wilson_interval(correct, n)),
-        "acc_norm": correct_norm / n,
-        "acc_norm_ci": list(stats.wilson_interval(correct_norm, n)),
-    }
+    row: dict = {"items": n}
+    for metric, field in METRICS.items():
+        correct = sum(getattr(r, field) == it.answer for it, r in zip(items, results, strict=True))
+        row[metric] = correct / n
+        row[f"{metric}_ci"] = list(stats.wilson_interval(correct, n))
     if reference is not None:
         row["same_pred_as_f32"] = sum(a.pred == b.pred for a, b in zip(results, reference, strict=True)) / n
     return row
