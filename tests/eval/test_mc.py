@@ -310,3 +310,33 @@ def test_cli_mc_missing_task(capsys, tmp_path):
     code = main(["eval", "mc", "builtin:tiny", "--task", str(tmp_path / "none.jsonl")])
     assert code == 2
     assert "no task file" in capsys.readouterr().err
+
+
+def test_the_bundled_task_is_what_the_tool_builds_from_the_fixture_and_lm_eval_loads_it(
+    monkeypatch, tmp_path
+):
+    from latentkv.models.registry import builtin_path
+
+    items = mc.load_items(mc.TASK_FILE)
+    assert len(items) == 400
+    heldout = (builtin_path("fixture") / "heldout.txt").read_text(encoding="utf-8")
+    built = mc.build_items(heldout)  # the tool's defaults: 400 items, seed 0
+    assert [(it.context, list(it.choices), it.answer) for it in items] == [
+        (b["context"], b["choices"], b["answer"]) for b in built
+    ]
+    assert (mc.TASK_DIR / "nextline.yaml").read_text().split("\n")[2:] == mc.task_yaml(
+        "nextline.jsonl", ""
+    ).split("\n")[2:]  # all but the line naming how it was built
+
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(mc.TASK_DIR)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    loaded = TaskManager(include_path=str(mc.TASK_DIR), include_defaults=False).load([mc.TASK_NAME])
+    task = loaded["tasks"][mc.TASK_NAME]
+    docs = list(task.test_docs())
+    assert len(docs) == 400
+    for doc, item in zip(docs[:20], items, strict=False):
+        requests = task.construct_requests(doc, task.doc_to_text(doc), metadata=(mc.TASK_NAME, 0, 1))
+        assert [tuple(r.args) for r in requests] == item.requests()
