@@ -300,7 +300,7 @@ KV_CACHE_DTYPES = (
     "fp8",
     *(f"tq{b}" for b in range(2, 7)),
     *(f"polar{b}" for b in range(2, 7)),
-    *(f"{base}-{r}" for base in ("tq4", "tq3") for r in ("r8", "r16")),
+    *(f"{base}-{r}" for base in ("tq4", "tq3", "polar4") for r in ("r8", "r16")),
 )
 # Tiers whose latent codec takes --kv-group-size (one scale per group of values).
 GROUPED_KV_CACHE_DTYPES = tuple(n for n in KV_CACHE_DTYPES if n not in ("f32", "bf16"))

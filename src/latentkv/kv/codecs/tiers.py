@@ -4,12 +4,14 @@ A tier is what `--kv-cache-dtype` names. Most tiers use one codec for both parts
 for c and for r, each with its own scale); the mixed tiers keep the small RoPE'd key at a
 higher precision while the latent is rotated and 4- or 3-bit:
 
-    tier      c       r        GLM-5 (512 + 64) bytes/token/layer
-    tq4       tq4     tq4      260 + 36  = 296
-    tq4-r8    tq4     fp8      260 + 68  = 328
-    tq4-r16   tq4     bf16     260 + 128 = 388
-    tq3-r8    tq3     fp8      196 + 68  = 264
-    tq3-r16   tq3     bf16     196 + 128 = 324
+    tier        c       r      GLM-5 (512 + 64) bytes/token/layer
+    tq4         tq4     tq4    260 + 36  = 296
+    tq4-r8      tq4     fp8    260 + 68  = 328
+    tq4-r16     tq4     bf16   260 + 128 = 388
+    tq3-r8      tq3     fp8    196 + 68  = 264
+    tq3-r16     tq3     bf16   196 + 128 = 324
+    polar4-r8   polar4  fp8    228 + 68  = 296
+    polar4-r16  polar4  bf16   228 + 128 = 356
 
 r is 64 of GLM-5's 576 values, so keeping it at 8 or 16 bits costs 32 to 92 bytes a row;
 whether that buys quality is measured in docs/kv-tiers.md. The suffix names r's storage:
@@ -36,7 +38,7 @@ def _same(name: str) -> Tier:
 
 
 _R_SUFFIXES = {"r8": "fp8", "r16": "bf16"}
-MIXED_BASES = ("tq4", "tq3")
+MIXED_BASES = ("tq4", "tq3", "polar4")
 
 TIERS: dict[str, Tier] = {
     **{
