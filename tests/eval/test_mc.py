@@ -3,12 +3,14 @@ and lm_eval itself (in process) reaching the same accuracy as `eval mc` on the s
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,8 +118,6 @@ def bpe_dir(tmp_path_factory, checkpoint, code_text) -> Path:
 
 @pytest.mark.parametrize("prefix", [1, 2])  # 2: a choice that starts with the prefix token
 def test_encode_pair_is_lm_evals(bpe_dir, code_text, prefix):
-    from types import SimpleNamespace
-
     from lm_eval.api.model import TemplateLM
 
     tok = Tokenizer(bpe_dir)
@@ -150,23 +150,34 @@ def _requests(item: dict) -> list[tuple[str, str]]:
 
 
 def _one_pass(model, ctx: list[int], cont: list[int], tier: CacheConfig) -> float:
-    """log p(cont | ctx) from a single forward over ctx + cont[:-1] (no shared prefix)."""
+    """log p(cont | ctx) from a single forward over ctx + cont[:-1], as lm_eval's backends score it."""
     ids = torch.tensor(ctx + cont)
     logits = model.forward(ids[:-1], model.make_cache(tier), all_logits=True)[-len(cont) :]
     return float(torch.log_softmax(logits.double(), -1)[torch.arange(len(cont)), torch.tensor(cont)].sum())
 
 
+def _decoded(model, ctx: list[int], cont: list[int], tier: CacheConfig) -> float:
+    """The reference: log p(cont | ctx) from decoding ctx + cont[:-1] one token at a time over the tier."""
+    cache, ids = model.make_cache(tier), ctx + cont
+    logits = torch.cat([model.forward(torch.tensor(ids[t : t + 1]), cache) for t in range(len(ids) - 1)])
+    log_p = torch.log_softmax(logits[-len(cont) :].double(), -1)
+    return float(log_p[torch.arange(len(cont)), torch.tensor(cont)].sum())
+
+
 @pytest.mark.parametrize("tier", ["f32", "tq4"])
-def test_loglikelihood_with_a_shared_context_equals_one_pass_per_pair(tier, ours, bpe_dir, code_text):
+def test_loglikelihood_equals_token_by_token_decode_over_the_tier(tier, ours, bpe_dir, code_text):
     model, tok = ours("dsv3-tiny"), Tokenizer(bpe_dir)
-    items = mc.build_items(code_text, mc.BuildConfig(items=3, seed=5))
+    items = mc.build_items(code_text, mc.BuildConfig(items=1, seed=5, context_chars=150))
     pairs = [p for it in items for p in _requests(it)]
     got = loglik.loglikelihood(model, tok, pairs, CacheConfig(tier))
-    assert len(got) == len(pairs) == 3 * 8  # 4 choices after the context, 4 alone
+    assert len(got) == len(pairs) == 8  # 4 choices after the context, 4 alone
     for (context, continuation), (ll, _) in zip(pairs, got, strict=True):
         ctx, cont = loglik.encode_pair(tok, context, continuation, loglik.prefix_token(model.cfg))
-        assert ll == pytest.approx(_one_pass(model, ctx, cont, CacheConfig(tier)), abs=1e-3)
+        assert ll == pytest.approx(_decoded(model, ctx, cont, CacheConfig(tier)), abs=1e-3)
         assert ll < 0
+    if tier != "f32":  # the tier is in the path
+        f32 = loglik.loglikelihood(model, tok, pairs[:1])
+        assert abs(f32[0][0] - got[0][0]) > 1e-4
 
 
 class CharTokenizer:
@@ -190,8 +201,15 @@ def test_is_greedy_and_truncation(ours):
     )
     assert is_greedy and not not_greedy
     assert ll == pytest.approx(_one_pass(model, tok.encode(context), greedy, CacheConfig()), abs=1e-4)
-    # lm_eval keeps the last max_length + 1 tokens of context + continuation
-    assert loglik._truncate(list(range(10)), [1, 2, 3], max_length=8) == list(range(4, 10))
+
+    # lm_eval keeps the last max_length + 1 tokens of context + continuation, less the final one
+    short = SimpleNamespace(
+        cfg=dataclasses.replace(model.cfg, max_position_embeddings=12),
+        forward=model.forward,
+        make_cache=model.make_cache,
+    )
+    [(ll, _)] = loglik.loglikelihood(short, tok, [("0123456789abcdef", "wxyz")])
+    assert ll == pytest.approx(_one_pass(model, tok.encode("789abcdef"), tok.encode("wxyz"), CacheConfig()))
 
 
 def test_accuracy_and_wilson_intervals(ours, bpe_dir, code_text):
@@ -223,7 +241,7 @@ def _first_max(values: list[float]) -> int:
 def test_lm_eval_reaches_our_accuracy_on_the_same_items(ours, bpe_dir, code_text, tmp_path, monkeypatch):
     """lm_eval loads the task YAML, builds the requests and tokenizes them itself; its LM here
     scores each request by one independent forward pass. Accuracy and every prediction must
-    equal `eval mc`'s, which shares context prefills and tokenizes through loglik."""
+    equal `eval mc`'s (which tokenizes through loglik, not lm_eval)."""
     task_dir = tmp_path / "task"
     task_dir.mkdir()
     mc.write_jsonl(mc.build_items(code_text, mc.BuildConfig(items=5, seed=11)), task_dir / "nextline.jsonl")

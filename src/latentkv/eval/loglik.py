@@ -13,9 +13,11 @@ then feeds ctx + cont (left-truncated to max_length + 1) and sums log p(cont_i |
 before it); `is_greedy` says every cont token was the argmax. Tokens come without special
 tokens, as lm_eval's API models send them (`add_bos_token` off).
 
-Here a context is prefilled once into a cache of the chosen tier; each continuation that shares
-it trims the cache back to the context and runs only its own tokens, so four choices cost one
-context prefill. The first continuation token is predicted by the context's last logits.
+Here each request is one forward pass over ctx + cont[:-1] through an empty cache of the chosen
+tier, the way lm_eval's own backends and our server score it. (Prefilling a shared context once
+and running each continuation after it is the same math but not the same float32 sums: on the
+tiny random models it moved a choice's log-likelihood by ~1e-5 relative, enough to break a
+near tie differently than lm_eval does.)
 """
 
 from __future__ import annotations
@@ -60,35 +62,23 @@ def loglikelihood(
     prefix = prefix_token(model.cfg)
     max_length = model.cfg.max_position_embeddings
     results: list[tuple[float, bool]] = []
-    state = None  # (context ids, cache holding them, logits [vocab] after the last context token)
     for context, continuation in pairs:
         ctx, cont = encode_pair(tokenizer, context, continuation, prefix)
         if not cont:
             raise ValueError(f"the continuation {continuation!r} encodes to no tokens")
         if not ctx:
             raise ValueError(f"the context {context!r} encodes to no tokens (only whitespace?)")
-        ctx = _truncate(ctx, cont, max_length)
-        if state is None or state[0] != ctx:
-            cache = model.make_cache(cache_config)
-            state = (ctx, cache, model.forward(torch.tensor(ctx), cache)[0])
-        results.append(_score(model, state, cont))
+        if len(cont) > max_length:
+            raise ValueError(f"a continuation of {len(cont)} tokens exceeds the model's {max_length}")
+        ids = (ctx + cont)[-(max_length + 1) : -1]  # lm_eval: the last max_length + 1, minus the final one
+        logits = model.forward(torch.tensor(ids), model.make_cache(cache_config), all_logits=True)
+        results.append(
+            _score(logits[-len(cont) :], cont)
+        )  # [len(cont), vocab]: the positions predicting cont
     return results
 
 
-def _truncate(ctx: list[int], cont: list[int], max_length: int) -> list[int]:
-    """lm_eval keeps the last max_length + 1 tokens of ctx + cont and drops the final one."""
-    if len(cont) > max_length:
-        raise ValueError(f"a continuation of {len(cont)} tokens exceeds the model's {max_length}")
-    keep = max_length + 1 - len(cont)
-    return ctx[-keep:] if len(ctx) > keep else ctx
-
-
-def _score(model, state, cont: list[int]) -> tuple[float, bool]:
-    ctx, cache, last = state
-    cache.trim(len(ctx))
-    logits = last[None]  # [1, vocab]
-    if len(cont) > 1:
-        logits = torch.cat([logits, model.forward(torch.tensor(cont[:-1]), cache, all_logits=True)])
+def _score(logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
     target = torch.tensor(cont)
     log_p = torch.log_softmax(logits.double(), dim=-1).gather(1, target[:, None])  # [len(cont), 1]
     greedy = bool((logits.argmax(-1) == target).all())
