@@ -348,3 +348,28 @@ def test_stats(make):
     assert (stats.running, stats.waiting, stats.kv_bytes_in_use, stats.kv_cache_dtype) == (0, 0, 0, "tq4")
     scheduler.submit(Request([5, 6], SamplingParams(max_tokens=1)))
     assert scheduler.stats().waiting == 1
+
+
+def test_sixteen_concurrent_greedy_clients_on_the_trained_fixture():
+    """The issue's bar on a trained model (logits not near-tied, so greedy is a real check): 16
+    requests on held-out text batched together in 16 slots each get exactly their lone tokens."""
+    from latentkv.models.registry import builtin_path
+    from latentkv.models.weights import load_model
+    from latentkv.tokenizer import Tokenizer
+
+    directory = builtin_path("fixture")
+    model = load_model(directory)
+    text_ids = Tokenizer(directory).encode((directory / "heldout.txt").read_text(encoding="utf-8"))
+    requests = [(text_ids[3000 * i : 3000 * i + 20 + 5 * i], 12) for i in range(16)]
+    scheduler = Scheduler(model, CacheConfig(), max_num_seqs=16, model_dir=directory)
+    scheduler.start()
+    try:
+        handles = [
+            scheduler.submit(Request(p, SamplingParams(max_tokens=n, temperature=0.0))) for p, n in requests
+        ]
+        for (prompt, n), handle in zip(requests, handles, strict=True):
+            tokens, _, finished = _collect(handle)
+            assert tokens == _alone(model, prompt, n), f"prompt of {len(prompt)} tokens diverged when batched"
+            assert finished.completion_tokens == n
+    finally:
+        scheduler.shutdown()
