@@ -9,6 +9,7 @@ latent rows is refused from config.json alone, before any weight is read.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -270,3 +271,11 @@ def describe_tier(cache) -> str:
     if cache.recent_window:
         tail += f", the last {cache.recent_window} tokens read in f32"
     return f"{cache.codec}: {', '.join(parts)}{tail}"
+
+
+def emit(payload: dict, args: argparse.Namespace, table) -> None:
+    """A command's result: JSON to `--out` if given, then JSON (`--json`) or `table(payload)` on stdout."""
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(json.dumps(payload, indent=1) if args.json else table(payload))

@@ -10,13 +10,12 @@ multiple-choice task per tier (accuracy with Wilson intervals). Tables print as 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from latentkv.cli import UserError
-from latentkv.commands.common import add_cache_arguments
+from latentkv.commands.common import add_cache_arguments, emit
 
 PPL_TIERS = "f32,bf16,fp8,tq6,tq4,tq3,polar4"
 MC_TIERS = "f32,fp8,tq4,tq3"
@@ -99,14 +98,10 @@ def _add_mc(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    payload = _run_ppl(args) if args.eval == "ppl" else _run_mc(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=1) + "\n")
-    if args.json:
-        print(json.dumps(payload, indent=1))
+    if args.eval == "ppl":
+        emit(_run_ppl(args), args, ppl_table)
     else:
-        print(ppl_table(payload) if args.eval == "ppl" else mc_table(payload))
+        emit(_run_mc(args), args, mc_table)
     return 0
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+
+from latentkv.commands.common import emit
 
 SUBCOMMANDS = ("decode", "attention", "resume", "batch")
 
@@ -24,14 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     module = _module(args.bench)
-    payload = module.run(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=1) + "\n")
-    if args.json:
-        print(json.dumps(payload, indent=1))
-    else:
-        print(module.table(payload["rows"]))
-        if payload["notes"]:
-            print("\n" + "\n".join(f"- {note}" for note in payload["notes"]))
+    emit(module.run(args), args, lambda payload: _with_notes(module.table(payload["rows"]), payload["notes"]))
     return 0
+
+
+def _with_notes(table: str, notes: list[str]) -> str:
+    return table + ("\n\n" + "\n".join(f"- {note}" for note in notes) if notes else "")
