@@ -385,6 +385,7 @@ class EngineConfig:
     weight_dtype: str = "f32"
     threads: int | None = None  # None: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
+    compile: bool = False  # decode one token per step through torch.compile (models/compiled.py)
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:

@@ -110,7 +110,10 @@ def test_gathered_rows():
     q = torch.randn(3, 512)
     picked = torch.randperm(200)[:37]
     full = attention.scores(codec, q, enc, tile=TILE)
-    assert torch.allclose(attention.scores(codec, q, enc.select(picked), tile=TILE), full[:, picked])
+    # a gathered block may be summed in another order: float32 rounding of ~22-sized scores
+    assert torch.allclose(
+        attention.scores(codec, q, enc.select(picked), tile=TILE), full[:, picked], atol=1e-4
+    )
 
 
 def test_empty_cache():

@@ -19,7 +19,7 @@ from latentkv.cli import UserError
 ENV_ALIASES = "KV8 / KV_TQ / KV_TQ_POLAR"
 
 
-def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, compile: bool = True) -> None:
     if positional:
         p.add_argument(
             "model", metavar="MODEL", help="model directory (config.json + safetensors) or builtin:tiny"
@@ -34,6 +34,17 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True) -> 
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
     add_cache_arguments(p)
+    if compile:
+        add_compile_argument(p)
+
+
+def add_compile_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through torch.compile: ~1.5x faster steps on small models, after compiling for "
+        "tens of seconds at start; needs a C++ compiler; KV tiers f32, bf16, fp8",
+    )
 
 
 def add_cache_arguments(
@@ -172,6 +183,7 @@ def engine_config(args: argparse.Namespace):
             weight_dtype=args.weight_dtype,
             threads=args.threads if args.threads is not None else env_threads(),
             cache=cache,
+            compile=getattr(args, "compile", False),
         )
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None
@@ -203,6 +215,7 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
     import torch
 
     from latentkv.config import ConfigError, ModelConfig
+    from latentkv.models.compiled import CompileUnavailable, check_compilable
     from latentkv.models.loader import CheckpointError
     from latentkv.models.registry import ModelNotFound, resolve
     from latentkv.models.weights import load_model
@@ -214,10 +227,14 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
     try:
         directory = resolve(model_arg)
         check_tier(ModelConfig.from_hf(directory), engine.cache)
+        if engine.compile:
+            check_compilable(engine.cache)
         model = load_model(directory, engine.weight_dtype, progress=not quiet)
-    except (ModelNotFound, ConfigError, CheckpointError) as exc:
+    except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable) as exc:
         raise UserError(str(exc)) from None
     seconds = time.perf_counter() - t0
+    if engine.compile:
+        model.compile_decode(engine.cache, progress=not quiet)
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
     if not quiet:
         params = model.num_parameters()

@@ -18,7 +18,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    add_model_arguments(p, compile=False)  # batched decode is eager; a compiled lone step would differ
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
     )

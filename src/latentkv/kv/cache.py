@@ -60,18 +60,43 @@ class CacheLayout:
 
 
 class _Buffer:
-    """A growable [capacity, width] buffer (amortised doubling, no per-token reallocation)."""
+    """A growable [capacity, width] buffer (amortised doubling, no per-token reallocation).
+
+    The capacity axis is marked dynamic for torch.compile, so a compiled decode step
+    (`latentkv.models.compiled`) is not recompiled each time a buffer doubles.
+    """
+
+    # The storage is always an inference tensor, whether made inside a forward pass or not: one
+    # kind of tensor for the compiled step's guards. Writes happen in inference mode (a
+    # compiled step is traced in it already and must not enter it again).
 
     def __init__(self, width: int, dtype: torch.dtype = torch.float32, capacity: int = 64):
-        self.data = torch.empty(capacity, width, dtype=dtype)
+        with torch.inference_mode():
+            self.data = _dynamic_rows(torch.empty(capacity, width, dtype=dtype))
+
+    def reserve(self, end: int, keep: int) -> None:
+        """Make room for rows up to `end`, keeping the first `keep` rows."""
+        if end > self.data.shape[0]:
+            with torch.inference_mode():
+                grown = torch.empty(
+                    max(end, 2 * self.data.shape[0]), self.data.shape[1], dtype=self.data.dtype
+                )
+                grown[:keep] = self.data[:keep]
+            self.data = _dynamic_rows(grown)
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         end = start + rows.shape[0]
-        if end > self.data.shape[0]:
-            grown = torch.empty(max(end, 2 * self.data.shape[0]), self.data.shape[1], dtype=self.data.dtype)
-            grown[:start] = self.data[:start]
-            self.data = grown
-        self.data[start:end] = rows
+        self.reserve(end, start)
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # a forward pass
+            self.data[start:end] = rows
+        else:  # e.g. re-encoding a KV file's rows
+            with torch.inference_mode():
+                self.data[start:end] = rows
+
+
+def _dynamic_rows(t: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+    return t
 
 
 # --- readers: what attention sees of one layer's rows ------------------------------------
@@ -341,6 +366,15 @@ class _SequenceCache:
     def commit(self, n: int) -> None:
         self.length += n
 
+    def reserve(self, n: int) -> None:
+        """Grow every buffer to hold `n` more tokens now, so the pass that writes them does not
+        (a compiled decode step keeps buffer growth out of its graph)."""
+        for buffer in self._buffers_in_use():
+            buffer.reserve(self.length + n, self.length)
+
+    def _buffers_in_use(self) -> list[_Buffer]:
+        return list(self._index.values())
+
     def trim(self, length: int) -> None:
         """Forget every token from `length` on (a diverging prompt keeps the common prefix)."""
         if not 0 <= length <= self.length:
@@ -377,6 +411,9 @@ class LatentCache(_SequenceCache):
         super().__init__(layout)
         self._rows = [_Buffer(layout.row_width) for _ in range(layout.num_layers)]
 
+    def _buffers_in_use(self) -> list[_Buffer]:
+        return [*self._rows, *super()._buffers_in_use()]
+
     def append(self, layer: int, rows: torch.Tensor) -> F32Rows:
         """Store rows [S, Lkv+R] for the tokens of this pass; return a reader over every row so far."""
         self._rows[layer].write(self.length, rows)
@@ -403,6 +440,7 @@ class LatentCache(_SequenceCache):
         return out
 
     @classmethod
+    @torch.inference_mode()
     def from_state(cls, layout: CacheLayout, state: dict[str, torch.Tensor]) -> LatentCache:
         cache = cls(layout)
         for i in range(layout.num_layers):
@@ -449,6 +487,9 @@ class PackedLatentCache(_SequenceCache):
             )
             for _ in range(layout.num_layers)
         ]
+
+    def _buffers_in_use(self) -> list[_Buffer]:
+        return [b for layer in self._buffers for b in layer] + super()._buffers_in_use()
 
     def append(self, layer: int, rows: torch.Tensor) -> PackedRows:
         """Encode rows [S, Lkv+R] of this pass; return a reader over every row so far."""
@@ -540,6 +581,7 @@ class PackedLatentCache(_SequenceCache):
         return out
 
     @classmethod
+    @torch.inference_mode()
     def from_state(
         cls,
         layout: CacheLayout,

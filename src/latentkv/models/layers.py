@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -140,10 +139,16 @@ class Rope:
         self._cos = freqs.cos() * self.attention_scaling
         self._sin = freqs.sin() * self.attention_scaling
 
+    def reserve(self, end: int) -> None:
+        """Have the tables cover positions up to `end` (exclusive)."""
+        if end > self._cos.shape[0]:
+            self._grow(end)
+            torch._dynamo.maybe_mark_dynamic(self._cos, 0)  # a compiled step reads any length
+            torch._dynamo.maybe_mark_dynamic(self._sin, 0)
+
     def tables(self, start: int, n: int) -> RotaryTables:
         """The rotation for positions start..start+n-1, shared by every layer of one pass."""
-        if start + n > self._cos.shape[0]:
-            self._grow(start + n)
+        self.reserve(start + n)
         return RotaryTables(self._cos[start : start + n], self._sin[start : start + n])
 
 
@@ -204,12 +209,25 @@ class RotaryTables:
         return self._mats[key]
 
 
-@functools.cache
+# (interleaved, half, width, offset) -> _rotation_pattern's result. A plain dict rather than
+# functools.cache, which torch.compile (`--compile`) traces through with a warning.
+_PATTERNS: dict[tuple[bool, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _rotation_pattern(
     interleaved: bool, half: int, width: int, offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat [width * width] indices of a rotation matrix's entries: the rotated ones in the order
     cos | -sin | cos | sin (as `RotaryTables.matrix` fills them), then the pass-through ones."""
+    key = (interleaved, half, width, offset)
+    if key not in _PATTERNS:
+        _PATTERNS[key] = _build_rotation_pattern(*key)
+    return _PATTERNS[key]
+
+
+def _build_rotation_pattern(
+    interleaved: bool, half: int, width: int, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     if offset + 2 * half > width:
         raise ValueError(f"cannot rotate {2 * half} values at offset {offset} of a {width}-wide axis")
     i = torch.arange(half)

@@ -16,6 +16,7 @@ import torch
 from latentkv.config import CacheConfig, ModelConfig
 from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, make_cache
 from latentkv.models.batch import decode_batch
+from latentkv.models.compiled import CompiledDecode, check_compilable
 from latentkv.models.indexer import Indexer
 from latentkv.models.layers import RMSNorm, Rope, RotaryTables, SwiGLU, linear
 from latentkv.models.mla import MLA
@@ -70,6 +71,17 @@ class Model:
         self.lm_head = lm_head  # [vocab, D]
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
         self.layout = CacheLayout.for_model(cfg)
+        self.compiled: CompiledDecode | None = None
+
+    def compile_decode(self, cache: CacheConfig | None = None, progress: bool = True) -> float:
+        """Decode one token per step through torch.compile from now on (see
+        `latentkv.models.compiled`); compiles and warms up now, for caches of config `cache`
+        (call again for each other tier in use). Returns the seconds compiling took."""
+        if self.compiled is None:
+            self.compiled = CompiledDecode(self, cache)
+        else:
+            check_compilable(cache)
+        return self.compiled.warm_up(lambda: self.make_cache(cache), progress)
 
     def make_cache(self, cache: CacheConfig | None = None) -> LatentCache | PackedLatentCache:
         """The cache one sequence needs: latent rows per layer (in the configured tier, f32 by
@@ -84,6 +96,13 @@ class Model:
 
         The cache gains S rows per layer. Positions continue from `cache.length`.
         """
+        if self.compiled is not None and tokens.shape[0] == 1:
+            return self.compiled(tokens, cache, all_logits)
+        return self._forward(tokens, cache, all_logits)
+
+    def _forward(
+        self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool = False
+    ) -> torch.Tensor:
         S = tokens.shape[0]
         start = cache.length
         if start + S > self.cfg.max_position_embeddings:

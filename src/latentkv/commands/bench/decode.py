@@ -55,6 +55,12 @@ def add(sub) -> None:
         action="store_true",
         help="run transformers' generate() in the same run (not with --fill random)",
     )
+    d.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time decode through torch.compile (rows 'latentkv+compile', beside the eager "
+        "ones; tiers f32, bf16, fp8); compiling takes tens of seconds per tier before timing",
+    )
     common.add_output(d)
 
 
@@ -99,26 +105,31 @@ def run(args: argparse.Namespace) -> dict:
         dsa = model.cfg.dsa
         if dsa is not None and max(contexts) > dsa.index_topk and (note := _dsa_note(model)) not in notes:
             notes.append(note)
+        compiled = _compile(model, cache_configs, notes, args.json) if args.compile else {}
         for ctx in contexts:  # tiers innermost: a drift in machine load hits every tier alike
             for cache_config in cache_configs:
-                row = common.fastest(
-                    args.repeats,
-                    partial(
-                        bench.bench_latentkv,
-                        model,
-                        args.model,
-                        dtype,
-                        ctx,
-                        args.decode_tokens,
-                        cache_config,
-                        args.fill,
-                    ),
-                )
-                rows.append(row)
-                common.progress(
-                    f"latentkv {dtype} {row.kv_cache_dtype} ctx {ctx}: decode {row.decode_tps:.1f} tok/s",
-                    args.json,
-                )
+                tier = cache_config.kv_cache_dtype
+                for step in [None, compiled[tier]] if tier in compiled else [None]:  # eager, compiled
+                    model.compiled = step
+                    row = common.fastest(
+                        args.repeats,
+                        partial(
+                            bench.bench_latentkv,
+                            model,
+                            args.model,
+                            dtype,
+                            ctx,
+                            args.decode_tokens,
+                            cache_config,
+                            args.fill,
+                        ),
+                    )
+                    rows.append(row)
+                    common.progress(
+                        f"{row.engine} {dtype} {row.kv_cache_dtype} ctx {ctx}: decode {row.decode_tps:.1f} tok/s",
+                        args.json,
+                    )
+                model.compiled = None
         directory = loaded.directory
         del loaded, model
         gc.collect()
@@ -148,6 +159,27 @@ def run(args: argparse.Namespace) -> dict:
         "notes": notes,
         "rows": [r.as_dict() for r in rows],
     }
+
+
+def _compile(model, cache_configs, notes: list[str], quiet: bool) -> dict:
+    """Compile the decode step for every tier that can be; -> {tier: the compiled step}."""
+    from latentkv.models.compiled import CompileUnavailable, check_compilable
+
+    try:
+        check_compilable(None)  # is there a C++ compiler at all
+    except CompileUnavailable as exc:
+        raise UserError(str(exc)) from None
+    compiled = {}
+    for cache_config in cache_configs:
+        try:
+            seconds = model.compile_decode(cache_config, progress=not quiet)
+        except CompileUnavailable as exc:
+            notes.append(f"{cache_config.kv_cache_dtype}: no compiled row ({exc})")
+            continue
+        compiled[cache_config.kv_cache_dtype] = model.compiled
+        notes.append(f"{cache_config.kv_cache_dtype}: compiled in {seconds:.1f} s before timing")
+    model.compiled = None
+    return compiled
 
 
 def _dsa_note(model) -> str:

@@ -86,7 +86,7 @@ def bench_latentkv(
     measured, predicted = cache.allocated_nbytes(), predicted_kv_bytes(cache)
     index_bytes = measured_index_bytes(cache)
     return BenchRow(
-        engine="latentkv",
+        engine="latentkv+compile" if model.compiled is not None else "latentkv",
         model=name,
         weight_dtype=weight_dtype,
         kv_cache_dtype=cache.codec,
@@ -108,17 +108,18 @@ def bench_latentkv(
 
 
 def add_ratios(rows: list[BenchRow]) -> None:
-    """Fill decode_vs_f32 and decode_vs_transformers of every latentkv row, where the base ran."""
+    """Fill decode_vs_f32 (against the same engine's f32 row) and decode_vs_transformers of every
+    latentkv row, where the base ran."""
     f32 = {
-        (r.weight_dtype, r.context, r.fill): r
+        (r.engine, r.weight_dtype, r.context, r.fill): r
         for r in rows
-        if r.engine == "latentkv" and r.kv_cache_dtype == "f32"
+        if r.engine.startswith("latentkv") and r.kv_cache_dtype == "f32"
     }
     hf = {(r.weight_dtype, r.context): r for r in rows if r.engine == "transformers"}
     for r in rows:
-        if r.engine != "latentkv":
+        if not r.engine.startswith("latentkv"):
             continue
-        if (base := f32.get((r.weight_dtype, r.context, r.fill))) and base.decode_tps:
+        if (base := f32.get((r.engine, r.weight_dtype, r.context, r.fill))) and base.decode_tps:
             r.decode_vs_f32 = r.decode_tps / base.decode_tps
         if (ref := hf.get((r.weight_dtype, r.context))) and ref.decode_tps:
             r.decode_vs_transformers = r.decode_tps / ref.decode_tps

@@ -1,0 +1,107 @@
+"""`--compile`: the one-token decode step through torch.compile (inductor).
+
+A small model's decode step is a few hundred tiny torch ops, and eager PyTorch pays Python and
+dispatch overhead for each (3-6 us on a 2-core VM): that, not arithmetic, is its cost.
+torch.compile traces the whole step (embedding to logits, cache writes included) into one
+graph, fuses the elementwise work into generated C++ loops and calls the matmuls directly.
+
+What it costs and guarantees:
+  - Compiling takes tens of seconds once per process (inductor keeps its generated code in
+    its on-disk cache, so later processes compile faster). `compile_decode` warms the graph
+    up on a scratch cache so no request pays for it; DSA models warm a second graph for
+    contexts past `index_topk`.
+  - Sizes are dynamic in the context length (cache buffers and RoPE tables are marked so),
+    and buffers grow before the compiled call, so one graph serves every length.
+  - A C++ compiler must be installed (inductor builds its CPU kernels with it).
+  - Prefill and batched decode (the server) stay eager. Logits are not bit-identical to the
+    eager step (fused reductions round differently); they agree within float32 rounding
+    (tests compare against eager and against transformers).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from latentkv.config import CacheConfig
+    from latentkv.kv.cache import LatentCache, PackedLatentCache
+    from latentkv.models.model import Model
+
+
+class CompileUnavailable(RuntimeError):
+    pass
+
+
+def _cxx() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+# Tiers whose step traces into one graph. The rotated and polar codecs' bit unpacking breaks
+# the graph in many places, and their compiled step is slower than the eager one.
+COMPILABLE_TIERS = ("f32", "bf16", "fp8")
+
+
+def check_compilable(cache: CacheConfig | None) -> None:
+    """Raise CompileUnavailable unless a step over this cache tier can be compiled here."""
+    tier = cache.kv_cache_dtype if cache is not None else "f32"
+    if tier not in COMPILABLE_TIERS or (cache is not None and cache.recent_window):
+        raise CompileUnavailable(
+            f"--compile supports the KV tiers {', '.join(COMPILABLE_TIERS)} (without a recent window); "
+            f"{tier} decodes eagerly: drop --compile or pick one of those tiers"
+        )
+    if _cxx() is None:
+        raise CompileUnavailable(
+            "--compile needs a C++ compiler for torch.compile's CPU backend (g++ or clang++; "
+            "e.g. `apt install g++`), or set CXX; run without --compile to decode eagerly"
+        )
+
+
+class CompiledDecode:
+    """The model's one-token forward pass, compiled; called by `Model.forward` for S == 1."""
+
+    def __init__(self, model: Model, cache: CacheConfig | None = None):
+        check_compilable(cache)
+        self.model = model
+        self._step = torch.compile(model._forward, dynamic=True)
+
+    def __call__(
+        self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool
+    ) -> torch.Tensor:
+        # growth happens here, outside the graph: inside it would be a branch the graph guards on
+        self.model.rope.reserve(cache.length + 1)
+        cache.reserve(1)
+        return self._step(tokens, cache, all_logits)
+
+    def warm_up(self, make_cache, progress: bool = True) -> float:
+        """Compile every graph decoding will need, on scratch caches; returns the seconds taken."""
+        t0 = time.perf_counter()
+        if progress:
+            print(
+                "compiling the decode step (torch.compile; tens of seconds)...", file=sys.stderr, flush=True
+            )
+        model = self.model
+        lengths = [4]
+        dsa = model.cfg.dsa
+        if dsa is not None and dsa.index_topk + 2 <= model.cfg.max_position_embeddings:
+            lengths.append(dsa.index_topk + 1)  # past index_topk the indexer selects: another graph
+        token = torch.zeros(1, dtype=torch.long)
+        for length in lengths:
+            cache = make_cache()
+            model.forward(torch.zeros(length, dtype=torch.long), cache)
+            with torch.inference_mode():  # an eager step first: it builds the RoPE patterns the graph reads
+                model._forward(token, cache)
+            for _ in range(2):  # the second call checks the first graph serves the next length
+                model.forward(token, cache)
+        seconds = time.perf_counter() - t0
+        if progress:
+            print(f"compiled in {seconds:.1f} s", file=sys.stderr, flush=True)
+        return seconds

@@ -1,0 +1,91 @@
+"""`--compile` (models/compiled.py): the torch.compile'd decode step against the eager one.
+
+One compiled model is shared by the module (compiling takes tens of seconds). Both models decode
+the same random prompts token by token; the compiled logits must agree with the eager ones within
+float32 rounding (inductor fuses reductions, so not bit for bit), greedy tokens must be equal,
+and after the warm-up no length (buffer growth, RoPE table growth, DSA starting to select) may
+trigger a recompilation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latentkv.cli import main
+from latentkv.config import CacheConfig
+from latentkv.models.compiled import CompileUnavailable, check_compilable
+from latentkv.models.weights import load_model
+
+TOLERANCE = 1e-5  # relative to the largest |logit|
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_dir):
+    model = load_model(tiny_dir)
+    model.compile_decode(progress=False)
+    return model
+
+
+def _decode_both(compiled, eager, cache_config, prompt_len: int, steps: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, compiled.cfg.vocab_size, (prompt_len,), generator=g)
+    fast, slow = compiled.make_cache(cache_config), eager.make_cache(cache_config)
+    a, b = compiled.forward(prompt, fast)[-1], eager.forward(prompt, slow)[-1]
+    worst, tokens_a, tokens_b = 0.0, [], []
+    for _ in range(steps):
+        ta, tb = int(a.argmax()), int(b.argmax())
+        tokens_a.append(ta)
+        tokens_b.append(tb)
+        a = compiled.forward(torch.tensor([ta]), fast)[-1]
+        b = eager.forward(torch.tensor([ta]), slow)[-1]  # both fed the same token
+        worst = max(worst, float((a - b).abs().max() / b.abs().max()))
+    return worst, tokens_a, tokens_b, fast, slow
+
+
+def test_compiled_decode_matches_eager_without_recompiling(compiled, ours):
+    eager = ours("glm5-tiny")
+    assert eager.compiled is None and compiled.compiled is not None
+    index_topk = compiled.cfg.dsa.index_topk
+    # 30 tokens of prompt, then past index_topk (DSA selects) and past the 64-row buffer capacity
+    # and 256-position RoPE tables, with recompiling made an error.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        worst, tokens_a, tokens_b, fast, slow = _decode_both(compiled, eager, None, 30, 250, seed=1)
+    assert max(index_topk, 256) < 30 + 250
+    assert worst < TOLERANCE, worst
+    assert tokens_a == tokens_b
+    assert fast.length == slow.length == 280
+    assert torch.equal(fast.view(0)[:30], slow.view(0)[:30])  # the prefill is eager in both
+
+
+def test_compiled_prefill_stays_eager(compiled, ours):
+    prompt = torch.randint(2, compiled.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    fast, slow = compiled.make_cache(), ours("glm5-tiny").make_cache()
+    assert torch.equal(compiled.forward(prompt, fast), ours("glm5-tiny").forward(prompt, slow))
+
+
+@pytest.mark.parametrize("tier", ["tq4", "polar4", "tq4-r8"])
+def test_tiers_that_do_not_compile_are_refused(tier):
+    with pytest.raises(CompileUnavailable, match="--compile supports the KV tiers f32, bf16, fp8"):
+        check_compilable(CacheConfig(tier))
+    with pytest.raises(CompileUnavailable, match="recent window"):
+        check_compilable(CacheConfig("fp8", recent_window=8))
+
+
+def test_cli_refuses_compile_with_a_packed_tier_before_loading(capsys):
+    code = main(["generate", "builtin:tiny", "--prompt-ids", "1,2", "--compile", "--kv-cache-dtype", "tq4"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--compile supports the KV tiers" in err
+    assert "loaded" not in err  # refused before the weights load
+
+
+@pytest.mark.slow
+def test_compiled_fp8_matches_eager_fp8(compiled, ours):
+    compiled.compile_decode(CacheConfig("fp8"), progress=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        worst, tokens_a, tokens_b, _, _ = _decode_both(
+            compiled, ours("glm5-tiny"), CacheConfig("fp8"), 30, 100, seed=3
+        )
+    assert worst < TOLERANCE, worst
+    assert tokens_a == tokens_b
