@@ -167,7 +167,10 @@ def _model_without(tmp_path: Path, tiny_dir: Path, *keep: str) -> Path:
     ("args", "message"),
     [
         (["/nonexistent/model/dir", "--prompt-ids", "1"], "is not a directory"),
-        (["builtin:nope", "--prompt-ids", "1"], "unknown builtin model 'nope'; available: builtin:fixture, builtin:tiny"),
+        (
+            ["builtin:nope", "--prompt-ids", "1"],
+            "unknown builtin model 'nope'; available: builtin:fixture, builtin:tiny",
+        ),
         (["builtin:tiny", "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
         (["builtin:tiny", "--prompt-ids", ","], "--prompt-ids is empty"),
         (["builtin:tiny", "--prompt", ""], "the prompt is empty"),

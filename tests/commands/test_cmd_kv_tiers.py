@@ -160,7 +160,9 @@ def test_generate_stats_line_names_the_tier(capsys):
 
 
 def test_demo_takes_a_tier(capsys):
-    code, out, _ = _run(capsys, "demo", "--model", "builtin:tiny", "--max-tokens", "3", "--kv-cache-dtype", "tq4")
+    code, out, _ = _run(
+        capsys, "demo", "--model", "builtin:tiny", "--max-tokens", "3", "--kv-cache-dtype", "tq4"
+    )
     assert code == 0
     assert f"KV cache    {_row_bytes('tq4'):>6} B/token/layer (tq4:" in out
     assert "generated" in out and "DSA keys" in out
