@@ -71,7 +71,8 @@ class CompiledDecode:
     def __init__(self, model: Model, cache: CacheConfig | None = None):
         check_compilable(cache)
         self.model = model
-        self._step = torch.compile(model._forward, dynamic=True)
+        # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% a step)
+        self._step = torch.compile(model._forward, dynamic=True, options={"cpp_wrapper": True})
 
     def __call__(
         self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool
