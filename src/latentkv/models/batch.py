@@ -136,16 +136,16 @@ def _block(
     `selected` is the DSA choice as a `blocked` mask (True: not attended), shared layers reuse it."""
     h = block.attn_norm(x)
     parts = linear(h, block.w_in, block.b_in).split(block.split, dim=-1)
-    query, rows, q_resid = block.attn.project(parts[0], parts[1], step.rope)  # [H, B, W], [B, W]
+    query, rows, q_resid = block.attn.project(parts[0], parts[1], step.rope, decode=True)  # [H, B, W], [B, W]
     readers = [cache.append(layer, row) for cache, row in zip(caches, rows.split(1), strict=True)]
     if block.indexer is not None:
         new_keys = block.indexer.keys(parts[2], step.rope).split(1)  # B x [1, D_i]
         keys = [cache.append_index_keys(layer, k) for cache, k in zip(caches, new_keys, strict=True)]
         selected = _select(block.indexer, h, q_resid, step, keys)
     blocked = step.blocked if selected is None else selected
-    x = x + block.attn.output(attend(query, readers, blocked, step.groups))
+    x = block.attn.output(attend(query, readers, blocked, step.groups), residual=x, decode=True)
     h = block.mlp_norm(x)
-    x = x + (moe_decode(block.mlp, h) if isinstance(block.mlp, MoE) else block.mlp(h))
+    x = moe_decode(block.mlp, h, residual=x) if isinstance(block.mlp, MoE) else block.mlp(h, residual=x)
     return x, selected
 
 
@@ -304,11 +304,14 @@ def _attend_each(query: torch.Tensor, readers: list[RowReader], blocked: torch.T
 # --- mixture of experts -------------------------------------------------------------------
 
 
-def moe_decode(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """`MoE.__call__` for B decode tokens x [B, D], in the fewest ops the expert sizes allow:
+def moe_decode(moe: MoE, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`MoE.__call__` for B decode tokens x [B, D] (plus `residual`), in the fewest ops the
+    expert sizes allow:
 
     every expert  when the B tokens' picks reach half the experts and the whole layer is small:
                   one matmul of all tokens through all experts, the unchosen ones weighted 0
+                  (with the shared expert folded in as more experts, as a lone token does,
+                  when the layer has those fused matrices)
     gathered      when each expert is small: each token's k experts copied out and run as one
                   batched matmul (a fixed shape per (token, expert))
     grouped       otherwise: one matmul per hit expert over its tokens (`MoE._dispatch`)
@@ -317,8 +320,11 @@ def moe_decode(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     experts = moe.experts
     B, k = idx.shape
     E = len(experts)
+    every = B * k >= EVERY_EXPERT_MIN_PICKS * E
+    if every and moe._every is not None:
+        return moe._every_expert(x, idx, weights, residual)
     expert_bytes = (experts.gate_up[0].numel() + experts.down[0].numel()) * experts.gate_up.element_size()
-    if B * k >= EVERY_EXPERT_MIN_PICKS * E and E * expert_bytes <= EVERY_EXPERT_MAX_BYTES:
+    if every and E * expert_bytes <= EVERY_EXPERT_MAX_BYTES:
         out = _every_expert(experts, x, torch.zeros(B, E).scatter_(1, idx, weights))
     elif experts.gather and B * k * expert_bytes <= GATHER_BATCH_MAX_BYTES:
         out = _gathered(experts, x, idx, weights)
@@ -327,7 +333,7 @@ def moe_decode(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         moe._dispatch(x, idx, weights, out)
     if moe.shared is not None:
         out += moe.shared(x)
-    return out
+    return out if residual is None else residual + out
 
 
 def _every_expert(experts: ExpertStore, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,14 @@ import torch
 
 from latentkv.config import ModelConfig
 from latentkv.kv.cache import RowReader
-from latentkv.models.layers import RMSNorm, RotaryTables, linear, linear_add, per_head_linear
+from latentkv.models.layers import (
+    MATMUL_ROPE_MAX_POSITIONS,
+    RMSNorm,
+    RotaryTables,
+    linear,
+    linear_add,
+    per_head_linear,
+)
 
 # Budget for one score block [H, S_tile, T] in float32 elements (~32 MB).
 SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
@@ -64,15 +71,18 @@ class MLA:
         self._o_fused_t = None if self._o_fused is None else self._o_fused.T  # [H*Lkv, D] view
 
     def project(
-        self, q_in: torch.Tensor, kv_in: torch.Tensor, rope: RotaryTables
+        self, q_in: torch.Tensor, kv_in: torch.Tensor, rope: RotaryTables, decode: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(W_DQ x [S, q_lora] or q [S, H*(P+R)], W_DKV x [S, Lkv+R]) ->
-        (query [H, S, Lkv+R], cache rows [S, Lkv+R], q_resid [S, q_lora] or None)."""
+        (query [H, S, Lkv+R], cache rows [S, Lkv+R], q_resid [S, q_lora] or None).
+
+        `decode`: the S rows are one new token each of S sequences (batched decode), which takes
+        the one-token path (the absorbed-query matrix) as a single token does."""
         w = self.w
         S = q_in.shape[0]
         if w.q_a_norm is not None:
             q_resid = w.q_a_norm(q_in)
-            if S == 1 and self._q_fused is not None:
+            if (S == 1 or decode) and self._q_fused is not None and S <= MATMUL_ROPE_MAX_POSITIONS:
                 return self._decode_query(q_resid, rope), self._rows(kv_in, rope), q_resid
             q = linear(q_resid, w.q_b)
         else:
@@ -89,10 +99,12 @@ class MLA:
         return torch.cat([c, rope.rotate(kv_in[:, self.Lkv :], self.interleaved)], dim=-1)
 
     def _decode_query(self, q_resid: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
-        """One token's query through the absorbed matrix: q_resid [1, q_lora] -> [H, 1, Lkv+R],
+        """New tokens' queries through the absorbed matrix: q_resid [S, q_lora] -> [H, S, Lkv+R],
         the rope part rotated in place (one matmul for every head)."""
-        q = linear(q_resid, self._q_fused).view(1, self.H, self.Lkv + self.R)
-        return rope.rotate(q, self.interleaved, offset=self.Lkv).view(self.H, 1, self.Lkv + self.R)
+        S = q_resid.shape[0]
+        q = linear(q_resid, self._q_fused).view(S, self.H, self.Lkv + self.R)
+        q = rope.rotate(q, self.interleaved, offset=self.Lkv)
+        return q.view(self.H, 1, self.Lkv + self.R) if S == 1 else q.transpose(0, 1)
 
     def attend(
         self,
@@ -125,11 +137,15 @@ class MLA:
         ctx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return self.output(ctx, residual)
 
-    def output(self, ctx: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Latent context [H, S, Lkv] -> W_UV per head -> o_proj: [S, D] (plus `residual`)."""
+    def output(
+        self, ctx: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
+    ) -> torch.Tensor:
+        """Latent context [H, S, Lkv] -> W_UV per head -> o_proj: [S, D] (plus `residual`).
+        `decode` as in `project`: one token per sequence takes the fused output matrix."""
         H, S, _ = ctx.shape
-        if S == 1 and self._o_fused is not None and self.w.o_bias is None:
-            return linear_add(residual, ctx.view(1, H * self.Lkv), self._o_fused_t)
+        if (S == 1 or decode) and self._o_fused is not None and self.w.o_bias is None:
+            flat = ctx.view(1, H * self.Lkv) if S == 1 else ctx.transpose(0, 1).reshape(S, H * self.Lkv)
+            return linear_add(residual, flat, self._o_fused_t)
         heads = per_head_linear(ctx, self.w.w_uv)  # [H, S, Lkv] -> [H, S, V]
         out = linear(heads.transpose(0, 1).reshape(S, H * self.V), self.w.o, self.w.o_bias)
         return out if residual is None else residual + out

@@ -122,13 +122,15 @@ class MoE:
     def _every_expert(
         self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor:
-        """One token x [1, D] through all U = E + shared units: mix [1, U] is the router's
-        weight for the chosen experts, 0 for the others, 1 for the shared units."""
+        """B decode tokens x [B, D] (one per sequence) through all U = E + shared units: mix
+        [B, U] is the router's weight for the chosen experts, 0 for the others, 1 for the shared
+        units. idx / weights [B, k]."""
         gate_up, down_t, mix_base = self._every
-        mix = mix_base.scatter(1, idx, weights.to(mix_base.dtype))  # [1, U]
-        gate, up = linear(x, gate_up).view(mix.shape[1], -1).chunk(2, dim=-1)  # [U, I] each
-        act = F.silu(gate) * up * mix.view(-1, 1)  # [U, I]
-        return linear_add(residual, act.view(1, -1), down_t)  # [1, D]
+        B = x.shape[0]
+        mix = mix_base.expand(B, -1).scatter(1, idx, weights.to(mix_base.dtype))  # [B, U]
+        gate, up = linear(x, gate_up).view(B, mix.shape[1], -1).chunk(2, dim=-1)  # [B, U, I] each
+        act = F.silu(gate) * up * mix.unsqueeze(-1)  # [B, U, I]
+        return linear_add(residual, act.view(B, -1), down_t)  # [B, D]
 
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
         """Group the N*k (token, expert) pairs by expert; one matmul per hit expert."""
