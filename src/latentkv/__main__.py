@@ -4,4 +4,5 @@ import sys
 
 from latentkv.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the engine process (spawn) imports this module without running it
+    sys.exit(main())

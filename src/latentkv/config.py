@@ -408,6 +408,7 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting for a slot; one more is refused with 429
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     kv_dir: Path | None = None  # session files; None: sessions_dir()
+    engine_process: bool = True  # the model and scheduler in a child process (engine/remote.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

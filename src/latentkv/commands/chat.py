@@ -167,10 +167,10 @@ def special_tokens(directory: Path) -> dict[str, str]:
     return out
 
 
-def stop_ids(loaded) -> tuple[int, ...]:
+def stop_ids(cfg, directory) -> tuple[int, ...]:
     """The model's end-of-sequence ids, with generation_config.json's (chat models list several)."""
-    ids = list(loaded.model.cfg.eos_token_ids)
-    path = Path(loaded.directory) / "generation_config.json"
+    ids = list(cfg.eos_token_ids)
+    path = Path(directory) / "generation_config.json"
     try:
         extra = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
     except (OSError, ValueError):
@@ -223,7 +223,7 @@ class Chat:
         self.sampling = sampling
         self.max_tokens = args.max_tokens
         self.system = args.system
-        self.stop = stop_ids(loaded)
+        self.stop = stop_ids(loaded.model.cfg, loaded.directory)
         self.label = args.model
 
     def greet(self) -> None:

@@ -65,6 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="folder of the session KV files (default: $LATENTKV_CACHE/sessions, else ~/.cache/latentkv/sessions)",
     )
     p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the model and its scheduler in a child process, so HTTP work and decode steps "
+        "use separate cores instead of sharing one GIL (default: on; --no-engine-process keeps "
+        "one process)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
     )
 
@@ -126,6 +134,7 @@ def server_config(args: argparse.Namespace):
             max_queue=args.max_queue,
             max_model_len=args.max_model_len,
             kv_dir=args.kv_dir,
+            engine_process=args.engine_process,
         )
     except ConfigError as exc:
         raise UserError(str(exc)) from None

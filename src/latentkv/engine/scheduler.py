@@ -90,6 +90,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     session: str | None = None  # KV session name (file kv_dir/<name>.kv), resumed + saved
+    id: int | None = None  # the caller's name for it (the engine process matches events by it)
 
 
 @dataclass
@@ -119,6 +120,30 @@ class QueueFull(Exception):
 
 class SchedulerClosed(Exception):
     """The scheduler was shut down."""
+
+
+def validate_request(request: Request, vocab: int, max_model_len: int, sessions: bool) -> None:
+    """ValueError unless the request can run (`sessions`: whether session requests can)."""
+    prompt, params = request.prompt, request.params
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    if bad := [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]:
+        raise ValueError(f"token ids out of range for a vocabulary of {vocab}: {bad[:5]}")
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
+            f"{len(prompt) + params.max_tokens} tokens, over the context limit of {max_model_len}"
+        )
+    if params.logprobs is not None and params.logprobs > vocab:
+        raise ValueError(f"logprobs must be at most the vocabulary size {vocab} (got {params.logprobs})")
+    if request.session is not None:
+        if not valid_session_name(request.session):
+            raise ValueError(
+                f"invalid session name {str(request.session)[:40]!r}: use 1 to 128 letters, digits, '.', "
+                "'_' or '-', not starting with '.'"
+            )
+        if not sessions:
+            raise ValueError("sessions need the scheduler's model_dir (the KV file records the weights)")
 
 
 def valid_session_name(name: str) -> bool:
@@ -165,6 +190,9 @@ class RequestHandle:
         """Called by the worker; hands the event to whichever iterator reads this handle. Events
         for an event loop wait in the outbox until the worker's step ends (one wake-up per loop
         per step, not one per token)."""
+        if self._outbox.sink is not None:  # the events leave the process (latentkv.engine.remote)
+            self._outbox.add_event(self, event)
+            return
         with self._lock:
             if self._async_events is None:
                 self._events.put(event)
@@ -202,17 +230,32 @@ class RequestHandle:
 
 
 class _Outbox:
-    """Handles with events for their event loops; `flush` wakes each loop once for all of them."""
+    """Handles with events for their event loops; `flush` wakes each loop once for all of them.
 
-    def __init__(self):
+    With a `sink`, events are instead collected in order and handed to it once per flush as
+    [(handle, event), ...] (the engine process sends them to the HTTP process that way)."""
+
+    def __init__(self, sink=None):
         self._lock = threading.Lock()
         self._handles: list[RequestHandle] = []
+        self.sink = sink
+        self._events: list[tuple[RequestHandle, TokenEvent | Finished]] = []
 
     def add(self, handle: RequestHandle) -> None:
         with self._lock:
             self._handles.append(handle)
 
+    def add_event(self, handle: RequestHandle, event: TokenEvent | Finished) -> None:
+        with self._lock:
+            self._events.append((handle, event))
+
     def flush(self) -> None:
+        if self.sink is not None:
+            with self._lock:
+                events, self._events = self._events, []
+            if events:
+                self.sink(events)
+            return
         with self._lock:
             handles, self._handles = self._handles, []
         by_loop: dict[asyncio.AbstractEventLoop, list[RequestHandle]] = {}
@@ -252,6 +295,8 @@ class _Sequence:
 
 
 class Scheduler:
+    failure: str | None = None  # why it can no longer serve (an engine process that died; never here)
+
     def __init__(
         self,
         model,
@@ -262,7 +307,10 @@ class Scheduler:
         max_model_len: int | None = None,
         kv_dir: Path | None = None,
         model_dir: Path | None = None,
+        sink=None,
     ):
+        """`sink`: deliver every step's events to this callable as [(handle, event), ...] instead
+        of to the handles' iterators (see `_Outbox`)."""
         limit = model.cfg.max_position_embeddings
         if max_num_seqs < 1 or max_queue < 0:
             raise ValueError(
@@ -285,7 +333,7 @@ class Scheduler:
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._busy_sessions: set[str] = set()
-        self._outbox = _Outbox()
+        self._outbox = _Outbox(sink)
         self._closing = False
         self._thread: threading.Thread | None = None
         self._prompt_total = 0
@@ -344,27 +392,7 @@ class Scheduler:
             )
 
     def _validate(self, request: Request) -> None:
-        prompt, params = request.prompt, request.params
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model.cfg.vocab_size
-        if bad := [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]:
-            raise ValueError(f"token ids out of range for a vocabulary of {vocab}: {bad[:5]}")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{len(prompt) + params.max_tokens} tokens, over the context limit of {self.max_model_len}"
-            )
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be at most the vocabulary size {vocab} (got {params.logprobs})")
-        if request.session is not None:
-            if not valid_session_name(request.session):
-                raise ValueError(
-                    f"invalid session name {str(request.session)[:40]!r}: use 1 to 128 letters, digits, '.', "
-                    "'_' or '-', not starting with '.'"
-                )
-            if self.model_dir is None:
-                raise ValueError("sessions need the scheduler's model_dir (the KV file records the weights)")
+        validate_request(request, self.model.cfg.vocab_size, self.max_model_len, self.model_dir is not None)
 
     # --- the worker -------------------------------------------------------------------
 

@@ -115,7 +115,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, r: Serving):
         check_model(body.model, served)
-        ids = check_ids(body.tokens, r.model.cfg.vocab_size, "tokens")
+        ids = check_ids(body.tokens, r.cfg.vocab_size, "tokens")
         if r.tokenizer is None:
             raise bad_request("this model has no tokenizer.json", param="tokens")
         return {"prompt": r.tokenizer.decode(ids, skip_special_tokens=False)}
@@ -134,6 +134,8 @@ async def serving(request: Request) -> Ready:
     (async: a plain def dependency would hop through a worker thread on every request)"""
     state: ServerState = request.app.state.latentkv
     if state.ready is not None:
+        if (failure := state.ready.scheduler.failure) is not None:
+            raise APIError(503, f"the model stopped serving: {failure}", headers={"Retry-After": "60"})
         return state.ready
     if state.error is not None:
         raise APIError(503, f"the model failed to load: {state.error}", headers={"Retry-After": "60"})
@@ -158,7 +160,7 @@ def _model_card(state: ServerState, r: Ready) -> dict:
 def _tokenizer_info(r: Ready) -> dict:
     """vLLM's /tokenizer_info: special tokens as text (lm-eval's remote tokenizer encodes them back)."""
     special = dict(r.chat.special)
-    cfg = r.model.cfg
+    cfg = r.cfg
     if "eos_token" not in special and cfg.eos_token_ids:
         special["eos_token"] = r.tokenizer.decode([cfg.eos_token_ids[0]], skip_special_tokens=False)
     if "bos_token" not in special and cfg.bos_token_id is not None:

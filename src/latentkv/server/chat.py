@@ -35,9 +35,7 @@ from latentkv.server.protocol import (
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ready, served: str):
     check_model(body.model, served)
     session = check_session(body, 1)
-    ids = check_ids(
-        ready.chat.prompt_ids(ready.tokenizer, body.messages), ready.model.cfg.vocab_size, "messages"
-    )
+    ids = check_ids(ready.chat.prompt_ids(ready.tokenizer, body.messages), ready.cfg.vocab_size, "messages")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     budget = token_budget(
         len(ids), body.token_budget, ready.max_model_len, param if body.token_budget else "messages"

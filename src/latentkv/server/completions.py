@@ -31,7 +31,7 @@ from latentkv.server.protocol import Completion, CompletionChoice, CompletionReq
 
 async def create_completion(body: CompletionRequest, request: Request, ready, served: str):
     check_model(body.model, served)
-    prompts = completion_prompts(body.prompt, ready.tokenizer, ready.model.cfg.vocab_size)
+    prompts = completion_prompts(body.prompt, ready.tokenizer, ready.cfg.vocab_size)
     session = check_session(body, len(prompts))
     if body.stream and body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported when streaming; drop stream", param="echo")

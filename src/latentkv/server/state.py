@@ -2,8 +2,9 @@
 
 The socket comes up first and the weights load in a background thread, so /health can answer
 503 + Retry-After while loading (what load balancers and `vllm serve` clients expect). HTTP
-handlers never run model steps: they tokenize, submit to the scheduler's worker thread and
-turn its events into responses.
+handlers never run model steps: they tokenize, submit to the scheduler and turn its events
+into responses. The scheduler and the weights live in a child process by default
+(`latentkv.engine.remote`), so the event loop and the decode loop run on separate cores.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ log = logging.getLogger("latentkv.server")
 class Ready:
     """Everything a request needs once loading is done."""
 
-    model: object  # latentkv.models.model.Model
+    cfg: object  # latentkv.config.ModelConfig
     tokenizer: object | None  # latentkv.tokenizer.Tokenizer
     directory: Path
-    scheduler: object  # latentkv.engine.scheduler.Scheduler
+    scheduler: object  # latentkv.engine.scheduler.Scheduler, or remote.EngineProcess (same interface)
     max_model_len: int
     stop_ids: tuple[int, ...]  # the model's end-of-sequence ids
     chat: object  # latentkv.server.prompts.ChatRenderer
@@ -83,18 +84,46 @@ class ServerState:
 
 
 def load(config: ServerConfig) -> Ready:
-    """Load the weights and tokenizer, then start the scheduler's worker thread."""
+    """Load the tokenizer and start the scheduler: in the engine process (which loads the
+    weights there, `latentkv.engine.remote`), or here on a worker thread."""
     from latentkv.commands.chat import stop_ids
-    from latentkv.commands.common import load as load_model
-    from latentkv.config import sessions_dir
-    from latentkv.engine.scheduler import Scheduler
+    from latentkv.config import ModelConfig
+    from latentkv.models.registry import resolve
     from latentkv.server.prompts import ChatRenderer
+    from latentkv.tokenizer import Tokenizer
 
-    loaded = load_model(config.model, config.engine)
-    context = loaded.model.cfg.max_position_embeddings
+    directory = resolve(config.model)
+    cfg = ModelConfig.from_hf(directory)
+    context = cfg.max_position_embeddings
     max_model_len = config.max_model_len or context
     if max_model_len > context:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of {context} tokens")
+    tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
+    if config.engine_process:
+        from latentkv.engine.remote import EngineProcess
+
+        scheduler = EngineProcess(config, max_model_len, cfg.vocab_size)
+    else:
+        scheduler = _local_scheduler(config, max_model_len)
+    return Ready(
+        cfg=cfg,
+        tokenizer=tokenizer,
+        directory=Path(directory),
+        scheduler=scheduler,
+        max_model_len=max_model_len,
+        stop_ids=stop_ids(cfg, directory),
+        chat=ChatRenderer.for_model(tokenizer, Path(directory)),
+        created=int(time.time()),
+    )
+
+
+def _local_scheduler(config: ServerConfig, max_model_len: int):
+    """The weights and the scheduler's worker thread in this process (`--no-engine-process`)."""
+    from latentkv.commands.common import load as load_model
+    from latentkv.config import sessions_dir
+    from latentkv.engine.scheduler import Scheduler
+
+    loaded = load_model(config.model, config.engine)
     scheduler = Scheduler(
         loaded.model,
         config.engine.cache,
@@ -105,16 +134,7 @@ def load(config: ServerConfig) -> Ready:
         model_dir=loaded.directory,
     )
     scheduler.start()
-    return Ready(
-        model=loaded.model,
-        tokenizer=loaded.tokenizer,
-        directory=Path(loaded.directory),
-        scheduler=scheduler,
-        max_model_len=max_model_len,
-        stop_ids=stop_ids(loaded),
-        chat=ChatRenderer.for_model(loaded.tokenizer, Path(loaded.directory)),
-        created=int(time.time()),
-    )
+    return scheduler
 
 
 def _user_error(exc: Exception) -> bool:

@@ -1,0 +1,284 @@
+"""The scheduler in its own process, so HTTP work and model steps do not share one GIL.
+
+`latentkv serve` keeps its event loop (HTTP parsing, SSE chunks, detokenization) in the main
+process and runs the model, with the scheduler's worker thread, in a child process started with
+`spawn` (the engine process). On a small model a decode step is a few hundred short torch ops
+that each need the GIL back; in one process every SSE chunk the event loop writes holds that
+GIL while the worker waits, so eight streams cost the decode loop eight chunks' worth of Python
+per step. Split, the two sides run on two cores and meet once per step.
+
+`EngineProcess` has the `Scheduler`'s client interface (start, submit -> handle, stats,
+shutdown): the server code is the same either way (`--no-engine-process` keeps one process).
+
+Messages over one multiprocessing Pipe (pickled tuples):
+
+    parent -> child   ("submit", Request)    Request.id set by the parent
+                      ("cancel", id)
+                      ("shutdown",)          the child finishes what runs ("cancelled"), saves
+                                             sessions, answers ("bye",) and exits
+    child -> parent   ("ready", SchedulerStats) or ("failed", message)    once, after loading
+                      ("events", [(id, TokenEvent | Finished), ...], SchedulerStats)
+                                             once per scheduler step, in order
+                      ("stats", SchedulerStats)    after each command
+                      ("refused", id, message)     a submit the child's scheduler refused
+
+Without --threads the engine process uses one torch thread fewer than the machine has cores:
+the HTTP process needs one, and torch's intra-op threads spin on the cores they share with it.
+
+The parent validates requests and applies the queue bound itself, so a 400 or a 429 never
+waits for the child. If the child dies, every open request ends with an error and later
+submits raise SchedulerClosed; the child exits when the parent's end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import signal
+import threading
+from dataclasses import replace
+
+from latentkv.config import ServerConfig
+from latentkv.engine.scheduler import (
+    Finished,
+    QueueFull,
+    Request,
+    RequestHandle,
+    Scheduler,
+    SchedulerClosed,
+    SchedulerStats,
+    _Outbox,
+    validate_request,
+)
+
+SHUTDOWN_TIMEOUT_S = 60  # for the child to finish its requests and save their sessions
+
+
+class EngineFailed(RuntimeError):
+    """The engine process could not load the model (the message says why)."""
+
+
+class _RemoteHandle(RequestHandle):
+    def __init__(self, request: Request, engine: EngineProcess):
+        super().__init__(request, engine._wake, engine._outbox)
+        self._engine = engine
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            super().cancel()
+            self._engine._send(("cancel", self.request.id))
+
+
+class EngineProcess:
+    """`Scheduler`'s client side, with the scheduler and the model in a child process."""
+
+    def __init__(self, config: ServerConfig, max_model_len: int, vocab_size: int):
+        self.max_num_seqs, self.max_queue = config.max_num_seqs, config.max_queue
+        self.max_model_len = max_model_len
+        self._vocab = vocab_size
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._handles: dict[int, _RemoteHandle] = {}
+        self._ids = itertools.count(1)
+        self._closing = False
+        self.failure: str | None = None  # set when the child is gone without being asked to stop
+        self._outbox = _Outbox()
+        self._wake = threading.Condition()  # RequestHandle.cancel notifies it; nothing waits on it here
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_engine_main, args=(child, config, max_model_len), name="latentkv-engine", daemon=True
+        )
+        self._process.start()
+        child.close()
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(5)
+            raise EngineFailed(
+                f"the engine process exited while loading (exit code {self._process.exitcode})"
+            ) from None
+        if kind != "ready":
+            self._process.join(5)
+            raise EngineFailed(payload)
+        self._stats: SchedulerStats = payload
+        self._reader = threading.Thread(target=self._read, name="latentkv-engine-reader", daemon=True)
+        self._reader.start()
+
+    # --- the Scheduler interface ------------------------------------------------------
+
+    def start(self) -> None:
+        """The child's worker is already running (it starts once the model is loaded)."""
+
+    def submit(self, request: Request) -> RequestHandle:
+        """As `Scheduler.submit`: ValueError, QueueFull (running + waiting at their bounds),
+        SchedulerClosed."""
+        validate_request(request, self._vocab, self.max_model_len, sessions=True)
+        with self._lock:
+            if self._closing or self.failure is not None:
+                raise SchedulerClosed(self.failure or "the scheduler is shut down")
+            waiting = len(self._handles) - self.max_num_seqs
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are already waiting (max_queue {self.max_queue})")
+            request = replace(request, id=next(self._ids))
+            handle = _RemoteHandle(request, self)
+            self._handles[request.id] = handle
+        if not self._send(("submit", request)):
+            self._end(request.id, "error", "the engine process stopped")
+            self._outbox.flush()
+        return handle
+
+    def stats(self) -> SchedulerStats:
+        return self._stats
+
+    def shutdown(self) -> None:
+        """Stop the child: what still runs finishes "cancelled" (sessions saved), then it exits."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._send(("shutdown",))
+        self._reader.join(SHUTDOWN_TIMEOUT_S)
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+        self._conn.close()
+
+    # --- the pipe ---------------------------------------------------------------------
+
+    def _send(self, message: tuple) -> bool:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+                return True
+            except (OSError, ValueError):  # the child is gone (or the pipe closed)
+                return False
+
+    def _read(self) -> None:
+        """The reader thread: deliver each step's events, one wake-up per event loop per step."""
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "events":
+                    _, events, self._stats = message
+                    for rid, event in events:
+                        with self._lock:
+                            handle = (
+                                self._handles.pop(rid, None)
+                                if isinstance(event, Finished)
+                                else self._handles.get(rid)
+                            )
+                        if handle is not None:
+                            handle._emit(event)
+                elif kind == "stats":
+                    self._stats = message[1]
+                elif kind == "refused":
+                    self._end(message[1], "error", message[2])
+                elif kind == "bye":
+                    break
+                self._outbox.flush()
+        except (EOFError, OSError):
+            pass
+        with self._lock:
+            if not self._closing:
+                self._process.join(1)
+                self.failure = f"the engine process stopped (exit code {self._process.exitcode})"
+            open_ids = list(self._handles)
+        for rid in open_ids:  # the child is gone: nobody will finish these
+            self._end(
+                rid, "cancelled" if self._closing else "error", self.failure or "the engine process stopped"
+            )
+        self._outbox.flush()
+
+    def _end(self, rid: int, reason: str, error: str | None) -> None:
+        with self._lock:
+            handle = self._handles.pop(rid, None)
+        if handle is not None:
+            prompt = len(handle.request.prompt)
+            handle._emit(Finished(reason, prompt, 0, 0, None, error=error))
+
+
+def _engine_main(conn, config: ServerConfig, max_model_len: int) -> None:
+    """The child: load the model, run a Scheduler whose events go down the pipe, obey commands."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    send_lock = threading.Lock()
+    handles: dict[int, RequestHandle] = {}  # open requests, for cancels
+    finished: set[int] = set()  # ended before the command loop recorded them
+    handles_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock, contextlib.suppress(OSError, ValueError):  # the parent gone: the loop sees EOF
+            conn.send(message)
+
+    def sink(events: list) -> None:
+        out = []
+        for handle, event in events:
+            out.append((handle.request.id, event))
+            if isinstance(event, Finished):
+                with handles_lock:
+                    if handles.pop(handle.request.id, None) is None:
+                        finished.add(handle.request.id)
+        send(("events", out, scheduler.stats()))
+
+    try:
+        from latentkv.commands.common import load
+        from latentkv.config import sessions_dir
+
+        engine = config.engine
+        if engine.threads is None:  # leave a core to the HTTP process (torch would take them all)
+            engine = replace(engine, threads=max(1, (os.cpu_count() or 2) - 1))
+        loaded = load(config.model, engine)
+        scheduler = Scheduler(
+            loaded.model,
+            config.engine.cache,
+            max_num_seqs=config.max_num_seqs,
+            max_queue=config.max_queue,
+            max_model_len=max_model_len,
+            kv_dir=config.kv_dir if config.kv_dir is not None else sessions_dir(),
+            model_dir=loaded.directory,
+            sink=sink,
+        )
+        scheduler.start()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which reports it to the user
+        from latentkv.cli import UserError
+
+        send(
+            (
+                "failed",
+                str(exc) if isinstance(exc, (UserError, ValueError)) else f"{type(exc).__name__}: {exc}",
+            )
+        )
+        return
+    send(("ready", scheduler.stats()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        kind = message[0]
+        if kind == "submit":
+            request = message[1]
+            try:
+                handle = scheduler.submit(request)
+            except (ValueError, QueueFull, SchedulerClosed) as exc:
+                send(("refused", request.id, str(exc)))
+            else:
+                with handles_lock:
+                    if request.id in finished:
+                        finished.discard(request.id)
+                    else:
+                        handles[request.id] = handle
+            send(("stats", scheduler.stats()))
+        elif kind == "cancel":
+            with handles_lock:
+                handle = handles.get(message[1])
+            if handle is not None:
+                handle.cancel()
+        elif kind == "shutdown":
+            break
+    scheduler.shutdown()
+    send(("bye",))
