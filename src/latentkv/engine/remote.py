@@ -226,22 +226,12 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int) -> None:
 
     try:
         from latentkv.commands.common import load
-        from latentkv.config import sessions_dir
 
         engine = config.engine
         if engine.threads is None:  # leave a core to the HTTP process (torch would take them all)
             engine = replace(engine, threads=max(1, (os.cpu_count() or 2) - 1))
         loaded = load(config.model, engine)
-        scheduler = Scheduler(
-            loaded.model,
-            config.engine.cache,
-            max_num_seqs=config.max_num_seqs,
-            max_queue=config.max_queue,
-            max_model_len=max_model_len,
-            kv_dir=config.kv_dir if config.kv_dir is not None else sessions_dir(),
-            model_dir=loaded.directory,
-            sink=sink,
-        )
+        scheduler = Scheduler.for_server(config, loaded, max_model_len, sink=sink)
         scheduler.start()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which reports it to the user
         from latentkv.cli import UserError

@@ -340,6 +340,23 @@ class Scheduler:
         self._generation_total = 0
         self._kv_in_use = 0
 
+    @classmethod
+    def for_server(cls, config, loaded, max_model_len: int, sink=None) -> Scheduler:
+        """The scheduler `latentkv serve` runs: config a ServerConfig, loaded the
+        `commands.common.Loaded` model."""
+        from latentkv.config import sessions_dir
+
+        return cls(
+            loaded.model,
+            config.engine.cache,
+            max_num_seqs=config.max_num_seqs,
+            max_queue=config.max_queue,
+            max_model_len=max_model_len,
+            kv_dir=config.kv_dir if config.kv_dir is not None else sessions_dir(),
+            model_dir=loaded.directory,
+            sink=sink,
+        )
+
     # --- the client side --------------------------------------------------------------
 
     def start(self) -> None:

@@ -120,19 +120,9 @@ def load(config: ServerConfig) -> Ready:
 def _local_scheduler(config: ServerConfig, max_model_len: int):
     """The weights and the scheduler's worker thread in this process (`--no-engine-process`)."""
     from latentkv.commands.common import load as load_model
-    from latentkv.config import sessions_dir
     from latentkv.engine.scheduler import Scheduler
 
-    loaded = load_model(config.model, config.engine)
-    scheduler = Scheduler(
-        loaded.model,
-        config.engine.cache,
-        max_num_seqs=config.max_num_seqs,
-        max_queue=config.max_queue,
-        max_model_len=max_model_len,
-        kv_dir=config.kv_dir if config.kv_dir is not None else sessions_dir(),
-        model_dir=loaded.directory,
-    )
+    scheduler = Scheduler.for_server(config, load_model(config.model, config.engine), max_model_len)
     scheduler.start()
     return scheduler
 
