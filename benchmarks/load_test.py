@@ -7,7 +7,7 @@ Against a running server:
 or starting one server per --max-num-seqs value (each on a free loopback port):
 
     python benchmarks/load_test.py --serve builtin:tiny --max-num-seqs 1,8 --clients 1,8 \\
-        --requests 32 --max-tokens 64 --out benchmarks/results/load-tiny.json
+        --requests 128 --max-tokens 64 --out benchmarks/results/load-tiny.json
 
 Every request streams /v1/completions with a token-id prompt of --prompt-len random ids (its
 own seed), greedy, `ignore_eos` so it generates exactly --max-tokens. Per row: aggregate tok/s
@@ -106,7 +106,9 @@ async def run_load(args, url: str, clients: int, max_num_seqs: int | None) -> Ro
     async with httpx.AsyncClient(
         base_url=url, headers=headers, timeout=args.timeout, limits=limits
     ) as client:
-        await one_request(client, args, seed=-1)  # warm-up, not counted
+        # warm-up, not counted: one request per client at once, so the row's first timed steps
+        # do not pay for the server's first batched step at this concurrency
+        await asyncio.gather(*(one_request(client, args, seed=-1 - c) for c in range(clients)))
         todo = iter(range(args.requests))
         samples: list[Sample] = []
 
