@@ -95,3 +95,13 @@ def test_a_dead_engine_ends_streams_with_an_error_and_the_server_says_503(tmp_pa
             assert again.json()["error"]["message"].startswith("the model stopped serving")
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child pids from /proc (Linux)")
+def test_the_engine_exits_when_the_server_is_killed(tmp_path, serve):
+    """SIGKILL gives the server no chance to stop its child: the child sees its pipe close."""
+    server = serve("builtin:tiny", tmp_path / "server.log")
+    engine = _engine_pid(server.process.pid)
+    server.process.kill()
+    server.process.wait()
+    assert _gone(engine), "the engine process outlived a killed server"
