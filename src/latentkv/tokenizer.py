@@ -22,6 +22,11 @@ class Tokenizer:
         self._tok = _HFTokenizer.from_file(str(path))
         self.chat_template = _chat_template(path.parent)
 
+    @classmethod
+    def of_model(cls, directory: str | Path) -> Tokenizer | None:
+        """A model directory's tokenizer, or None when it has no tokenizer.json (ids only)."""
+        return cls(directory) if (Path(directory) / "tokenizer.json").exists() else None
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

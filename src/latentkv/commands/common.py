@@ -234,7 +234,7 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
     except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable) as exc:
         raise UserError(str(exc)) from None
     seconds = time.perf_counter() - t0
-    tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
+    tokenizer = Tokenizer.of_model(directory)
     if not quiet:
         params = model.num_parameters()
         print(

@@ -165,13 +165,17 @@ class EngineProcess:
                 kind = message[0]
                 if kind == "events":
                     _, events, self._stats = message
-                    for rid, event in events:
-                        with self._lock:
-                            handle = (
+                    with self._lock:  # once per step; a Finished frees its id
+                        routed = [
+                            (
                                 self._handles.pop(rid, None)
-                                if isinstance(event, Finished)
-                                else self._handles.get(rid)
+                                if isinstance(e, Finished)
+                                else self._handles.get(rid),
+                                e,
                             )
+                            for rid, e in events
+                        ]
+                    for handle, event in routed:
                         if handle is not None:
                             handle._emit(event)
                 elif kind == "stats":
@@ -183,10 +187,10 @@ class EngineProcess:
                 self._outbox.flush()
         except (EOFError, OSError):
             pass
+        if not self._closing:
+            self._process.join(1)  # for its exit code; not under the lock submitters take
+            self.failure = f"the engine process stopped (exit code {self._process.exitcode})"
         with self._lock:
-            if not self._closing:
-                self._process.join(1)
-                self.failure = f"the engine process stopped (exit code {self._process.exitcode})"
             open_ids = list(self._handles)
         for rid in open_ids:  # the child is gone: nobody will finish these
             self._end(

@@ -98,7 +98,7 @@ def load(config: ServerConfig) -> Ready:
     max_model_len = config.max_model_len or context
     if max_model_len > context:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of {context} tokens")
-    tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
+    tokenizer = Tokenizer.of_model(directory)
     if config.engine_process:
         from latentkv.engine.remote import EngineProcess
 

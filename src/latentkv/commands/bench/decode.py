@@ -105,12 +105,14 @@ def run(args: argparse.Namespace) -> dict:
         dsa = model.cfg.dsa
         if dsa is not None and max(contexts) > dsa.index_topk and (note := _dsa_note(model)) not in notes:
             notes.append(note)
-        compiled = _compile(model, cache_configs, notes, args.json) if args.compile else {}
+        step, compiled_tiers = (
+            _compile(model, cache_configs, notes, args.json) if args.compile else (None, ())
+        )
         for ctx in contexts:  # tiers innermost: a drift in machine load hits every tier alike
             for cache_config in cache_configs:
-                tier = cache_config.kv_cache_dtype
-                for step in [None, compiled[tier]] if tier in compiled else [None]:  # eager, compiled
-                    model.compiled = step
+                steps = [None, step] if cache_config.kv_cache_dtype in compiled_tiers else [None]
+                for compiled in steps:  # eager, then compiled where the tier compiles
+                    model.compiled = compiled
                     row = common.fastest(
                         args.repeats,
                         partial(
@@ -161,25 +163,26 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _compile(model, cache_configs, notes: list[str], quiet: bool) -> dict:
-    """Compile the decode step for every tier that can be; -> {tier: the compiled step}."""
+def _compile(model, cache_configs, notes: list[str], quiet: bool):
+    """Compile the decode step for every tier that can be; -> (the compiled step, those tiers).
+    The model is left eager: rows switch `model.compiled` on and off."""
     from latentkv.models.compiled import CompileUnavailable, check_compilable
 
     try:
         check_compilable(None)  # is there a C++ compiler at all
     except CompileUnavailable as exc:
         raise UserError(str(exc)) from None
-    compiled = {}
+    tiers = set()
     for cache_config in cache_configs:
         try:
             seconds = model.compile_decode(cache_config, progress=not quiet)
         except CompileUnavailable as exc:
             notes.append(f"{cache_config.kv_cache_dtype}: no compiled row ({exc})")
             continue
-        compiled[cache_config.kv_cache_dtype] = model.compiled
+        tiers.add(cache_config.kv_cache_dtype)
         notes.append(f"{cache_config.kv_cache_dtype}: compiled in {seconds:.1f} s before timing")
-    model.compiled = None
-    return compiled
+    step, model.compiled = model.compiled, None
+    return step, tiers
 
 
 def _dsa_note(model) -> str:
