@@ -310,10 +310,10 @@ class _Flaky:
             raise RuntimeError("boom in prefill")
         return self.model.forward(tokens, cache, all_logits)
 
-    def decode_batch(self, tokens, caches):
+    def decode_batch(self, tokens, caches, pool=None):
         if any(c.length == 40 for c in caches):
             raise RuntimeError("boom in decode")
-        return self.model.decode_batch(tokens, caches)
+        return self.model.decode_batch(tokens, caches, pool)
 
 
 def test_worker_survives_requests_that_raise(ours, make, capsys):

@@ -12,7 +12,9 @@ Every step of the worker:
     2. admit waiting requests while fewer than max_num_seqs run: resume the session if any,
        prefill what is not cached with `Model.forward`, sample the first token from its logits
     3. one `Model.decode_batch` over every running sequence (each its own cache), sample each
-       sequence's next token; a sequence that samples a stop token or reaches max_tokens leaves
+       sequence's next token; a sequence that samples a stop token or reaches max_tokens leaves.
+       With the f32 tier the running caches are placed in one `SlotPool` (their rows side by
+       side, one write per layer and step); a leaving sequence's cache gets its own buffers back.
 
 Submitting never blocks: the waiting queue is bounded (QueueFull). HTTP handlers only submit
 and read handles; they never run model steps.
@@ -56,6 +58,8 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.engine import sampling
+from latentkv.kv.cache import LatentCache
+from latentkv.kv.slots import SlotPool
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SESSION_SUFFIX = ".kv"  # as `latentkv generate --session`: the CLI and the server share files
@@ -328,6 +332,8 @@ class Scheduler:
         probe = model.make_cache(cache_config)  # fails here, not per request, if the tier cannot fit
         per_token = probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
         self._capacity = per_token * self.max_model_len * max_num_seqs
+        # float32 caches of running sequences live side by side (one write per layer and step)
+        self._pool = SlotPool(probe.layout, max_num_seqs) if type(probe) is LatentCache else None
         self._header = None  # the KV file header, built on the first session request
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -491,6 +497,8 @@ class Scheduler:
             self._prompt_total += len(todo)
         if params.prompt_logprobs:
             seq.prompt_logprobs = _prompt_logprobs(seq.prompt, logits, params.logprobs)
+        if self._pool is not None:
+            self._pool.place(seq.cache)  # False (left in its own buffers) only past the pool's bound
         self._running.append(seq)
         if params.max_tokens == 0:
             self._finish(seq, "length")
@@ -540,7 +548,7 @@ class Scheduler:
         tokens = torch.tensor([s.pending for s in seqs], dtype=torch.long)
         t0 = time.perf_counter()
         try:
-            rows = list(self.model.decode_batch(tokens, [s.cache for s in seqs]))
+            rows = list(self.model.decode_batch(tokens, [s.cache for s in seqs], self._pool))
         except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
             rows = [self._decode_alone(s) for s in seqs]
         seconds = time.perf_counter() - t0
@@ -583,6 +591,8 @@ class Scheduler:
         seq.finished = True
         if seq in self._running:
             self._running.remove(seq)
+        if self._pool is not None and seq.cache is not None:
+            self._pool.release(seq.cache)
         if seq.session is not None:
             error = self._close_session(seq, save=reason != "error") or error
         name = seq.handle.request.session

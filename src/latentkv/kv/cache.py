@@ -73,9 +73,18 @@ class _Buffer:
     def __init__(self, width: int, dtype: torch.dtype = torch.float32, capacity: int = 64):
         with torch.inference_mode():
             self.data = _dynamic_rows(torch.empty(capacity, width, dtype=dtype))
+        self.pool = None  # a `latentkv.kv.slots.SlotPool` whose slot `data` is, if any
+
+    def bind(self, data: torch.Tensor, pool=None) -> None:
+        """Use `data` [capacity, width] as the storage: a slot of `pool` (which then grows it),
+        or, with pool None, the buffer's own storage again."""
+        self.data = data
+        self.pool = pool
 
     def reserve(self, end: int, keep: int) -> None:
         """Make room for rows up to `end`, keeping the first `keep` rows."""
+        if end > self.data.shape[0] and self.pool is not None:
+            self.pool.grow_for(self, end)  # every slot grows, or the buffer gets its own storage back
         if end > self.data.shape[0]:
             with torch.inference_mode():
                 grown = torch.empty(

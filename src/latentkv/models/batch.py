@@ -39,6 +39,7 @@ from torch.nn.utils.rnn import pad_sequence
 from latentkv.kv.attention import consumer_for
 from latentkv.kv.cache import F32Rows, LatentCache, PackedLatentCache, PackedRows, RowReader
 from latentkv.kv.codecs import EncodedRows
+from latentkv.kv.slots import SlotPool
 from latentkv.models.layers import RotaryTables, linear
 from latentkv.models.moe import ExpertStore, MoE
 
@@ -61,6 +62,39 @@ GATHER_BATCH_MAX_BYTES = 64 * 1024 * 1024
 Cache = LatentCache | PackedLatentCache
 
 
+class _OwnBuffers:
+    """A step's caches each in their own buffers: B appends per layer, read through readers."""
+
+    def __init__(self, caches: Sequence[Cache]):
+        self.caches = caches
+
+    def rows(self, layer: int, rows: torch.Tensor) -> list[RowReader]:
+        return [cache.append(layer, row) for cache, row in zip(self.caches, rows.split(1), strict=True)]
+
+    def keys(self, layer: int, keys: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            cache.append_index_keys(layer, k) for cache, k in zip(self.caches, keys.split(1), strict=True)
+        ]
+
+
+class _Slots:
+    """A step's float32 caches all placed in one `SlotPool`: one write per layer, the padded
+    rows read straight from the pool ([B, T, width], zero or masked past each end)."""
+
+    def __init__(self, pool: SlotPool, index: torch.Tensor | slice, positions: torch.Tensor, T: int):
+        self.pool, self.index, self.positions, self.T = pool, index, positions, T
+
+    def rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        return self._store(self.pool.rows[layer], rows)
+
+    def keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        return self._store(self.pool.keys[layer], keys)
+
+    def _store(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self.pool.write(tensor, self.index, self.positions, rows)
+        return self.pool.padded(tensor, self.index, self.T)
+
+
 @dataclass
 class _Step:
     """What every layer of one batched step shares."""
@@ -69,13 +103,22 @@ class _Step:
     ends: list[int]  # tokens each sequence attends over, the new one included
     blocked: torch.Tensor | None  # [B, T] True past a sequence's end; None when all have T
     groups: list[list[int]]  # sequences per tier (one group unless the batch mixes tiers)
+    store: _OwnBuffers | _Slots  # where the new rows go and how attention reads them
 
 
-def decode_batch(model: Model, tokens: torch.Tensor, caches: Sequence[Cache]) -> torch.Tensor:
-    """tokens [B] (int64), one cache per sequence -> logits [B, vocab]; each cache gains one row."""
+def decode_batch(
+    model: Model, tokens: torch.Tensor, caches: Sequence[Cache], pool: SlotPool | None = None
+) -> torch.Tensor:
+    """tokens [B] (int64), one cache per sequence -> logits [B, vocab]; each cache gains one row.
+    With `pool`, float32 caches placed in it are written and read there (see `_Slots`)."""
     lengths = _check(model, tokens, caches)
     if len(caches) == 1:  # one sequence: the single-sequence decode itself (fewer ops, bit for bit)
         return model.forward(tokens, caches[0])
+    slots = _pool_slots(model, pool, caches, max(lengths) + 1)
+    if slots is not None and slots != sorted(slots):  # run in slot order: the pool is then read by a slice
+        order = sorted(range(len(caches)), key=slots.__getitem__)
+        logits = decode_batch(model, tokens[order], [caches[b] for b in order], pool)
+        return logits[torch.tensor(order).argsort()]
     ends = [n + 1 for n in lengths]
     T = max(ends)
     table = model.rope.tables(0, T)
@@ -84,11 +127,20 @@ def decode_batch(model: Model, tokens: torch.Tensor, caches: Sequence[Cache]) ->
     blocked = None
     if min(ends) < T:
         blocked = torch.arange(T)[None, :] >= torch.tensor(ends)[:, None]  # [B, T]
-    step = _Step(rope, ends, blocked, _tier_groups(caches))
+    if slots is None:
+        store, groups = _OwnBuffers(caches), _tier_groups(caches)
+    else:
+        index = (
+            slice(slots[0], slots[0] + len(slots))
+            if slots[-1] - slots[0] == len(slots) - 1
+            else torch.tensor(slots)
+        )
+        store, groups = _Slots(pool, index, positions, T), [list(range(len(caches)))]
+    step = _Step(rope, ends, blocked, groups, store)
     x = model.embed.index_select(0, tokens).float()  # [B, D]
     selected = None
     for i, block in enumerate(model.blocks):
-        x, selected = _block(block, x, caches, i, step, selected)
+        x, selected = _block(block, x, i, step, selected)
     for cache in caches:
         cache.commit(1)
     return linear(model.norm(x), model.lm_head)
@@ -116,6 +168,21 @@ def _check(model: Model, tokens: torch.Tensor, caches: Sequence[Cache]) -> list[
     return lengths
 
 
+def _pool_slots(model: Model, pool: SlotPool | None, caches: Sequence[Cache], T: int) -> list[int] | None:
+    """The caches' slots when a step can run on the pool: all placed, padded reads within
+    BATCH_ATTEND_ELEMENTS, and room for T rows (growing the pool may hand the caches their own
+    buffers back instead, then None)."""
+    if pool is None:
+        return None
+    slots = [pool.slot_of(c) for c in caches]
+    if None in slots:
+        return None
+    width = max(model.layout.row_width, model.layout.index_head_dim)
+    if len(caches) * T * width > BATCH_ATTEND_ELEMENTS or not pool.reserve(T):
+        return None
+    return slots
+
+
 def _tier_groups(caches: Sequence[Cache]) -> list[list[int]]:
     """Indices of the caches stored alike (same class and codec parameters), in batch order."""
     groups: dict[tuple, list[int]] = {}
@@ -127,7 +194,6 @@ def _tier_groups(caches: Sequence[Cache]) -> list[list[int]]:
 def _block(
     block: Block,
     x: torch.Tensor,
-    caches: Sequence[Cache],
     layer: int,
     step: _Step,
     selected: torch.Tensor | None,
@@ -137,13 +203,13 @@ def _block(
     h = block.attn_norm(x)
     parts = linear(h, block.w_in, block.b_in).split(block.split, dim=-1)
     query, rows, q_resid = block.attn.project(parts[0], parts[1], step.rope, decode=True)  # [H, B, W], [B, W]
-    readers = [cache.append(layer, row) for cache, row in zip(caches, rows.split(1), strict=True)]
+    readers = step.store.rows(layer, rows)
     if block.indexer is not None:
-        new_keys = block.indexer.keys(parts[2], step.rope).split(1)  # B x [1, D_i]
-        keys = [cache.append_index_keys(layer, k) for cache, k in zip(caches, new_keys, strict=True)]
+        keys = step.store.keys(layer, block.indexer.keys(parts[2], step.rope))  # new keys [B, D_i]
         selected = _select(block.indexer, h, q_resid, step, keys)
     blocked = step.blocked if selected is None else selected
-    x = block.attn.output(attend(query, readers, blocked, step.groups), residual=x, decode=True)
+    context = attend(query, readers, blocked, step.groups, block.attn.Lkv)
+    x = block.attn.output(context, residual=x, decode=True)
     h = block.mlp_norm(x)
     x = moe_decode(block.mlp, h, residual=x) if isinstance(block.mlp, MoE) else block.mlp(h, residual=x)
     return x, selected
@@ -153,10 +219,15 @@ def _block(
 
 
 def _select(
-    indexer: Indexer, x: torch.Tensor, q_resid: torch.Tensor, step: _Step, keys: list[torch.Tensor]
+    indexer: Indexer,
+    x: torch.Tensor,
+    q_resid: torch.Tensor,
+    step: _Step,
+    keys: list[torch.Tensor] | torch.Tensor,
 ) -> torch.Tensor | None:
     """Each sequence's DSA choice as a `blocked` mask [B, T]: True except at its top-k (all its
-    tokens while it has at most k). None when no sequence has more than k tokens."""
+    tokens while it has at most k). None when no sequence has more than k tokens. `keys`: each
+    sequence's [T_b, D_i], or already padded [B, T, D_i] (a slot pool's)."""
     ends, k = step.ends, indexer.topk
     if max(ends) <= k:
         return None
@@ -164,9 +235,12 @@ def _select(
     q = linear(q_resid, indexer.w.wq_b).view(B, indexer.n_heads, indexer.head_dim)
     q = step.rope.rotate(q, indexer.interleaved)  # [B, h_i, D_i]
     weights = linear(x, indexer.w.weights_proj)  # [B, h_i]
-    if B * T * (indexer.head_dim + indexer.n_heads) > BATCH_ATTEND_ELEMENTS:
+    if isinstance(keys, torch.Tensor):
+        padded = keys
+    elif B * T * (indexer.head_dim + indexer.n_heads) > BATCH_ATTEND_ELEMENTS:
         return _select_each(q, weights, keys, step, k)
-    padded = _pad(keys)  # [B, T, D_i]
+    else:
+        padded = _pad(keys)  # [B, T, D_i]
     head = torch.relu(torch.matmul(q, padded.transpose(1, 2)))  # [B, h_i, T]
     scores = torch.matmul(weights.unsqueeze(1), head).squeeze(1)  # [B, T]
     if step.blocked is not None:
@@ -198,11 +272,18 @@ def _select_each(
 
 
 def attend(
-    query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None, groups: list[list[int]]
+    query: torch.Tensor,
+    readers: list[RowReader] | torch.Tensor,
+    blocked: torch.Tensor | None,
+    groups: list[list[int]],
+    kv_lora_rank: int | None = None,
 ) -> torch.Tensor:
     """query [H, B, Lkv+R] (scaled), one reader per sequence, blocked bool [B, T] (True: not
     attended; None: every row of every reader) -> context [H, B, Lkv]. `groups` lists the
-    sequences stored alike; each group is read together (padded)."""
+    sequences stored alike; each group is read together (padded). `readers` may instead be
+    float32 rows already padded, [B, T, Lkv+R] (a slot pool's; then kv_lora_rank is needed)."""
+    if isinstance(readers, torch.Tensor):
+        return _attend_f32(query.transpose(0, 1), readers, blocked, kv_lora_rank).transpose(0, 1)
     if len(groups) == 1:
         return _attend_group(query, readers, blocked)
     H, B, _ = query.shape
@@ -232,14 +313,20 @@ def _attend_group(
     q = query.transpose(0, 1)  # [B, H, W]
     if kind is F32Rows:
         rows = _pad([r.rows for r in readers])  # [B, T, W]
-        scores = torch.matmul(q, rows.transpose(1, 2))  # [B, H, T]
-        if blocked is not None:
-            scores.masked_fill_(blocked[:, None, :], float("-inf"))
-        ctx = torch.matmul(torch.softmax(scores, dim=-1), rows[..., : readers[0].kv_lora_rank])
-        return ctx.transpose(0, 1)
+        return _attend_f32(q, rows, blocked, readers[0].kv_lora_rank).transpose(0, 1)
     if kind is PackedRows:
         return _attend_packed(q, readers, blocked, T).transpose(0, 1)
     return _attend_each(query, readers, blocked)  # any other reader: through its own `attend`
+
+
+def _attend_f32(
+    q: torch.Tensor, rows: torch.Tensor, blocked: torch.Tensor | None, kv_lora_rank: int
+) -> torch.Tensor:
+    """q [B, H, W] over padded float32 rows [B, T, W] -> [B, H, Lkv]."""
+    scores = torch.matmul(q, rows.transpose(1, 2))  # [B, H, T]
+    if blocked is not None:
+        scores.masked_fill_(blocked[:, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), rows[..., :kv_lora_rank])
 
 
 def _pad(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from latentkv.config import CacheConfig, ModelConfig
 from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, make_cache
+from latentkv.kv.slots import SlotPool
 from latentkv.models.batch import decode_batch
 from latentkv.models.compiled import CompiledDecode, check_compilable
 from latentkv.models.indexer import Indexer
@@ -122,16 +123,20 @@ class Model:
 
     @torch.inference_mode()
     def decode_batch(
-        self, tokens: torch.Tensor, caches: Sequence[LatentCache | PackedLatentCache]
+        self,
+        tokens: torch.Tensor,
+        caches: Sequence[LatentCache | PackedLatentCache],
+        pool: SlotPool | None = None,
     ) -> torch.Tensor:
         """One decode step of B independent sequences: tokens [B] (int64), one cache each (ragged
         lengths, any tier) -> logits [B, vocab]; every cache gains one row.
 
         Dense work runs batched over the B rows; attention reads each sequence's own cache. A
         sequence's logits equal `forward(token[None], cache)`'s up to float32 rounding (not bit
-        for bit: see `latentkv.models.batch` for what is and is not guaranteed).
+        for bit: see `latentkv.models.batch` for what is and is not guaranteed). With `pool`,
+        the float32 caches placed in it are written and read there in one op per layer.
         """
-        return decode_batch(self, tokens, caches)
+        return decode_batch(self, tokens, caches, pool)
 
     def num_parameters(self) -> int:
         """Weights held by the model (the RoPE tables are derived, not counted)."""
