@@ -310,6 +310,11 @@ class _Flaky:
             raise RuntimeError("boom in prefill")
         return self.model.forward(tokens, cache, all_logits)
 
+    def prefill_batch(self, prompts, caches):
+        if any(7 in p.tolist() for p in prompts):
+            raise RuntimeError("boom in prefill")
+        return self.model.prefill_batch(prompts, caches)
+
     def decode_batch(self, tokens, caches, pool=None):
         if any(c.length == 40 for c in caches):
             raise RuntimeError("boom in decode")
@@ -373,3 +378,46 @@ def test_sixteen_concurrent_greedy_clients_on_the_trained_fixture():
             assert finished.completion_tokens == n
     finally:
         scheduler.shutdown()
+
+
+class _Counting:
+    """The model, recording the batch size of every prefill_batch and decode_batch call."""
+
+    def __init__(self, model):
+        self.model, self.cfg = model, model.cfg
+        self.prefills: list[int] = []
+        self.decodes: list[int] = []
+
+    def make_cache(self, config=None):
+        return self.model.make_cache(config)
+
+    def forward(self, tokens, cache, all_logits=False):
+        self.prefills.append(1)
+        return self.model.forward(tokens, cache, all_logits)
+
+    def prefill_batch(self, prompts, caches):
+        self.prefills.append(len(prompts))
+        return self.model.prefill_batch(prompts, caches)
+
+    def decode_batch(self, tokens, caches, pool=None):
+        self.decodes.append(len(caches))
+        return self.model.decode_batch(tokens, caches, pool)
+
+
+def test_requests_admitted_together_prefill_in_one_pass(ours, make):
+    """Five waiting requests, four slots: the first step prefills four in one batched pass, the
+    fifth joins when a slot frees; each gets its lone tokens, and the f32 caches of the running
+    sequences sit in the scheduler's slot pool until they finish."""
+    model = ours("glm5-tiny-dsa")
+    counting = _Counting(model)
+    scheduler = make(counting, max_num_seqs=4, start=False)
+    requests = [(_prompt(5 + 4 * i, seed=80 + i), 3 + 2 * i) for i in range(5)]
+    handles = [
+        scheduler.submit(Request(p, SamplingParams(max_tokens=n, temperature=0.0))) for p, n in requests
+    ]
+    scheduler.start()
+    for (prompt, n), handle in zip(requests, handles, strict=True):
+        assert _collect(handle)[0] == _alone(model, prompt, n)
+    assert counting.prefills == [4, 1]
+    assert max(counting.decodes) == 4
+    assert scheduler._pool is not None and len(scheduler._pool) == 0  # every slot released

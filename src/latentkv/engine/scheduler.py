@@ -10,7 +10,8 @@
 Every step of the worker:
     1. drop cancelled requests (waiting or running): they finish "cancelled", their slot frees
     2. admit waiting requests while fewer than max_num_seqs run: resume the session if any,
-       prefill what is not cached with `Model.forward`, sample the first token from its logits
+       prefill what is not cached (the requests admitted together in one `Model.prefill_batch`
+       pass; prompt_logprobs requests with `Model.forward`), sample the first token from its logits
     3. one `Model.decode_batch` over every running sequence (each its own cache), sample each
        sequence's next token; a sequence that samples a stop token or reaches max_tokens leaves.
        With the f32 tier the running caches are placed in one `SlotPool` (their rows side by
@@ -439,9 +440,7 @@ class Scheduler:
 
     def _step(self, admitted: list[_Sequence]) -> None:
         self._drop_cancelled()
-        for seq in admitted:
-            self._guarded(seq, self._admit)
-            self._outbox.flush()  # its first token now, not after the others' prefills
+        self._admit(admitted)
         if self._running:
             self._decode_step()
         self._outbox.flush()
@@ -482,17 +481,55 @@ class Scheduler:
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             traceback.print_exc()
 
-    def _admit(self, seq: _Sequence) -> None:
-        """Resume the session, prefill the rest of the prompt, sample the first token."""
-        params = seq.params
-        seq.sampler = params.sampler()
+    def _admit(self, admitted: list[_Sequence]) -> None:
+        """Start the admitted requests: open (or resume) each one's cache, prefill what is not
+        cached, sample the first token. Those that need only their last logits are prefilled
+        together in one pass (`Model.prefill_batch`); prompt_logprobs requests, and all of them
+        when the batched pass fails (so the one that fails is found), one at a time."""
+        opened = []
+        for seq in admitted:
+            try:
+                opened.append((seq, self._open(seq)))
+            except Exception as exc:  # noqa: BLE001 - that request fails, the others start
+                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                traceback.print_exc()
+        together = [(seq, todo) for seq, todo in opened if not seq.params.prompt_logprobs]
+        alone = [(seq, todo) for seq, todo in opened if seq.params.prompt_logprobs]
+        if len(together) > 1:
+            try:
+                t0 = time.perf_counter()
+                prompts = [torch.tensor(todo, dtype=torch.long) for _, todo in together]
+                logits = self.model.prefill_batch(prompts, [seq.cache for seq, _ in together])
+                seconds = time.perf_counter() - t0
+            except Exception:  # noqa: BLE001 - nothing was committed: each prefills on its own
+                alone = together + alone
+            else:
+                for (seq, todo), row in zip(together, logits, strict=True):
+                    self._guarded(seq, self._start, todo, row[None], seconds)
+                self._outbox.flush()
+        else:
+            alone = together + alone
+        for seq, todo in alone:
+            self._guarded(seq, self._prefill, todo)
+            self._outbox.flush()  # its first token now, not after the others' prefills
+
+    def _open(self, seq: _Sequence) -> list[int]:
+        """The request's sampler and cache (its session resumed); returns the tokens to prefill."""
+        seq.sampler = seq.params.sampler()
         seq.generator = None if seq.sampler.greedy else seq.sampler.generator()
-        todo = self._open_cache(seq)
+        return self._open_cache(seq)
+
+    def _prefill(self, seq: _Sequence, todo: list[int]) -> None:
         t0 = time.perf_counter()
         logits = self.model.forward(
-            torch.tensor(todo, dtype=torch.long), seq.cache, all_logits=params.prompt_logprobs
+            torch.tensor(todo, dtype=torch.long), seq.cache, all_logits=seq.params.prompt_logprobs
         )
-        seq.prefill_seconds = time.perf_counter() - t0
+        self._start(seq, todo, logits, time.perf_counter() - t0)
+
+    def _start(self, seq: _Sequence, todo: list[int], logits: torch.Tensor, seconds: float) -> None:
+        """After its prefill (logits [S or 1, vocab]): the sequence runs, or finishes at once."""
+        params = seq.params
+        seq.prefill_seconds = seconds
         with self._cond:
             self._prompt_total += len(todo)
         if params.prompt_logprobs:

@@ -121,11 +121,17 @@ class MLA:
         `selected` (DSA): for decode (S == 1) the [k] token indices to attend to; for S > 1 a
         boolean [S, T] mask of allowed tokens (causality is applied here in both cases).
         """
+        return self.output(self.context(query, rows, start, selected), residual)
+
+    def context(
+        self, query: torch.Tensor, rows: RowReader, start: int, selected: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`attend` before the output projection: the latent context [H, S, Lkv]."""
         H, S, _ = query.shape
         if S == 1:  # decode: one tile, no mask (DSA's choice is a row selection)
             if selected is not None:
                 rows = rows.select(selected)
-            return self.output(rows.attend(query, None, torch.arange(start, start + 1)), residual)
+            return rows.attend(query, None, torch.arange(start, start + 1))
         T = len(rows)
         tile = max(1, SCORE_BLOCK_ELEMENTS // max(1, H * T))
         parts = []
@@ -134,8 +140,7 @@ class MLA:
             allowed = _allowed(start + s0, s1 - s0, T, selected, s0) if S > 1 else None  # [s, T]
             positions = torch.arange(start + s0, start + s1)  # a recent window reads these (kv/cache.py)
             parts.append(rows.attend(query[:, s0:s1], allowed, positions))  # [H, s, Lkv] (q scaled via q_b)
-        ctx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return self.output(ctx, residual)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def output(
         self, ctx: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False

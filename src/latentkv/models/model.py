@@ -22,6 +22,7 @@ from latentkv.models.indexer import Indexer
 from latentkv.models.layers import RMSNorm, Rope, RotaryTables, SwiGLU, linear
 from latentkv.models.mla import MLA
 from latentkv.models.moe import MoE
+from latentkv.models.prefill import prefill_batch
 
 
 @dataclass
@@ -137,6 +138,15 @@ class Model:
         the float32 caches placed in it are written and read there in one op per layer.
         """
         return decode_batch(self, tokens, caches, pool)
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self, prompts: Sequence[torch.Tensor], caches: Sequence[LatentCache | PackedLatentCache]
+    ) -> torch.Tensor:
+        """Prefill B sequences in one pass: one int64 prompt [S_b] per cache (any tier, any
+        length so far) -> logits [B, vocab] of each prompt's last token (see
+        `latentkv.models.prefill`: `forward`'s logits up to float32 rounding)."""
+        return prefill_batch(self, prompts, caches)
 
     def num_parameters(self) -> int:
         """Weights held by the model (the RoPE tables are derived, not counted)."""
