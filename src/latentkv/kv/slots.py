@@ -166,27 +166,20 @@ class SlotPool:
 
     # --- what a batched step reads and writes -----------------------------------------------
 
-    def batch_index(self, caches) -> torch.Tensor | slice | None:
-        """How a step addresses the slots of `caches` (in batch order): a slice when they are
-        slots 0..B-1 in order, else an index tensor; None when any cache is not placed here."""
-        slots = [self._slot.get(id(c)) for c in caches]
-        if None in slots:
-            return None
-        if slots == list(range(len(slots))):
-            return slice(0, len(slots))
-        return torch.tensor(slots)
-
-    def padded(self, tensor: torch.Tensor, index: torch.Tensor | slice, T: int) -> torch.Tensor:
-        """The batch's first T rows of one layer's tensor: [B, T, width]."""
+    @staticmethod
+    def padded(tensor: torch.Tensor, index: torch.Tensor | slice, T: int) -> torch.Tensor:
+        """The first T rows of the slots at `index` (a slice: a view) in one layer's tensor:
+        [B, T, width]."""
         if isinstance(index, slice):
             return tensor[index, :T]
         return tensor[:, :T].index_select(0, index)
 
+    def flat_index(self, slots: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Row numbers of each sequence's `position` in its slot, in any layer's tensor viewed as
+        [slots * capacity, width] (`write`): one index for every layer of a step."""
+        return torch.tensor(slots) * self.capacity + positions
+
     @staticmethod
-    def write(
-        tensor: torch.Tensor, index: torch.Tensor | slice, positions: torch.Tensor, rows: torch.Tensor
-    ) -> None:
-        """rows [B, width] at each sequence's position in its slot (one op)."""
-        if isinstance(index, slice):
-            index = torch.arange(index.start, index.stop)
-        tensor.index_put_((index, positions), rows)
+    def write(tensor: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [B, width] at the rows `flat_index` gave (one op)."""
+        tensor.view(-1, tensor.shape[-1]).index_copy_(0, flat, rows)

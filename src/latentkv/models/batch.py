@@ -81,8 +81,11 @@ class _Slots:
     """A step's float32 caches all placed in one `SlotPool`: one write per layer, the padded
     rows read straight from the pool ([B, T, width], zero or masked past each end)."""
 
-    def __init__(self, pool: SlotPool, index: torch.Tensor | slice, positions: torch.Tensor, T: int):
-        self.pool, self.index, self.positions, self.T = pool, index, positions, T
+    def __init__(self, pool: SlotPool, slots: list[int], positions: torch.Tensor, T: int):
+        self.pool, self.T = pool, T
+        self.flat = pool.flat_index(slots, positions)
+        contiguous = slots[-1] - slots[0] == len(slots) - 1  # (slots are in order: see decode_batch)
+        self.index = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots)
 
     def rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         return self._store(self.pool.rows[layer], rows)
@@ -91,7 +94,7 @@ class _Slots:
         return self._store(self.pool.keys[layer], keys)
 
     def _store(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        self.pool.write(tensor, self.index, self.positions, rows)
+        self.pool.write(tensor, self.flat, rows)
         return self.pool.padded(tensor, self.index, self.T)
 
 
@@ -130,12 +133,7 @@ def decode_batch(
     if slots is None:
         store, groups = _OwnBuffers(caches), _tier_groups(caches)
     else:
-        index = (
-            slice(slots[0], slots[0] + len(slots))
-            if slots[-1] - slots[0] == len(slots) - 1
-            else torch.tensor(slots)
-        )
-        store, groups = _Slots(pool, index, positions, T), [list(range(len(caches)))]
+        store, groups = _Slots(pool, slots, positions, T), [list(range(len(caches)))]
     step = _Step(rope, ends, blocked, groups, store)
     x = model.embed.index_select(0, tokens).float()  # [B, D]
     selected = None
@@ -241,11 +239,17 @@ def _select(
         return _select_each(q, weights, keys, step, k)
     else:
         padded = _pad(keys)  # [B, T, D_i]
-    head = torch.relu(torch.matmul(q, padded.transpose(1, 2)))  # [B, h_i, T]
+    head = torch.matmul(q, padded.transpose(1, 2)).relu_()  # [B, h_i, T]
     scores = torch.matmul(weights.unsqueeze(1), head).squeeze(1)  # [B, T]
     if step.blocked is not None:
         scores.masked_fill_(step.blocked, float("-inf"))
-    top = torch.ones(B, T, dtype=torch.bool).scatter_(1, scores.topk(k, dim=-1).indices, False)
+    if T - k < k:  # block the T - k lowest (fewer to find; a sequence's padding is among them)
+        low = scores.topk(T - k, dim=-1, largest=False, sorted=False).indices
+        top = torch.zeros(B, T, dtype=torch.bool).scatter_(1, low, True)
+    else:
+        top = torch.ones(B, T, dtype=torch.bool).scatter_(
+            1, scores.topk(k, dim=-1, sorted=False).indices, False
+        )
     if min(ends) > k:
         return top
     over = torch.tensor([n > k for n in ends])[:, None]  # [B, 1]
