@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> dict:
             "rounds, each one greedy step of the single sequence and of every batch size in turn (load "
             "that comes and goes hits all rows alike); median step time per row; aggregate = batch / step",
             "single: one sequence through Model.forward, the non-batched decode, same context and tier",
+            "f32 batches decode from a slot pool (latentkv.kv.slots), as the server's running sequences do",
         ]
         + ([f"1-minute load average at the end: {load_average:.2f}"] if load_average is not None else []),
         "rows": [r.as_dict() for r in rows],

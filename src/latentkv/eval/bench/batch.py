@@ -6,7 +6,8 @@ round times one single-sequence decode step (`Model.forward` on one token, the n
 engine) and one batched step of every batch size, one after the other, so load that comes
 and goes on a shared machine hits every row alike. Each row reports the median step time:
 aggregate tok/s is B / median step (every sequence's token), per-sequence tok/s 1 / median
-step (what one client sees).
+step (what one client sees). Float32 caches decode from one `SlotPool` per batch size, as the
+server's running sequences do (other tiers from their own buffers).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.eval.bench.common import random_prompt
+from latentkv.kv.slots import SlotPool
 
 
 @dataclass
@@ -56,11 +58,12 @@ def bench_batches(
     cache_config = cache_config or CacheConfig()
     single = _prefilled(model, 1, context, cache_config)
     batches = {size: _prefilled(model, size, context, cache_config) for size in sizes}
+    pools = {size: _pooled(model, size, batches[size][0]) for size in sizes}
     times: dict[int | None, list[float]] = {size: [] for size in [None, *sizes]}  # None: the single sequence
     for _ in range(steps + 1):  # the first round warms up and is not counted
         times[None].append(_single_step(model, single))
         for size in sizes:
-            times[size].append(_batched_step(model, batches[size]))
+            times[size].append(_batched_step(model, batches[size], pools[size]))
     median = {key: statistics.median(values[1:]) for key, values in times.items()}
     rows = [
         BatchRow(
@@ -89,11 +92,17 @@ def _single_step(model, state: tuple[list, list[int]]) -> float:
     return seconds
 
 
-def _batched_step(model, state: tuple[list, list[int]]) -> float:
+def _pooled(model, size: int, caches: list) -> SlotPool | None:
+    """The server's slot pool for float32 caches (None for other tiers, which it does not hold)."""
+    pool = SlotPool(model.layout, size)
+    return pool if all([pool.place(c) for c in caches]) else None
+
+
+def _batched_step(model, state: tuple[list, list[int]], pool: SlotPool | None) -> float:
     caches, tokens = state
     ids = torch.tensor(tokens, dtype=torch.long)
     t0 = time.perf_counter()
-    logits = model.decode_batch(ids, caches)
+    logits = model.decode_batch(ids, caches, pool)
     seconds = time.perf_counter() - t0
     tokens[:] = logits.argmax(dim=-1).tolist()
     return seconds
