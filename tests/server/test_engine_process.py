@@ -105,3 +105,50 @@ def test_the_engine_exits_when_the_server_is_killed(tmp_path, serve):
     server.process.kill()
     server.process.wait()
     assert _gone(engine), "the engine process outlived a killed server"
+
+
+def _allowed_cpus(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child pids from /proc (Linux)")
+def test_engine_and_http_run_on_separate_cpus(tmp_path, serve):
+    """--pin-cpus (the default): the engine on the last --threads CPUs (1 here), the HTTP process
+    on the others; --no-pin-cpus leaves both on every CPU. On a one-CPU machine there is nothing
+    to split and neither is pinned."""
+    from latentkv.engine.remote import cpu_split
+
+    everything = os.sched_getaffinity(0)
+    expected = cpu_split(1)
+    pinned = serve("builtin:tiny", tmp_path / "pinned.log")
+    free = serve("builtin:tiny", tmp_path / "free.log", "--no-pin-cpus")
+    try:
+        engine = _allowed_cpus(_engine_pid(pinned.process.pid))
+        http = _allowed_cpus(pinned.process.pid)
+        if expected is None:
+            assert engine == http == everything
+        else:
+            assert (sorted(engine), sorted(http)) == expected
+            assert not engine & http and engine | http == everything
+            assert "engine process on CPU" in pinned.log_text()
+        assert _allowed_cpus(_engine_pid(free.process.pid)) == _allowed_cpus(free.process.pid) == everything
+        assert _greedy(pinned) == _greedy(free)
+    finally:
+        pinned.stop()
+        free.stop()
+
+
+def test_cpu_split(monkeypatch):
+    from latentkv.engine import remote
+
+    monkeypatch.setattr(remote.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(remote.os, "sched_setaffinity", lambda pid, cpus: None, raising=False)
+    assert remote.cpu_split(None) == ([1, 2, 3], [0])
+    assert remote.cpu_split(2) == ([2, 3], [0, 1])
+    assert remote.cpu_split(4) is None  # no CPU left for the HTTP process
+    monkeypatch.setattr(remote.os, "sched_getaffinity", lambda pid: {5, 9}, raising=False)
+    assert remote.cpu_split(None) == ([9], [5])
+    monkeypatch.setattr(remote.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert remote.cpu_split(None) is None and remote.cpu_split(1) is None
+    monkeypatch.delattr(remote.os, "sched_setaffinity")
+    assert remote.cpu_split(None) is None

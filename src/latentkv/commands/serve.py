@@ -73,6 +73,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "one process)",
     )
     p.add_argument(
+        "--pin-cpus",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with the engine process (Linux): run it on the last --threads CPUs this process may "
+        "use (default: all but one) and the HTTP process on the others, so neither preempts the "
+        "other (default: on where there is a CPU to spare; --no-pin-cpus leaves placement to the OS)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
     )
 
@@ -135,6 +143,7 @@ def server_config(args: argparse.Namespace):
             max_model_len=args.max_model_len,
             kv_dir=args.kv_dir,
             engine_process=args.engine_process,
+            pin_cpus=args.pin_cpus,
         )
     except ConfigError as exc:
         raise UserError(str(exc)) from None
