@@ -10,9 +10,12 @@ or starting one server per --max-num-seqs value (each on a free loopback port):
         --requests 128 --max-tokens 64 --out benchmarks/results/load-tiny.json
 
 Every request streams /v1/completions with a token-id prompt of --prompt-len random ids (its
-own seed), greedy, `ignore_eos` so it generates exactly --max-tokens. Per row: aggregate tok/s
-(completion tokens of all requests / wall time), per-request decode tok/s, time to first token
-and latency percentiles (p50/p90/p99), and errors. Prints a table and writes JSON.
+own seed), greedy, `ignore_eos` so it generates exactly --max-tokens. A round runs --requests
+requests for one --clients value; with --rounds N the clients values take turns N times, so a
+slow spell of a shared machine hits them alike. Per row: aggregate tok/s (completion tokens of
+a round's requests / its wall time; the median round's), per-request decode tok/s, time to
+first token and latency percentiles (p50/p90/p99, over every round), and errors. Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import math
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -55,6 +59,7 @@ class Row:
     ttft_ms: dict = field(default_factory=dict)
     latency_ms: dict = field(default_factory=dict)
     error_examples: list = field(default_factory=list)
+    round_tok_s: list = field(default_factory=list)  # each round's tok/s (tok_s is their median)
 
 
 async def one_request(client: httpx.AsyncClient, args, seed: int) -> Sample:
@@ -100,7 +105,8 @@ async def one_request(client: httpx.AsyncClient, args, seed: int) -> Sample:
     return sample
 
 
-async def run_load(args, url: str, clients: int, max_num_seqs: int | None) -> Row:
+async def run_load(args, url: str, clients: int) -> tuple[list[Sample], float]:
+    """One round: args.requests requests from `clients` concurrent clients -> (samples, wall s)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=clients + 2)
     async with httpx.AsyncClient(
@@ -118,22 +124,29 @@ async def run_load(args, url: str, clients: int, max_num_seqs: int | None) -> Ro
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
-        wall = time.perf_counter() - t0
+        return samples, time.perf_counter() - t0
+
+
+def make_row(max_num_seqs: int | None, clients: int, rounds: list[tuple[list[Sample], float]]) -> Row:
+    """One row from a clients value's rounds: tok/s is the median round's; the latency
+    percentiles and errors are over every request of every round."""
+    samples = [s for round_samples, _ in rounds for s in round_samples]
     ok = [s for s in samples if s.ok]
-    tokens = sum(s.tokens for s in ok)
+    per_round = [sum(s.tokens for s in r if s.ok) / wall if wall else 0.0 for r, wall in rounds]
     decode = [(s.tokens - 1) / (s.latency - s.ttft) for s in ok if s.tokens > 1 and s.latency > s.ttft]
     return Row(
         max_num_seqs=max_num_seqs,
         clients=clients,
         requests=len(samples),
         errors=len(samples) - len(ok),
-        wall_s=round(wall, 3),
-        tokens=tokens,
-        tok_s=round(tokens / wall, 2) if wall else 0.0,
+        wall_s=round(sum(wall for _, wall in rounds), 3),
+        tokens=sum(s.tokens for s in ok),
+        tok_s=round(statistics.median(per_round), 2),
         per_request_tok_s=round(sum(decode) / len(decode), 2) if decode else 0.0,
         ttft_ms=percentiles([s.ttft * 1e3 for s in ok]),
         latency_ms=percentiles([s.latency * 1e3 for s in ok]),
         error_examples=sorted({s.error for s in samples if not s.ok})[:3],
+        round_tok_s=[round(t, 2) for t in per_round],
     )
 
 
@@ -159,7 +172,8 @@ def start_server(args, max_num_seqs: int) -> tuple[subprocess.Popen, str]:
     cmd += ["--max-num-seqs", str(max_num_seqs), "--log-level", "warning", *args.serve_flags.split()]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
-    process = subprocess.Popen(cmd, stderr=subprocess.DEVNULL if args.quiet else None)
+    restore = None if args.all_cpus is None else (lambda: os.sched_setaffinity(0, args.all_cpus))
+    process = subprocess.Popen(cmd, stderr=subprocess.DEVNULL if args.quiet else None, preexec_fn=restore)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -227,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--clients", type=_ints, default=[1, 8], help="concurrent clients, comma list (default: 1,8)"
     )
-    p.add_argument("--requests", type=int, default=32, help="requests per row (default: 32)")
+    p.add_argument("--requests", type=int, default=32, help="requests per round (default: 32)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds per server: each runs every --clients value in turn; a row's tok/s is the "
+        "median round's (default: 1)",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: 64)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default: 32)")
     p.add_argument(
@@ -242,19 +263,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     p.add_argument("--quiet", action="store_true", help="hide the started servers' logs")
+    p.add_argument(
+        "--client-cpus",
+        type=_ints,
+        default=None,
+        help="run this load generator on these CPUs only (Linux), e.g. 0 to keep it off the CPU "
+        "`latentkv serve` gives its engine process on a 2-CPU machine, as clients on other machines "
+        "would be (default: any CPU)",
+    )
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.requests < 1:
+        p.error("--rounds and --requests must be at least 1")
+    args.all_cpus = None
+    if args.client_cpus:
+        args.all_cpus = os.sched_getaffinity(0)  # the servers it starts get every CPU back
+        os.sched_setaffinity(0, args.client_cpus)
 
     rows: list[Row] = []
     for seqs in [None] if args.url else args.max_num_seqs:
         process, url = (None, args.url) if args.url else start_server(args, seqs)
         try:
-            for clients in args.clients:
-                row = asyncio.run(run_load(args, url, clients, seqs))
-                rows.append(row)
-                print(
-                    f"max-num-seqs {seqs}, {clients} clients: {row.tok_s} tok/s, {row.errors} errors",
-                    file=sys.stderr,
-                )
+            rounds: dict[int, list] = {clients: [] for clients in args.clients}
+            for r in range(args.rounds):  # the clients values take turns: slow spells hit them alike
+                for clients in args.clients:
+                    samples, wall = asyncio.run(run_load(args, url, clients))
+                    rounds[clients].append((samples, wall))
+                    tokens = sum(s.tokens for s in samples if s.ok)
+                    print(
+                        f"max-num-seqs {seqs}, {clients} clients, round {r + 1}/{args.rounds}: "
+                        f"{tokens / wall:.1f} tok/s, {sum(not s.ok for s in samples)} errors",
+                        file=sys.stderr,
+                    )
+            rows += [make_row(seqs, clients, rounds[clients]) for clients in args.clients]
         finally:
             if process is not None:
                 stop_server(process)
@@ -262,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, baseline))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        settings = {k: v for k, v in vars(args).items() if k not in ("out", "api_key")}
+        settings = {k: v for k, v in vars(args).items() if k not in ("out", "api_key", "all_cpus")}
         args.out.write_text(
             json.dumps({"settings": settings, "rows": [asdict(r) for r in rows]}, indent=2) + "\n"
         )

@@ -409,7 +409,7 @@ class ServerConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     kv_dir: Path | None = None  # session files; None: sessions_dir()
     engine_process: bool = True  # the model and scheduler in a child process (engine/remote.py)
-    pin_cpus: bool = True  # with engine_process: the engine and the HTTP process on separate CPUs
+    pin_cpus: bool = False  # with engine_process: the engine and the HTTP process on separate CPUs
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

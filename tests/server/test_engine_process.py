@@ -113,15 +113,15 @@ def _allowed_cpus(pid: int) -> set[int]:
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child pids from /proc (Linux)")
 def test_engine_and_http_run_on_separate_cpus(tmp_path, serve):
-    """--pin-cpus (the default): the engine on the last --threads CPUs (1 here), the HTTP process
-    on the others; --no-pin-cpus leaves both on every CPU. On a one-CPU machine there is nothing
-    to split and neither is pinned."""
+    """--pin-cpus: the engine on the last --threads CPUs (1 here), the HTTP process on the
+    others; without it (the default) both may run on every CPU. On a one-CPU machine there is
+    nothing to split and neither is pinned."""
     from latentkv.engine.remote import cpu_split
 
     everything = os.sched_getaffinity(0)
     expected = cpu_split(1)
-    pinned = serve("builtin:tiny", tmp_path / "pinned.log")
-    free = serve("builtin:tiny", tmp_path / "free.log", "--no-pin-cpus")
+    pinned = serve("builtin:tiny", tmp_path / "pinned.log", "--pin-cpus")
+    free = serve("builtin:tiny", tmp_path / "free.log")
     try:
         engine = _allowed_cpus(_engine_pid(pinned.process.pid))
         http = _allowed_cpus(pinned.process.pid)

@@ -75,10 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pin-cpus",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="with the engine process (Linux): run it on the last --threads CPUs this process may "
-        "use (default: all but one) and the HTTP process on the others, so neither preempts the "
-        "other (default: on where there is a CPU to spare; --no-pin-cpus leaves placement to the OS)",
+        "use (default: all but one) and the HTTP process on the others (default: off, placement "
+        "is the OS's; give several servers on one machine their own CPUs with taskset instead)",
     )
     p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"

@@ -24,11 +24,11 @@ Messages over one multiprocessing Pipe (pickled tuples):
 
 Without --threads the engine process uses one torch thread fewer than the machine has cores:
 the HTTP process needs one, and torch's intra-op threads spin on the cores they share with it.
-With `pin_cpus` (`--pin-cpus`, the default, Linux) the two processes also get disjoint CPU sets
+With `pin_cpus` (`--pin-cpus`, Linux, off by default) the two processes get disjoint CPU sets
 (`cpu_split`): the engine the last --threads CPUs this process may use, the HTTP process the
-others. Left to the OS, the event loop and the load on the machine land on the engine's core
-now and then and stall a decode step (builtin:tiny, 8 streaming clients on 2 cores: 3.7-4.0x
-one client's tok/s unpinned, 4.8-5.3x pinned, docs/performance.md).
+others. On the 2-vCPU VM it did not measurably help (builtin:tiny, 8 streaming clients with
+the load generator kept off the engine's CPU: 4.2-5.1x one client's tok/s pinned, 4.6-5.3x
+not; docs/performance.md), and two pinned servers would share the same CPUs, so it is opt-in.
 
 The parent validates requests and applies the queue bound itself, so a 400 or a 429 never
 waits for the child. If the child dies, every open request ends with an error and later
@@ -122,7 +122,7 @@ class EngineProcess:
             engine_cpus, http_cpus = (",".join(map(str, c)) for c in self.cpus)
             print(
                 f"latentkv serve: engine process on CPU {engine_cpus}, HTTP on CPU {http_cpus} "
-                "(--no-pin-cpus leaves placement to the OS)",
+                "(--pin-cpus)",
                 file=sys.stderr,
             )
         self._reader = threading.Thread(target=self._read, name="latentkv-engine-reader", daemon=True)
