@@ -5,9 +5,9 @@ What the server's scheduler does with requests admitted in the same step (docs/s
     .venv/bin/python benchmarks/prefill_batch.py builtin:tiny --batch 1,2,4,8,16 --prompt-len 32 \\
         --threads 1 --out benchmarks/results/prefill-batch-tiny.json
 
-Each round times both ways for every batch size in turn (fresh f32 caches, random prompts of
---prompt-len tokens, a different seed per prompt), so load that comes and goes hits both alike;
-rows report medians. Run on an otherwise idle machine (check `uptime`).
+Each round times both ways for every batch size in turn (fresh f32 caches, made inside the
+timing, random prompts of --prompt-len tokens, a different seed per prompt; which way goes first
+alternates), so load that comes and goes hits both alike; rows report medians. Run on an otherwise idle machine (check `uptime`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ import torch
 from latentkv.commands.common import load
 from latentkv.config import EngineConfig
 from latentkv.eval.bench.common import random_prompt
+
+
+def _fresh(model, b: int) -> list:
+    return [model.make_cache() for _ in range(b)]
 
 
 def _timed(fn) -> float:
@@ -58,10 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for r in range(args.rounds + 1):  # the first round warms up and is not counted
             for b in sizes:
-                caches = [model.make_cache() for _ in range(b)]
-                one = _timed(lambda: model.prefill_batch(prompts[b], caches))  # noqa: B023
-                caches = [model.make_cache() for _ in range(b)]
-                each = _timed(lambda: [model.forward(x, c) for x, c in zip(prompts[b], caches, strict=True)])  # noqa: B023
+                ways = {
+                    "one": lambda b=b: model.prefill_batch(prompts[b], _fresh(model, b)),
+                    "each": lambda b=b: [
+                        model.forward(x, c) for x, c in zip(prompts[b], _fresh(model, b), strict=True)
+                    ],
+                }
+                order = ("one", "each") if r % 2 else ("each", "one")  # neither always goes first
+                seconds = {way: _timed(ways[way]) for way in order}
+                one, each = seconds["one"], seconds["each"]
                 if r:
                     times[(b, "one")].append(one)
                     times[(b, "each")].append(each)

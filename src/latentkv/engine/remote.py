@@ -121,8 +121,7 @@ class EngineProcess:
         if self.cpus is not None:
             engine_cpus, http_cpus = (",".join(map(str, c)) for c in self.cpus)
             print(
-                f"latentkv serve: engine process on CPU {engine_cpus}, HTTP on CPU {http_cpus} "
-                "(--pin-cpus)",
+                f"latentkv serve: engine process on CPU {engine_cpus}, HTTP on CPU {http_cpus} (--pin-cpus)",
                 file=sys.stderr,
             )
         self._reader = threading.Thread(target=self._read, name="latentkv-engine-reader", daemon=True)

@@ -5,8 +5,8 @@ run as one [N, D] batch through everything that does not read a cache (norms, pr
 RoPE at each token's own position, router, experts, lm_head); each sequence's rows are appended
 to its cache and attended over it on their own, as `Model.forward` does for one sequence (the
 same causal and DSA rules, tiled the same way). On a small model a short prefill is bound by
-per-op overhead, so B prompts in one pass cost little more than one (builtin:tiny, 8 prompts of
-32 tokens: see docs/performance.md).
+per-op overhead, so B prompts in one pass cost much less than B passes (builtin:tiny, 8 prompts
+of 32 tokens: 2.3x faster; `benchmarks/prefill_batch.py`, docs/performance.md).
 
 What is guaranteed: a batch of one is `Model.forward` itself, bit for bit. Otherwise each
 sequence's logits are `Model.forward`'s up to float32 rounding (dense products over N rows sum
