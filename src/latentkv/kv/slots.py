@@ -43,7 +43,8 @@ class SlotPool:
         self.keys: dict[int, torch.Tensor] = {}
         self._owner: list[LatentCache | None] = [None] * slots
         self._slot: dict[int, int] = {}  # id(cache) -> slot
-        self._evicted: set[int] = set()  # caches handed back over max_bytes, not yet released
+        # caches handed back over max_bytes and not yet released (held, so their ids stay theirs)
+        self._evicted: dict[int, LatentCache] = {}
         self._initial = capacity
         self._allocate(capacity)
 
@@ -73,7 +74,7 @@ class SlotPool:
     def release(self, cache: LatentCache) -> None:
         """Give a placed cache its own buffers back (its committed rows copied out) and free
         its slot. Call it between passes (a pass in progress writes past `length`)."""
-        self._evicted.discard(id(cache))
+        self._evicted.pop(id(cache), None)
         slot = self._slot.pop(id(cache), None)
         if slot is None:
             return
@@ -92,7 +93,7 @@ class SlotPool:
                 if cache is not None:
                     for _, buffer in self._buffers(cache):
                         buffer.bind(buffer.data.clone(), None)
-        self._evicted = set(self._slot)
+        self._evicted = {id(c): c for c in self._owner if c is not None}
         self._slot.clear()
         self._owner = [None] * self.slots
         self._allocate(self._initial)
