@@ -503,7 +503,14 @@ class PackedLatentCache(_SequenceCache):
     def append(self, layer: int, rows: torch.Tensor) -> PackedRows:
         """Encode rows [S, Lkv+R] of this pass; return a reader over every row so far."""
         n = self.layout.kv_lora_rank
-        c, r = self.codec_c.encode(rows[:, :n]), self.codec_r.encode(rows[:, n:])
+        return self.append_encoded(
+            layer, rows, self.codec_c.encode(rows[:, :n]), self.codec_r.encode(rows[:, n:])
+        )
+
+    def append_encoded(self, layer: int, rows: torch.Tensor, c: EncodedRows, r: EncodedRows) -> PackedRows:
+        """`append` of rows already encoded by this cache's codecs (c and r: `rows` [S, Lkv+R]
+        encoded; a batch of caches stored alike encodes its rows in one call). `rows` itself is
+        kept only by a recent window."""
         for buffer, part in zip(self._buffers[layer], (c.codes, c.scales, r.codes, r.scales), strict=True):
             buffer.write(self.length, part)
         packed = self._reader(layer, self.length + rows.shape[0])

@@ -63,13 +63,29 @@ Cache = LatentCache | PackedLatentCache
 
 
 class _OwnBuffers:
-    """A step's caches each in their own buffers: B appends per layer, read through readers."""
+    """A step's caches each in their own buffers: B appends per layer, read through readers.
+    Packed caches stored alike have their new rows encoded in one call per group."""
 
-    def __init__(self, caches: Sequence[Cache]):
-        self.caches = caches
+    def __init__(self, caches: Sequence[Cache], groups: list[list[int]]):
+        self.caches, self.groups = caches, groups
 
     def rows(self, layer: int, rows: torch.Tensor) -> list[RowReader]:
-        return [cache.append(layer, row) for cache, row in zip(self.caches, rows.split(1), strict=True)]
+        each = rows.split(1)
+        readers: list[RowReader | None] = [None] * len(self.caches)
+        for members in self.groups:
+            first = self.caches[members[0]]
+            if len(members) == 1 or not isinstance(first, PackedLatentCache):
+                for b in members:
+                    readers[b] = self.caches[b].append(layer, each[b])
+                continue
+            part = rows if len(members) == len(self.caches) else rows[torch.tensor(members)]
+            n = first.layout.kv_lora_rank
+            c, r = first.codec_c.encode(part[:, :n]), first.codec_r.encode(part[:, n:])
+            for i, b in enumerate(members):
+                c_i = EncodedRows(c.codes[i : i + 1], c.scales[i : i + 1])
+                r_i = EncodedRows(r.codes[i : i + 1], r.scales[i : i + 1])
+                readers[b] = self.caches[b].append_encoded(layer, each[b], c_i, r_i)
+        return readers
 
     def keys(self, layer: int, keys: torch.Tensor) -> list[torch.Tensor]:
         return [
@@ -131,7 +147,8 @@ def decode_batch(
     if min(ends) < T:
         blocked = torch.arange(T)[None, :] >= torch.tensor(ends)[:, None]  # [B, T]
     if slots is None:
-        store, groups = _OwnBuffers(caches), _tier_groups(caches)
+        groups = _tier_groups(caches)
+        store = _OwnBuffers(caches, groups)
     else:
         store, groups = _Slots(pool, slots, positions, T), [list(range(len(caches)))]
     step = _Step(rope, ends, blocked, groups, store)
