@@ -9,10 +9,12 @@ projections, RoPE, router, experts, lm_head); what reads a cache is ragged:
     DSA         I[b, t] = sum_h w_b[h] relu(q_b[h] . k_{b,t}),  top-k per sequence (T_b + 1 > k only)
     attention   softmax over each sequence's allowed tokens (its own length, its top-k), one bmm
 
-so the per-sequence work per layer is the cache write alone (for a packed tier, the encoding of
-its row too); scores, softmax and context are one batched pass over the padded rows. Packed
-tiers are padded still encoded and unpacked once per layer through the same codec consumers
-`latentkv.kv.attention` uses. When the padded values would exceed BATCH_ATTEND_ELEMENTS (long
+so the per-sequence work per layer is the cache write alone (packed caches stored alike encode
+the batch's new rows in one call, then each writes its own); scores, softmax and context are
+one batched pass over the padded rows. Packed tiers are padded still encoded and unpacked once
+per layer through the same codec consumers `latentkv.kv.attention` uses. Float32 caches placed
+in a `SlotPool` (the server's) skip even the writes: one op per layer stores every new row, and
+the padded rows are a view of the pool. When the padded values would exceed BATCH_ATTEND_ELEMENTS (long
 contexts), or for a reader of any other kind, each sequence is read on its own through its
 `RowReader.attend`, tiled as in a single-sequence decode. A batch may mix tiers: each group of
 caches stored alike is read together.
