@@ -8,6 +8,7 @@ than index_topk beside shorter ones).
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.kv.cache import LatentCache, PackedLatentCache
+from latentkv.kv.codecs import TIERS, get_codec
 from latentkv.models import batch
 
 TOLERANCE = 1e-5
@@ -251,3 +253,25 @@ def test_bench_batch_rows(ours):
         assert row.aggregate_tps == pytest.approx(row.batch * row.per_sequence_tps)
         assert row.speedup == pytest.approx(row.aggregate_tps / rows[0].aggregate_tps)
         assert row.speedup_vs_single == pytest.approx(row.aggregate_tps / 100.0)
+
+
+@pytest.mark.parametrize("tier", sorted(TIERS))
+def test_encoding_rows_together_is_encoding_each(tier):
+    """decode_batch encodes a batch's new rows in one call per tier group: every codec must give
+    each row the codes and scales it gets alone (fresh random rows of varied scale; the widths of
+    tiny's c and r and GLM-5's, grouped and not)."""
+    t = TIERS[tier]
+    g = torch.Generator().manual_seed(zlib.crc32(tier.encode()))
+    checked = 0
+    for name, width, group in [(t.c, 32, None), (t.r, 8, None), (t.c, 512, None), (t.c, 512, 32)]:
+        try:
+            codec = get_codec(name, width, seed=3, group_size=group)
+        except ValueError:  # e.g. a codec that takes no groups
+            continue
+        x = torch.randn(16, width, generator=g) * torch.rand(16, 1, generator=g) * 8
+        together = codec.encode(x)
+        alone = [codec.encode(x[i : i + 1]) for i in range(16)]
+        assert torch.equal(together.codes, torch.cat([a.codes for a in alone])), (name, width, group)
+        assert torch.equal(together.scales, torch.cat([a.scales for a in alone])), (name, width, group)
+        checked += 1
+    assert checked >= 2
