@@ -473,45 +473,42 @@ class Scheduler:
         for seq in gone + [s for s in self._running if s.handle.cancelled]:
             self._finish(seq, "cancelled")
 
-    def _guarded(self, seq: _Sequence, step, *args) -> None:
-        """Run one sequence's step; an exception finishes that request with reason "error"."""
+    def _guarded(self, seq: _Sequence, step, *args):
+        """Run one sequence's step and return what it returns; an exception finishes that
+        request with reason "error" (and returns None)."""
         try:
-            step(seq, *args)
+            return step(seq, *args)
         except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             traceback.print_exc()
+            return None
 
     def _admit(self, admitted: list[_Sequence]) -> None:
         """Start the admitted requests: open (or resume) each one's cache, prefill what is not
         cached, sample the first token. Those that need only their last logits are prefilled
         together in one pass (`Model.prefill_batch`); prompt_logprobs requests, and all of them
         when the batched pass fails (so the one that fails is found), one at a time."""
-        opened = []
-        for seq in admitted:
-            try:
-                opened.append((seq, self._open(seq)))
-            except Exception as exc:  # noqa: BLE001 - that request fails, the others start
-                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-                traceback.print_exc()
+        opened = [(seq, todo) for seq in admitted if (todo := self._guarded(seq, self._open)) is not None]
         together = [(seq, todo) for seq, todo in opened if not seq.params.prompt_logprobs]
-        alone = [(seq, todo) for seq, todo in opened if seq.params.prompt_logprobs]
-        if len(together) > 1:
-            try:
-                t0 = time.perf_counter()
-                prompts = [torch.tensor(todo, dtype=torch.long) for _, todo in together]
-                logits = self.model.prefill_batch(prompts, [seq.cache for seq, _ in together])
-                seconds = time.perf_counter() - t0
-            except Exception:  # noqa: BLE001 - nothing was committed: each prefills on its own
-                alone = together + alone
-            else:
-                for (seq, todo), row in zip(together, logits, strict=True):
-                    self._guarded(seq, self._start, todo, row[None], seconds)
-                self._outbox.flush()
-        else:
-            alone = together + alone
-        for seq, todo in alone:
+        if len(together) > 1 and self._prefill_together(together):
+            opened = [(seq, todo) for seq, todo in opened if seq.params.prompt_logprobs]
+        for seq, todo in opened:
             self._guarded(seq, self._prefill, todo)
             self._outbox.flush()  # its first token now, not after the others' prefills
+
+    def _prefill_together(self, together: list[tuple[_Sequence, list[int]]]) -> bool:
+        """One `Model.prefill_batch` pass for these; False (nothing committed) if it fails."""
+        t0 = time.perf_counter()
+        try:
+            prompts = [torch.tensor(todo, dtype=torch.long) for _, todo in together]
+            logits = self.model.prefill_batch(prompts, [seq.cache for seq, _ in together])
+        except Exception:  # noqa: BLE001 - the caller prefills each on its own, which finds the culprit
+            return False
+        seconds = time.perf_counter() - t0
+        for (seq, todo), row in zip(together, logits, strict=True):
+            self._guarded(seq, self._start, todo, row[None], seconds)
+        self._outbox.flush()
+        return True
 
     def _open(self, seq: _Sequence) -> list[int]:
         """The request's sampler and cache (its session resumed); returns the tokens to prefill."""

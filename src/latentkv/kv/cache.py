@@ -29,6 +29,7 @@ and the logits that follow are not bit-identical to an uninterrupted run's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -502,15 +503,26 @@ class PackedLatentCache(_SequenceCache):
 
     def append(self, layer: int, rows: torch.Tensor) -> PackedRows:
         """Encode rows [S, Lkv+R] of this pass; return a reader over every row so far."""
-        n = self.layout.kv_lora_rank
-        return self.append_encoded(
-            layer, rows, self.codec_c.encode(rows[:, :n]), self.codec_r.encode(rows[:, n:])
-        )
+        return self._append_encoded(layer, rows, *self._encode(rows))
 
-    def append_encoded(self, layer: int, rows: torch.Tensor, c: EncodedRows, r: EncodedRows) -> PackedRows:
-        """`append` of rows already encoded by this cache's codecs (c and r: `rows` [S, Lkv+R]
-        encoded; a batch of caches stored alike encodes its rows in one call). `rows` itself is
-        kept only by a recent window."""
+    @staticmethod
+    def append_each(caches: Sequence[PackedLatentCache], layer: int, rows: torch.Tensor) -> list[PackedRows]:
+        """`append` of row b of rows [B, Lkv+R] to caches[b], for caches stored alike (the same
+        codecs): the B rows are encoded in one call, which gives each row the bytes it gets
+        alone (every codec encodes rows independently; tested)."""
+        c, r = caches[0]._encode(rows)
+        return [
+            cache._append_encoded(layer, rows[b : b + 1], c.rows(b, b + 1), r.rows(b, b + 1))
+            for b, cache in enumerate(caches)
+        ]
+
+    def _encode(self, rows: torch.Tensor) -> tuple[EncodedRows, EncodedRows]:
+        n = self.layout.kv_lora_rank
+        return self.codec_c.encode(rows[:, :n]), self.codec_r.encode(rows[:, n:])
+
+    def _append_encoded(self, layer: int, rows: torch.Tensor, c: EncodedRows, r: EncodedRows) -> PackedRows:
+        """`append` of rows [S, Lkv+R] whose encoding (c and r) is done; `rows` itself is kept
+        only by a recent window."""
         for buffer, part in zip(self._buffers[layer], (c.codes, c.scales, r.codes, r.scales), strict=True):
             buffer.write(self.length, part)
         packed = self._reader(layer, self.length + rows.shape[0])

@@ -63,8 +63,8 @@ class SlotPool:
             self._grow(cache.length)
         slot = self._owner.index(None)
         with torch.inference_mode():
-            for layer, buffer in self._buffers(cache):
-                pooled = self._tensor(layer)[slot]
+            for tensor, buffer in self._pairs(cache):
+                pooled = tensor[slot]
                 pooled[: cache.length] = buffer.data[: cache.length]
                 buffer.bind(pooled, self)
         self._owner[slot] = cache
@@ -79,9 +79,9 @@ class SlotPool:
         if slot is None:
             return
         with torch.inference_mode():
-            for layer, buffer in self._buffers(cache):
+            for tensor, buffer in self._pairs(cache):
                 buffer.bind(buffer.data[: max(cache.length, 1)].clone(), None)
-                self._tensor(layer)[slot].zero_()
+                tensor[slot].zero_()
         self._owner[slot] = None
 
     def _evict_all(self) -> None:
@@ -91,7 +91,7 @@ class SlotPool:
         with torch.inference_mode():
             for cache in self._owner:
                 if cache is not None:
-                    for _, buffer in self._buffers(cache):
+                    for _, buffer in self._pairs(cache):
                         buffer.bind(buffer.data.clone(), None)
         self._evicted = {id(c): c for c in self._owner if c is not None}
         self._slot.clear()
@@ -130,8 +130,8 @@ class SlotPool:
                 self.keys[layer][:, :old] = tensor
         for slot, cache in enumerate(self._owner):
             if cache is not None:
-                for layer, buffer in self._buffers(cache):
-                    buffer.bind(self._tensor(layer)[slot], self)
+                for tensor, buffer in self._pairs(cache):
+                    buffer.bind(tensor[slot], self)
         return True
 
     def bytes_for(self, capacity: int) -> int:
@@ -154,16 +154,12 @@ class SlotPool:
             }
         self.capacity = capacity
 
-    def _tensor(self, layer: int | tuple[str, int]) -> torch.Tensor:
-        return self.keys[layer[1]] if isinstance(layer, tuple) else self.rows[layer]
-
-    @staticmethod
-    def _buffers(cache: LatentCache):
-        """(pool key, buffer) for every buffer of a cache: rows by layer, keys by ("index", layer)."""
-        for layer, buffer in enumerate(cache._rows):
-            yield layer, buffer
+    def _pairs(self, cache: LatentCache):
+        """(pool tensor, buffer) for every buffer of a cache: its rows per layer, then its DSA
+        keys per indexer layer."""
+        yield from zip(self.rows, cache._rows, strict=True)
         for layer, buffer in cache._index.items():
-            yield ("index", layer), buffer
+            yield self.keys[layer], buffer
 
     # --- what a batched step reads and writes -----------------------------------------------
 

@@ -72,27 +72,27 @@ class _OwnBuffers:
         self.caches, self.groups = caches, groups
 
     def rows(self, layer: int, rows: torch.Tensor) -> list[RowReader]:
-        each = rows.split(1)
         readers: list[RowReader | None] = [None] * len(self.caches)
         for members in self.groups:
-            first = self.caches[members[0]]
-            if len(members) == 1 or not isinstance(first, PackedLatentCache):
-                for b in members:
-                    readers[b] = self.caches[b].append(layer, each[b])
-                continue
-            part = rows if len(members) == len(self.caches) else rows[torch.tensor(members)]
-            n = first.layout.kv_lora_rank
-            c, r = first.codec_c.encode(part[:, :n]), first.codec_r.encode(part[:, n:])
-            for i, b in enumerate(members):
-                c_i = EncodedRows(c.codes[i : i + 1], c.scales[i : i + 1])
-                r_i = EncodedRows(r.codes[i : i + 1], r.scales[i : i + 1])
-                readers[b] = self.caches[b].append_encoded(layer, each[b], c_i, r_i)
+            group = [self.caches[b] for b in members]
+            if len(group) > 1 and isinstance(group[0], PackedLatentCache):
+                part = rows if len(members) == len(self.caches) else rows[torch.tensor(members)]
+                got = PackedLatentCache.append_each(group, layer, part)
+            else:
+                got = [cache.append(layer, rows[b : b + 1]) for b, cache in zip(members, group, strict=True)]
+            for b, reader in zip(members, got, strict=True):
+                readers[b] = reader
         return readers
 
     def keys(self, layer: int, keys: torch.Tensor) -> list[torch.Tensor]:
         return [
             cache.append_index_keys(layer, k) for cache, k in zip(self.caches, keys.split(1), strict=True)
         ]
+
+    def attend(
+        self, query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None
+    ) -> torch.Tensor:
+        return attend(query, readers, blocked, self.groups)
 
 
 class _Slots:
@@ -111,6 +111,12 @@ class _Slots:
     def keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         return self._store(self.pool.keys[layer], keys)
 
+    def attend(self, query: torch.Tensor, rows: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+        """query [H, B, W] over the padded rows `rows` gave -> [H, B, Lkv]."""
+        return _attend_f32(query.transpose(0, 1), rows, blocked, self.pool.layout.kv_lora_rank).transpose(
+            0, 1
+        )
+
     def _store(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         self.pool.write(tensor, self.flat, rows)
         return self.pool.padded(tensor, self.index, self.T)
@@ -123,7 +129,6 @@ class _Step:
     rope: RotaryTables  # the B positions
     ends: list[int]  # tokens each sequence attends over, the new one included
     blocked: torch.Tensor | None  # [B, T] True past a sequence's end; None when all have T
-    groups: list[list[int]]  # sequences per tier (one group unless the batch mixes tiers)
     store: _OwnBuffers | _Slots  # where the new rows go and how attention reads them
 
 
@@ -142,18 +147,13 @@ def decode_batch(
         return logits[torch.tensor(order).argsort()]
     ends = [n + 1 for n in lengths]
     T = max(ends)
-    table = model.rope.tables(0, T)
     positions = torch.tensor(lengths, dtype=torch.long)
-    rope = RotaryTables(table.cos.index_select(0, positions), table.sin.index_select(0, positions))
+    rope = model.rope.at(positions)
     blocked = None
     if min(ends) < T:
         blocked = torch.arange(T)[None, :] >= torch.tensor(ends)[:, None]  # [B, T]
-    if slots is None:
-        groups = _tier_groups(caches)
-        store = _OwnBuffers(caches, groups)
-    else:
-        store, groups = _Slots(pool, slots, positions, T), [list(range(len(caches)))]
-    step = _Step(rope, ends, blocked, groups, store)
+    store = _OwnBuffers(caches, _tier_groups(caches)) if slots is None else _Slots(pool, slots, positions, T)
+    step = _Step(rope, ends, blocked, store)
     x = model.embed.index_select(0, tokens).float()  # [B, D]
     selected = None
     for i, block in enumerate(model.blocks):
@@ -164,24 +164,33 @@ def decode_batch(
 
 
 def _check(model: Model, tokens: torch.Tensor, caches: Sequence[Cache]) -> list[int]:
-    """The caches' lengths, after checking the batch is well formed."""
+    """The caches' lengths, after checking the batch is well formed (one token each)."""
     if tokens.dim() != 1 or tokens.dtype != torch.long:
         raise ValueError(f"tokens must be int64 [B], got {tokens.dtype} {tuple(tokens.shape)}")
-    if tokens.shape[0] != len(caches) or not caches:
+    if tokens.shape[0] != len(caches):
         raise ValueError(f"{tokens.shape[0]} tokens for {len(caches)} caches (need one each, at least one)")
+    return check_batch(model, tokens, caches, [1] * len(caches))
+
+
+def check_batch(
+    model: Model, tokens: torch.Tensor, caches: Sequence[Cache], sizes: Sequence[int]
+) -> list[int]:
+    """The caches' lengths, after checking that cache b can take the next sizes[b] of `tokens`
+    (int64 [sum sizes]): at least one cache, none twice, ids in the vocabulary, caches of this
+    model, contexts within its maximum. Shared by batched decode and batched prefill."""
+    if not caches:
+        raise ValueError("0 caches: a batch needs at least one")
     if len({id(c) for c in caches}) != len(caches):
         raise ValueError("the same cache appears twice in one batch")
-    vocab = model.cfg.vocab_size
+    vocab, limit = model.cfg.vocab_size, model.cfg.max_position_embeddings
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
         raise ValueError(f"token ids out of range for a vocabulary of {vocab}: {tokens.tolist()[:8]}")
     lengths = [c.length for c in caches]
-    for c, n in zip(caches, lengths, strict=True):
+    for c, n, size in zip(caches, lengths, sizes, strict=True):
         if c.layout != model.layout:
             raise ValueError(f"a cache of layout {c.layout} does not belong to this model ({model.layout})")
-        if n + 1 > model.cfg.max_position_embeddings:
-            raise ValueError(
-                f"context of {n + 1} tokens exceeds the model's maximum of {model.cfg.max_position_embeddings}"
-            )
+        if n + size > limit:
+            raise ValueError(f"context of {n + size} tokens exceeds the model's maximum of {limit}")
     return lengths
 
 
@@ -225,8 +234,7 @@ def _block(
         keys = step.store.keys(layer, block.indexer.keys(parts[2], step.rope))  # new keys [B, D_i]
         selected = _select(block.indexer, h, q_resid, step, keys)
     blocked = step.blocked if selected is None else selected
-    context = attend(query, readers, blocked, step.groups, block.attn.Lkv)
-    x = block.attn.output(context, residual=x, decode=True)
+    x = block.attn.output(step.store.attend(query, readers, blocked), residual=x, decode=True)
     h = block.mlp_norm(x)
     x = moe_decode(block.mlp, h, residual=x) if isinstance(block.mlp, MoE) else block.mlp(h, residual=x)
     return x, selected
@@ -295,18 +303,11 @@ def _select_each(
 
 
 def attend(
-    query: torch.Tensor,
-    readers: list[RowReader] | torch.Tensor,
-    blocked: torch.Tensor | None,
-    groups: list[list[int]],
-    kv_lora_rank: int | None = None,
+    query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None, groups: list[list[int]]
 ) -> torch.Tensor:
     """query [H, B, Lkv+R] (scaled), one reader per sequence, blocked bool [B, T] (True: not
     attended; None: every row of every reader) -> context [H, B, Lkv]. `groups` lists the
-    sequences stored alike; each group is read together (padded). `readers` may instead be
-    float32 rows already padded, [B, T, Lkv+R] (a slot pool's; then kv_lora_rank is needed)."""
-    if isinstance(readers, torch.Tensor):
-        return _attend_f32(query.transpose(0, 1), readers, blocked, kv_lora_rank).transpose(0, 1)
+    sequences stored alike; each group is read together (padded)."""
     if len(groups) == 1:
         return _attend_group(query, readers, blocked)
     H, B, _ = query.shape

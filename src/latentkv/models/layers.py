@@ -151,6 +151,11 @@ class Rope:
         self.reserve(start + n)
         return RotaryTables(self._cos[start : start + n], self._sin[start : start + n])
 
+    def at(self, positions: torch.Tensor) -> RotaryTables:
+        """The rotation for any positions [S] (int64): a batch's tokens, each at its own place."""
+        self.reserve(int(positions.max()) + 1)
+        return RotaryTables(self._cos.index_select(0, positions), self._sin.index_select(0, positions))
+
 
 # Up to this many positions a pass rotates with one small matmul per tensor (few ops, which
 # is what decode is bound by); longer passes use the elementwise form (no [S, d, d] tables).

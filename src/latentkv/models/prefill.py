@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from latentkv.kv.cache import LatentCache, PackedLatentCache
+from latentkv.models.batch import check_batch
 from latentkv.models.layers import RotaryTables, linear
 
 if TYPE_CHECKING:
@@ -33,17 +34,16 @@ Cache = LatentCache | PackedLatentCache
 def prefill_batch(model: Model, prompts: Sequence[torch.Tensor], caches: Sequence[Cache]) -> torch.Tensor:
     """prompts: one int64 tensor [S_b] per cache, continuing it -> logits [B, vocab] of each
     prompt's last token; cache b gains S_b rows. Nothing is committed if a pass fails."""
-    sizes = _check(model, prompts, caches)
+    tokens = _check(model, prompts, caches)
     if len(caches) == 1:
         return model.forward(prompts[0], caches[0])
+    sizes = [p.shape[0] for p in prompts]
     starts = [c.length for c in caches]
     offsets = [sum(sizes[:b]) for b in range(len(sizes))]
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, sizes, strict=True)])
-    table = model.rope.tables(0, max(s + n for s, n in zip(starts, sizes, strict=True)))
-    rope = RotaryTables(table.cos.index_select(0, positions), table.sin.index_select(0, positions))
+    rope = model.rope.at(torch.cat([torch.arange(s, s + n) for s, n in zip(starts, sizes, strict=True)]))
     parts = [slice(o, o + n) for o, n in zip(offsets, sizes, strict=True)]
     ropes = [RotaryTables(rope.cos[p], rope.sin[p]) for p in parts]  # each sequence's own positions
-    x = model.embed.index_select(0, torch.cat(list(prompts))).float()  # [N, D]
+    x = model.embed.index_select(0, tokens).float()  # [N, D]
     selected: list[torch.Tensor | None] = [None] * len(caches)
     for layer, block in enumerate(model.blocks):
         h = block.attn_norm(x)
@@ -66,28 +66,15 @@ def prefill_batch(model: Model, prompts: Sequence[torch.Tensor], caches: Sequenc
     return linear(model.norm(x.index_select(0, last)), model.lm_head)
 
 
-def _check(model: Model, prompts: Sequence[torch.Tensor], caches: Sequence[Cache]) -> list[int]:
-    """The prompts' lengths, after checking the batch is well formed."""
-    if len(prompts) != len(caches) or not caches:
+def _check(model: Model, prompts: Sequence[torch.Tensor], caches: Sequence[Cache]) -> torch.Tensor:
+    """All the prompts' tokens, concatenated, after checking the batch is well formed."""
+    if len(prompts) != len(caches):
         raise ValueError(f"{len(prompts)} prompts for {len(caches)} caches (need one each, at least one)")
-    if len({id(c) for c in caches}) != len(caches):
-        raise ValueError("the same cache appears twice in one batch")
-    sizes = []
-    vocab, limit = model.cfg.vocab_size, model.cfg.max_position_embeddings
-    for prompt, cache in zip(prompts, caches, strict=True):
+    for prompt in prompts:
         if prompt.dim() != 1 or prompt.dtype != torch.long or prompt.shape[0] == 0:
             raise ValueError(
                 f"each prompt must be a non-empty int64 [S], got {prompt.dtype} {tuple(prompt.shape)}"
             )
-        if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
-            raise ValueError(f"token ids out of range for a vocabulary of {vocab}")
-        if cache.layout != model.layout:
-            raise ValueError(
-                f"a cache of layout {cache.layout} does not belong to this model ({model.layout})"
-            )
-        if cache.length + prompt.shape[0] > limit:
-            raise ValueError(
-                f"context of {cache.length + prompt.shape[0]} tokens exceeds the model's maximum of {limit}"
-            )
-        sizes.append(prompt.shape[0])
-    return sizes
+    tokens = torch.cat(list(prompts)) if prompts else torch.zeros(0, dtype=torch.long)
+    check_batch(model, tokens, caches, [p.shape[0] for p in prompts])
+    return tokens

@@ -20,6 +20,7 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.eval.bench.common import random_prompt
+from latentkv.kv.cache import LatentCache
 from latentkv.kv.slots import SlotPool
 
 
@@ -94,8 +95,12 @@ def _single_step(model, state: tuple[list, list[int]]) -> float:
 
 def _pooled(model, size: int, caches: list) -> SlotPool | None:
     """The server's slot pool for float32 caches (None for other tiers, which it does not hold)."""
+    if not all(type(c) is LatentCache for c in caches):
+        return None
     pool = SlotPool(model.layout, size)
-    return pool if all([pool.place(c) for c in caches]) else None
+    for cache in caches:
+        pool.place(cache)
+    return pool
 
 
 def _batched_step(model, state: tuple[list, list[int]], pool: SlotPool | None) -> float:
