@@ -233,10 +233,17 @@ def cpu_split(threads: int | None) -> tuple[list[int], list[int]] | None:
     if not hasattr(os, "sched_setaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0))
-    n = threads if threads is not None else len(cpus) - 1
+    n = threads if threads is not None else default_engine_threads()
     if not 1 <= n < len(cpus):
         return None
     return cpus[-n:], cpus[:-n]
+
+
+def default_engine_threads() -> int:
+    """Without --threads: one torch thread fewer than the CPUs this process may use (the HTTP
+    process needs one, and intra-op threads spin on the CPUs they share with it)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, usable - 1)
 
 
 def _pin_process(cpus: list[int]) -> None:
@@ -278,7 +285,7 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
 
         engine = config.engine
         if engine.threads is None:  # leave a core to the HTTP process (torch would take them all)
-            engine = replace(engine, threads=len(cpus) if cpus else max(1, (os.cpu_count() or 2) - 1))
+            engine = replace(engine, threads=len(cpus) if cpus else default_engine_threads())
         loaded = load(config.model, engine)
         scheduler = Scheduler.for_server(config, loaded, max_model_len, sink=sink)
         scheduler.start()
