@@ -141,7 +141,9 @@ def test_session_files_are_private_to_the_user(tmp_path, capsys, monkeypatch):
     folder = tmp_path / "root" / "sessions"
     assert _generate(capsys, FIRST, "--session", "mine", "--max-tokens", "2")[0] == 0
     assert (folder.stat().st_mode & 0o777, (folder / "mine.kv").stat().st_mode & 0o777) == (0o700, 0o600)
-    assert _generate(capsys, FIRST, "--session", "mine", "--max-tokens", "2", "--kv-cache-dtype", "fp8")[0] == 0
+    assert (
+        _generate(capsys, FIRST, "--session", "mine", "--max-tokens", "2", "--kv-cache-dtype", "fp8")[0] == 0
+    )
     assert sorted(p.stat().st_mode & 0o777 for p in folder.iterdir()) == [0o600] * len(list(folder.iterdir()))
     assert len(list(folder.iterdir())) >= 1
 

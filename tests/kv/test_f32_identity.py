@@ -49,7 +49,13 @@ FIRST_K = 64
 LOGIT_TOLERANCE = 1e-5  # absolute; see (b) in the module docstring
 # ISA extensions that change which MKL / oneDNN kernels run, beyond torch's capability level.
 MKL_FLAGS = ("avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "avx_vnni")
-KERNEL_ENV = ("MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+KERNEL_ENV = (
+    "MKL_CBWR",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_DEBUG_CPU_TYPE",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+)
 
 
 def kernel_family() -> str:
