@@ -41,6 +41,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.numerics  # CI runs these under a second CPU capability too
+
 RECORDED = Path(__file__).parent.parent / "data" / "f32_logits.json"
 MODELS = ("glm5-tiny", "glm5-tiny-dsa", "dsv3-tiny")
 PROMPT_LEN, STEPS = 40, 12
@@ -102,7 +104,6 @@ def recorded() -> dict:
 # --- (a) within one run ------------------------------------------------------------------------
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("name", MODELS)
 def test_every_way_of_asking_for_f32_gives_the_same_bytes(name, ours):
     from latentkv.config import CacheConfig
@@ -114,7 +115,6 @@ def test_every_way_of_asking_for_f32_gives_the_same_bytes(name, ours):
         assert torch.equal(run_logits(model, model.make_cache(config), fed), reference), config
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("name", MODELS)
 def test_a_run_resumed_from_a_kv_file_in_f32_gives_the_same_bytes(name, ours, checkpoint, tmp_path):
     from latentkv.config import CacheConfig
@@ -137,7 +137,6 @@ def test_a_run_resumed_from_a_kv_file_in_f32_gives_the_same_bytes(name, ours, ch
     assert torch.equal(torch.cat([first, rest]), reference)
 
 
-@pytest.mark.numerics
 def test_the_pooled_batched_step_gives_the_own_buffers_bytes(ours):
     from latentkv.kv.slots import SlotPool
 
@@ -161,7 +160,6 @@ def test_the_pooled_batched_step_gives_the_own_buffers_bytes(ours):
 # --- (b) recorded values, within a tolerance, on any CPU -------------------------------------
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("name", MODELS)
 def test_f32_logits_match_the_recorded_values(name, ours):
     model = ours(name)
@@ -177,7 +175,6 @@ def test_f32_logits_match_the_recorded_values(name, ours):
 # --- (c) exact bytes where this kernel family is recorded ------------------------------------
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("name", MODELS)
 def test_f32_logits_are_bit_identical_to_this_kernel_familys_recording(name, ours):
     family = kernel_family()
