@@ -24,6 +24,10 @@ and instruction set (and torch build), so the run is checked three ways.
     machine's family is recorded (skipped, with the family in the reason, where it is not).
     Catches any change at all to the f32 arithmetic, down to the last bit, on a recorded CPU.
 
+Each part fails on its own kind of change (checked by mutating one op, then the suite):
+RMSNorm eps x1.1 -> (b) and (c) fail; 1e-7 added to every logit -> only (c) fails; 1e-7 added
+to the rows of an f32 KV file as it loads -> only (a) fails.
+
 Regenerate only for a deliberate change to the f32 arithmetic:
     python tests/kv/test_f32_identity.py --record            # add/refresh this CPU's digests
     python tests/kv/test_f32_identity.py --record --reset    # new values, drop every other digest
