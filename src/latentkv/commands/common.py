@@ -262,8 +262,9 @@ def sampling_params(args: argparse.Namespace):
 
     try:
         return SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    except ValueError as exc:  # the shared check (engine.sampling.check_sampling), named as a flag
+        flag = "--" + getattr(exc, "param", "sampling").replace("_", "-")
+        raise UserError(f"{flag}: {exc}") from None
 
 
 def parse_ids(text: str) -> list[int]:

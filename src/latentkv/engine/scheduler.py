@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import queue
 import re
 import threading
@@ -79,10 +78,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        sampling.check_sampling(self.temperature, self.top_p)
+        sampling.check_seed(self.seed)
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 (got {self.logprobs})")
 

@@ -109,7 +109,7 @@ def sampling_params(body, ready, max_tokens: int, choice: int, logprobs: int | N
             prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), param=getattr(exc, "param", None)) from None
 
 
 def stop_ids_of(body, ready) -> frozenset[int]:
