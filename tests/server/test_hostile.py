@@ -3,6 +3,8 @@ naming the field, or is served; never a 500. The server keeps serving afterwards
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -60,3 +62,45 @@ def test_tiny_and_huge_sampling_values_are_served(server, sampling):
 def test_nan_inf_and_negative_sampling_values_are_400_naming_the_field(server, raw, param):
     response = _post(server, "/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert error_of(response, 400)["param"] == param
+
+
+# --- class 2: text that is not valid Unicode ----------------------------------------------------
+
+LONE = "\ud800"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "caf" + LONE, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "\udce9"], "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": [5, 6], "max_tokens": 1, "stop": ["a" + LONE]}, "stop"),
+        ("/v1/completions", {"prompt": [5, 6], "max_tokens": 1, "session": LONE}, "session"),
+        ("/v1/completions", {"prompt": [5, 6], "max_tokens": 1, "model": LONE}, "model"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi" + LONE}], "max_tokens": 1},
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+            "messages.0.content.0.text",
+        ),
+        ("/tokenize", {"prompt": LONE}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages.0.content"),
+    ],
+)
+def test_lone_surrogates_are_400_naming_the_field(server, path, body, param):
+    """json.dumps writes a lone surrogate as the escape "\\ud800", as a client would send it."""
+    raw = json.dumps(body).encode()
+    error = error_of(_post(server, path, content=raw, headers={"content-type": "application/json"}), 400)
+    assert error["param"] == param and "not valid Unicode" in error["message"], error
+
+
+def test_detokenize_of_a_partial_character_answers_valid_text(server):
+    response = _post(server, "/detokenize", json={"tokens": [0xC3, 5]})  # half of a 2-byte character
+    assert response.status_code == 200, response.text
+    response.content.decode("utf-8")  # the raw body is valid UTF-8
+    assert "\\ud" not in response.text.lower()  # and no escaped surrogate inside the JSON
+    assert _post(server, "/v1/completions", json={"prompt": "caf\u00e9", "max_tokens": 1}).status_code == 200
