@@ -35,7 +35,8 @@ with (`cached_tokens`: not prefilled again), and saves the cache's rows when it 
 when cancelled; not after an error), so a finished turn survives a crash or restart. Two
 requests on one session never run together: the later one waits in the queue (requests behind
 it are admitted meanwhile) and then resumes what the earlier one saved. A file held by another
-process finishes the request with "error". prompt_logprobs needs every prompt position's logits,
+process finishes the request with "error" and `refused` "session" (so does a session path that is a
+directory or not readable): the server answers 409. prompt_logprobs needs every prompt position's logits,
 so such a request prefills its whole prompt (cached_tokens 0) and still saves the session.
 
 Errors inside the worker finish the request that raised with reason "error" (a failing batched
@@ -114,11 +115,17 @@ class Finished:
     error: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    refused: str | None = None  # never admitted: "invalid" | "queue_full" | "closed" (400/429/503)
+    # never run: "invalid" | "queue_full" | "closed" | "session" (the server's 400/429/503/409)
+    refused: str | None = None
 
 
 class QueueFull(Exception):
     """The waiting queue is full (the server answers 429)."""
+
+
+class SessionUnavailable(RuntimeError):
+    """The request's session file is held by another process, or its path is not a regular
+    file we may open (the server answers 409); the request never ran."""
 
 
 class SchedulerClosed(Exception):
@@ -506,6 +513,9 @@ class Scheduler:
         request with reason "error" (and returns None)."""
         try:
             return step(seq, *args)
+        except SessionUnavailable as exc:  # not a failure of the model: the client is told 409
+            self._finish(seq, "error", str(exc), refused="session")
+            return None
         except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             traceback.print_exc()
@@ -573,7 +583,7 @@ class Scheduler:
         if name is None:
             seq.cache = self.model.make_cache(self.cache_config)
             return seq.prompt
-        from latentkv.kv.store_header import KVFileBusy
+        from latentkv.kv.store_header import KVFileBusy, KVFileUnavailable
         from latentkv.kv.store_session import Session, reusable_prefix
 
         try:
@@ -581,7 +591,9 @@ class Scheduler:
                 self._session_path(name), self._session_header(), self.cache_config
             )
         except KVFileBusy:
-            raise RuntimeError(f"session {name!r} is in use by another process") from None
+            raise SessionUnavailable(f"session {name!r} is in use by another process") from None
+        except (KVFileUnavailable, OSError) as exc:
+            raise SessionUnavailable(f"session {name!r} cannot be opened: {exc}") from None
         keep = 0 if seq.params.prompt_logprobs else reusable_prefix(seq.session.tokens, seq.prompt)
         seq.cache.trim(keep)
         seq.session.keep(keep)
@@ -646,7 +658,9 @@ class Scheduler:
         else:
             seq.pending = token
 
-    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(
+        self, seq: _Sequence, reason: str, error: str | None = None, refused: str | None = None
+    ) -> None:
         """The request leaves: save its session (unless it failed), free its slot, tell the client."""
         if seq.finished:
             return
@@ -672,6 +686,7 @@ class Scheduler:
                 error=error,
                 prefill_seconds=seq.prefill_seconds,
                 decode_seconds=seq.decode_seconds,
+                refused=refused,
             )
         )
 
