@@ -101,3 +101,106 @@ def test_chat_refuses_a_stdin_line_that_is_not_utf8_and_goes_on(tmp_path):
     assert "error: the line is not valid UTF-8 text (byte 0xe9 at character 3" in err
     assert "nothing was sent" in err
     assert err.count("[reused ") == 1  # the valid line was answered, the other one was not sent
+
+
+# --- broken model folders and flags -----------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_copy(tmp_path):
+    """builtin:tiny's folder, to damage (the safetensors linked, not copied)."""
+    import shutil
+
+    from latentkv.models.registry import resolve
+
+    source = resolve("builtin:tiny")
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(source / name, folder / name)
+    (folder / "model.safetensors").symlink_to(source / "model.safetensors")
+    return folder
+
+
+def _generate(capsys, folder, *extra: str) -> str:
+    return _refused(capsys, "generate", str(folder), "--prompt-ids", "5,6", "--max-tokens", "1", *extra)
+
+
+def _edit_config(folder, **changes) -> None:
+    import json
+
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(changes)
+    (folder / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda f: (f / "config.json").write_text("[1, 2]"), "must hold a JSON object, not a list"),
+        (lambda f: (f / "config.json").write_bytes(b'{"model_type": "caf\xe9"}'), "is not UTF-8 text"),
+        (lambda f: ((f / "config.json").unlink(), (f / "config.json").mkdir()), "is a directory"),
+        (lambda f: (f / "config.json").write_text("{" * 100000), "config.json"),
+        (lambda f: (f / "tokenizer.json").write_text('{"model": 5}'), "tokenizer.json is not a usable"),
+        (lambda f: (f / "tokenizer.json").write_bytes(b"\x00\xff garbage"), "tokenizer.json is not a usable"),
+        (lambda f: ((f / "tokenizer.json").unlink(), (f / "tokenizer.json").mkdir()), "not a regular file"),
+        (lambda f: (f / "tokenizer_config.json").write_text('"x"'), "tokenizer_config.json must hold"),
+    ],
+)
+def test_broken_model_files_are_one_line_naming_the_file(capsys, tiny_copy, damage, expected):
+    damage(tiny_copy)
+    assert expected in _generate(capsys, tiny_copy)
+
+
+def test_a_broken_generation_config_is_named(tiny_copy):
+    """Read by chat and serve for the stop ids: a ConfigError naming it (one line via cli.main)."""
+    from latentkv.commands.chat import stop_ids
+    from latentkv.config import ConfigError, ModelConfig
+
+    (tiny_copy / "generation_config.json").write_text("[]")
+    with pytest.raises(ConfigError, match="generation_config.json must hold a JSON object, not a list"):
+        stop_ids(ModelConfig.from_hf(tiny_copy), tiny_copy)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"hidden_size": -1}, "hidden_size"),
+        ({"hidden_size": "128"}, "hidden_size"),
+        ({"hidden_size": 10**9}, "hidden_size"),
+        ({"kv_lora_rank": 1.5}, "kv_lora_rank"),
+        ({"num_attention_heads": True}, "num_attention_heads"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({"n_group": 3}, "n_group"),
+        ({"vocab_size": 10**12}, "vocab_size"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": "big"}}, "factor"),
+        ({"eos_token_id": 10**9}, "eos_token_id"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings"),
+        ({"index_n_heads": 0}, "index_n_heads"),
+        ({"mlp_layer_types": "dense"}, "mlp_layer_types"),
+        ({"rope_scaling": [1]}, "rope_scaling"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
+    ],
+)
+def test_nonsense_config_values_are_one_line_naming_file_and_field(capsys, tiny_copy, changes, field):
+    _edit_config(tiny_copy, **changes)
+    err = _generate(capsys, tiny_copy)
+    assert "config.json" in err and field in err, err
+
+
+@pytest.mark.parametrize("threads", ["100000", "0", "-3"])
+def test_threads_out_of_range_are_one_line(capsys, threads):
+    err = _refused(
+        capsys, "generate", "builtin:tiny", "--prompt-ids", "5", "--max-tokens", "1", f"--threads={threads}"
+    )
+    assert "--threads" in err
+
+
+def test_threads_from_the_environment_are_checked_alike(capsys, monkeypatch):
+    monkeypatch.setenv("LATENTKV_THREADS", "lots")
+    assert "LATENTKV_THREADS" in _refused(
+        capsys, "generate", "builtin:tiny", "--prompt-ids", "5", "--max-tokens", "1"
+    )

@@ -153,11 +153,10 @@ def chat_format(loaded, plain: bool):
 
 def special_tokens(directory: Path) -> dict[str, str]:
     """bos_token, eos_token, ... from tokenizer_config.json, as the templates expect them."""
-    path = directory / "tokenizer_config.json"
-    try:
-        raw = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        return {}
+    from latentkv.config import read_json_object
+
+    path = Path(directory) / "tokenizer_config.json"
+    raw = read_json_object(path) if path.exists() else {}  # ConfigError names a broken one
     out = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = raw.get(key)
@@ -170,11 +169,10 @@ def special_tokens(directory: Path) -> dict[str, str]:
 def stop_ids(cfg, directory) -> tuple[int, ...]:
     """The model's end-of-sequence ids, with generation_config.json's (chat models list several)."""
     ids = list(cfg.eos_token_ids)
+    from latentkv.config import read_json_object
+
     path = Path(directory) / "generation_config.json"
-    try:
-        extra = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
-    except (OSError, ValueError):
-        extra = None
+    extra = read_json_object(path).get("eos_token_id") if path.exists() else None
     for value in extra if isinstance(extra, list) else [extra]:
         if isinstance(value, int) and value not in ids:
             ids.append(value)
