@@ -204,3 +204,60 @@ def test_threads_from_the_environment_are_checked_alike(capsys, monkeypatch):
     assert "LATENTKV_THREADS" in _refused(
         capsys, "generate", "builtin:tiny", "--prompt-ids", "5", "--max-tokens", "1"
     )
+
+
+# --- kv inspect: regular files only -------------------------------------------------------------
+
+
+def test_kv_inspect_of_a_fifo_is_one_line_and_never_blocks(tmp_path):
+    """A FIFO with no writer would block a plain open for reading: it must not even be opened."""
+    import os
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "pipe.kv"
+    os.mkfifo(fifo)
+    proc = subprocess.run(
+        [sys.executable, "-m", "latentkv.cli", "kv", "inspect", str(fifo)],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a hang fails here
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"latentkv kv: error: {fifo} is a FIFO, not a KV file (regular files only)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda p: p.mkdir(), "a directory"),
+        (lambda p: p.symlink_to("/dev/null"), "a character device"),
+    ],
+)
+def test_kv_inspect_of_a_directory_or_device_is_one_line(capsys, tmp_path, make, kind):
+    path = tmp_path / "x.kv"
+    make(path)
+    err = _refused(capsys, "kv", "inspect", str(path))
+    assert f"is {kind}, not a KV file" in err
+
+
+def test_kv_inspect_without_permission_is_one_line(capsys, tmp_path, monkeypatch):
+    """(The tests may run as root, which reads anything: the open's refusal is simulated.)"""
+    import os
+
+    from latentkv.kv import store_file
+
+    path = tmp_path / "secret.kv"
+    path.write_bytes(b"x" * 100)
+    real_open = os.open
+
+    def denied(name, flags, *args):
+        if str(name) == str(path):
+            raise PermissionError(13, "Permission denied", str(name))
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(store_file.os, "open", denied)
+    err = _refused(capsys, "kv", "inspect", str(path))
+    assert "Permission denied" in err and str(path) in err

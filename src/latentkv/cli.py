@@ -81,4 +81,8 @@ def _version() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m latentkv.cli`: run the imported module's main, so the commands' UserError (from
+    # latentkv.cli) is the class main catches, not a second copy defined in __main__
+    from latentkv.cli import main as _main
+
+    sys.exit(_main())
