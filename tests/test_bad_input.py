@@ -261,3 +261,45 @@ def test_kv_inspect_without_permission_is_one_line(capsys, tmp_path, monkeypatch
     monkeypatch.setattr(store_file.os, "open", denied)
     err = _refused(capsys, "kv", "inspect", str(path))
     assert "Permission denied" in err and str(path) in err
+
+
+# --- the refusal note names the flags that resume the file ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "flags"),
+    [
+        (
+            ["--kv-cache-dtype", "tq4"],
+            ["--kv-cache-dtype", "tq4", "--kv-seed", "7"],
+            "--kv-cache-dtype tq4 --kv-seed 0x9e3779b9",
+        ),
+        (
+            ["--kv-cache-dtype", "fp8"],
+            ["--kv-cache-dtype", "fp8", "--kv-group-size", "8"],
+            "--kv-cache-dtype fp8 (without --kv-group-size)",
+        ),
+        (
+            ["--kv-cache-dtype", "fp8", "--kv-group-size", "8"],
+            ["--kv-cache-dtype", "fp8", "--kv-group-size", "16"],
+            "--kv-cache-dtype fp8 --kv-group-size 8",
+        ),
+    ],
+)
+def test_the_refusal_note_names_the_flags_that_resume_it_then_they_do(capsys, tmp_path, first, second, flags):
+    import json
+    import shutil
+
+    base = ["generate", "builtin:tiny", "--prompt-ids", "5,6,7", "--max-tokens", "2", "--json"]
+    base += ["--session", "s", "--kv-dir", str(tmp_path)]
+    assert main([*base, *first]) == 0
+    capsys.readouterr()
+    assert main([*base, *second]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (note,) = out["session"]["notes"]
+    assert f"pass {flags} to resume it" in note, note
+    shutil.move(out["session"]["moved_aside"], tmp_path / "s.kv")  # put it back, resume as told
+    again = [*base, *flags.replace("(without --kv-group-size)", "").split()]
+    assert main(again) == 0
+    resumed = json.loads(capsys.readouterr().out)
+    assert resumed["session"]["notes"] == [] and resumed["stats"]["resumed_tokens"] > 0
