@@ -50,6 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not _explained(exc):
+            raise
+        print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _explained(exc: Exception) -> bool:
+    """Errors whose message already says what is wrong with a file the user gave (a model
+    folder's JSON, its tokenizer, a KV file): one line, exit 2, as a UserError."""
+    from latentkv.config import ConfigError
+    from latentkv.kv.store_header import KVFileError
+    from latentkv.tokenizer import TokenizerError
+
+    return isinstance(exc, (ConfigError, TokenizerError, KVFileError))
 
 
 class UserError(Exception):
@@ -66,4 +81,8 @@ def _version() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m latentkv.cli`: run the imported module's main, so the commands' UserError (from
+    # latentkv.cli) is the class main catches, not a second copy defined in __main__
+    from latentkv.cli import main as _main
+
+    sys.exit(_main())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -12,6 +11,29 @@ class TokenizerError(ValueError):
     pass
 
 
+def unicode_problem(text: str, from_bytes: bool = True) -> str | None:
+    """Why `text` is not valid Unicode text, or None. The rule on every surface (server fields,
+    --prompt, chat's stdin): such text is refused, naming where, never replaced. A character in
+    U+DC80..U+DCFF is how Python carries an undecodable byte (argv, stdin with surrogateescape);
+    any other surrogate is a lone one (JSON's "\\ud800"); with `from_bytes` False all are."""
+    for i, char in enumerate(text):
+        code = ord(char)
+        if from_bytes and 0xDC80 <= code <= 0xDCFF:
+            return f"byte 0x{code - 0xDC00:02x} at character {i} is not valid UTF-8"
+        if 0xD800 <= code <= 0xDFFF:
+            return f"character {i} is a lone surrogate U+{code:04X}, not a Unicode character"
+    return None
+
+
+def is_valid_text(text: str) -> bool:
+    """Fast path of `unicode_problem`: no surrogate anywhere."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -19,7 +41,13 @@ class Tokenizer:
             path = path / "tokenizer.json"
         if not path.exists():
             raise TokenizerError(f"no tokenizer.json at {path}; pass token ids instead (--prompt-ids)")
-        self._tok = _HFTokenizer.from_file(str(path))
+        if not path.is_file():
+            raise TokenizerError(f"{path} is not a regular file")
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own kinds
+            detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise TokenizerError(f"{path} is not a usable tokenizer.json: {detail}") from None
         self.chat_template = _chat_template(path.parent)
 
     @classmethod
@@ -32,6 +60,9 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """ValueError for text that is not valid Unicode (see `unicode_problem`)."""
+        if not is_valid_text(text):
+            raise TokenizerError(f"the text is not valid Unicode: {unicode_problem(text)}")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -66,14 +97,25 @@ class StreamDecoder:
 
 
 def _chat_template(directory: Path) -> str | None:
+    """chat_template.jinja, else tokenizer_config.json's chat_template; TokenizerError (naming
+    the file) for one that is not a UTF-8 regular file or not a JSON object."""
+    from latentkv.config import ConfigError, read_json_object
+
     jinja = directory / "chat_template.jinja"
-    if jinja.exists():
-        return jinja.read_text()
-    config = directory / "tokenizer_config.json"
-    if config.exists():
-        template = json.loads(config.read_text()).get("chat_template")
-        if isinstance(template, str):
-            return template
+    try:
+        if jinja.exists():
+            if not jinja.is_file():
+                raise TokenizerError(f"{jinja} is not a regular file")
+            return jinja.read_bytes().decode("utf-8")
+        config = directory / "tokenizer_config.json"
+        if config.exists():
+            template = read_json_object(config).get("chat_template")
+            if isinstance(template, str):
+                return template
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"{jinja} is not UTF-8 text (byte {exc.start})") from None
+    except (ConfigError, OSError) as exc:
+        raise TokenizerError(str(exc)) from None
     return None
 
 

@@ -160,11 +160,10 @@ def chat_format(loaded, plain: bool):
 
 def special_tokens(directory: Path) -> dict[str, str]:
     """bos_token, eos_token, ... from tokenizer_config.json, as the templates expect them."""
-    path = directory / "tokenizer_config.json"
-    try:
-        raw = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        return {}
+    from latentkv.config import read_json_object
+
+    path = Path(directory) / "tokenizer_config.json"
+    raw = read_json_object(path) if path.exists() else {}  # ConfigError names a broken one
     out = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = raw.get(key)
@@ -177,11 +176,10 @@ def special_tokens(directory: Path) -> dict[str, str]:
 def stop_ids(cfg, directory) -> tuple[int, ...]:
     """The model's end-of-sequence ids, with generation_config.json's (chat models list several)."""
     ids = list(cfg.eos_token_ids)
+    from latentkv.config import read_json_object
+
     path = Path(directory) / "generation_config.json"
-    try:
-        extra = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
-    except (OSError, ValueError):
-        extra = None
+    extra = read_json_object(path).get("eos_token_id") if path.exists() else None
     for value in extra if isinstance(extra, list) else [extra]:
         if isinstance(value, int) and value not in ids:
             ids.append(value)
@@ -245,7 +243,14 @@ class Chat:
                 say("--system applies to new conversations; the resumed one keeps its own (/reset to use it)")
 
     def loop(self, stdin, stdout) -> None:
+        """Read turns from stdin. A line that is not valid UTF-8 is refused (one line on stderr,
+        nothing sent to the model, the chat goes on), as the server refuses such text."""
+        from latentkv.tokenizer import is_valid_text, unicode_problem
+
         interactive = stdin.isatty()
+        reconfigure = getattr(stdin, "reconfigure", None)
+        if reconfigure is not None:  # undecodable bytes arrive as surrogates, not as an exception
+            reconfigure(errors="surrogateescape")
         while True:
             if interactive:
                 stdout.write("> ")
@@ -254,6 +259,9 @@ class Chat:
             if not line:
                 break
             text = line.rstrip("\r\n")
+            if not is_valid_text(text):
+                say(f"error: the line is not valid UTF-8 text ({unicode_problem(text)}); nothing was sent")
+                continue
             if text.strip() == "/exit":
                 break
             if text.strip() == "/reset":

@@ -48,7 +48,7 @@ COMPARE_TIERS = ("f32", "bf16", "fp8", "tq6", "tq4-r8", "tq4", "tq3", "polar4")
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.commands.common import cache_config, describe_tier, load
+    from latentkv.commands.common import cache_config, check_text, describe_tier, load
     from latentkv.commands.generate import kv_report
     from latentkv.config import ConfigError, EngineConfig
     from latentkv.engine.generate import generate
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         sampling = SamplingParams(args.temperature, args.top_p, seed=args.seed)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    prompt = tok.encode(args.prompt) if tok else [0]
+    prompt = tok.encode(check_text(args.prompt, "--prompt")) if tok else [0]
     cache = model.make_cache(engine.cache)
     result = generate(model, prompt, args.max_tokens, sampling, tok, cache=cache, stop_ids=())
     _show_continuation(args.prompt, result, tok, sampling)

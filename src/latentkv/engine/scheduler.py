@@ -35,7 +35,8 @@ with (`cached_tokens`: not prefilled again), and saves the cache's rows when it 
 when cancelled; not after an error), so a finished turn survives a crash or restart. Two
 requests on one session never run together: the later one waits in the queue (requests behind
 it are admitted meanwhile) and then resumes what the earlier one saved. A file held by another
-process finishes the request with "error". prompt_logprobs needs every prompt position's logits,
+process finishes the request with "error" and `refused` "session" (so does a session path that is a
+directory or not readable): the server answers 409. prompt_logprobs needs every prompt position's logits,
 so such a request prefills its whole prompt (cached_tokens 0) and still saves the session.
 
 Errors inside the worker finish the request that raised with reason "error" (a failing batched
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import queue
 import re
 import threading
@@ -79,10 +79,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        sampling.check_sampling(self.temperature, self.top_p)
+        sampling.check_seed(self.seed)
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 (got {self.logprobs})")
 
@@ -117,10 +115,17 @@ class Finished:
     error: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # never run: "invalid" | "queue_full" | "closed" | "session" (the server's 400/429/503/409)
+    refused: str | None = None
 
 
 class QueueFull(Exception):
     """The waiting queue is full (the server answers 429)."""
+
+
+class SessionUnavailable(RuntimeError):
+    """The request's session file is held by another process, or its path is not a regular
+    file we may open (the server answers 409); the request never ran."""
 
 
 class SchedulerClosed(Exception):
@@ -149,6 +154,27 @@ def validate_request(request: Request, vocab: int, max_model_len: int, sessions:
             )
         if not sessions:
             raise ValueError("sessions need the scheduler's model_dir (the KV file records the weights)")
+
+
+def check_group_size(count: int, max_num_seqs: int, max_queue: int) -> None:
+    """ValueError when `count` sequences (one request's choices) can never be open at once."""
+    if count > max_num_seqs + max_queue:
+        raise ValueError(
+            f"the request needs {count} sequences (n x prompts) but the server holds at most "
+            f"{max_num_seqs + max_queue} ({max_num_seqs} running + {max_queue} waiting): lower n "
+            "or send fewer prompts"
+        )
+
+
+def check_room(open_now: int, count: int, max_num_seqs: int, max_queue: int) -> None:
+    """QueueFull unless `count` more sequences fit beside the `open_now` ones (running, being
+    admitted or waiting): max_num_seqs run and max_queue wait."""
+    if open_now + count > max_num_seqs + max_queue:
+        waiting = max(0, open_now - max_num_seqs)
+        raise QueueFull(
+            f"{open_now} sequences are open ({waiting} waiting, max_queue {max_queue}) and this "
+            f"request needs {count} more"
+        )
 
 
 def valid_session_name(name: str) -> bool:
@@ -346,6 +372,7 @@ class Scheduler:
         self._prompt_total = 0
         self._generation_total = 0
         self._kv_in_use = 0
+        self._open_count = 0  # submitted and not finished: waiting, being admitted or running
 
     @classmethod
     def for_server(cls, config, loaded, max_model_len: int, sink=None) -> Scheduler:
@@ -389,19 +416,27 @@ class Scheduler:
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request; never blocks. ValueError for an invalid request, QueueFull when the
         queue is full, SchedulerClosed after shutdown."""
-        self._validate(request)
-        handle = RequestHandle(request, self._cond, self._outbox)
-        seq = _Sequence(handle, request.params, list(request.prompt), generated=[])
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[RequestHandle]:
+        """Queue every request or none (a request's n choices); never blocks. The bound is on
+        open requests (running, being admitted or waiting): `capacity` = max_num_seqs +
+        max_queue. QueueFull when they do not fit now, ValueError when they never can."""
+        for request in requests:
+            self._validate(request)
+        check_group_size(len(requests), self.max_num_seqs, self.max_queue)
+        seqs = [
+            _Sequence(RequestHandle(r, self._cond, self._outbox), r.params, list(r.prompt), generated=[])
+            for r in requests
+        ]
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the scheduler is shut down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(
-                    f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})"
-                )
-            self._waiting.append(seq)
+            check_room(self._open_count, len(seqs), self.max_num_seqs, self.max_queue)
+            self._open_count += len(seqs)
+            self._waiting.extend(seqs)
             self._cond.notify_all()
-        return handle
+        return [seq.handle for seq in seqs]
 
     def stats(self) -> SchedulerStats:
         with self._cond:
@@ -478,6 +513,9 @@ class Scheduler:
         request with reason "error" (and returns None)."""
         try:
             return step(seq, *args)
+        except SessionUnavailable as exc:  # not a failure of the model: the client is told 409
+            self._finish(seq, "error", str(exc), refused="session")
+            return None
         except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             traceback.print_exc()
@@ -545,7 +583,7 @@ class Scheduler:
         if name is None:
             seq.cache = self.model.make_cache(self.cache_config)
             return seq.prompt
-        from latentkv.kv.store_header import KVFileBusy
+        from latentkv.kv.store_header import KVFileBusy, KVFileUnavailable
         from latentkv.kv.store_session import Session, reusable_prefix
 
         try:
@@ -553,7 +591,9 @@ class Scheduler:
                 self._session_path(name), self._session_header(), self.cache_config
             )
         except KVFileBusy:
-            raise RuntimeError(f"session {name!r} is in use by another process") from None
+            raise SessionUnavailable(f"session {name!r} is in use by another process") from None
+        except (KVFileUnavailable, OSError) as exc:
+            raise SessionUnavailable(f"session {name!r} cannot be opened: {exc}") from None
         keep = 0 if seq.params.prompt_logprobs else reusable_prefix(seq.session.tokens, seq.prompt)
         seq.cache.trim(keep)
         seq.session.keep(keep)
@@ -618,7 +658,9 @@ class Scheduler:
         else:
             seq.pending = token
 
-    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(
+        self, seq: _Sequence, reason: str, error: str | None = None, refused: str | None = None
+    ) -> None:
         """The request leaves: save its session (unless it failed), free its slot, tell the client."""
         if seq.finished:
             return
@@ -632,6 +674,7 @@ class Scheduler:
         name = seq.handle.request.session
         with self._cond:
             self._busy_sessions.discard(name)
+            self._open_count -= 1
             self._cond.notify_all()
         seq.handle._emit(
             Finished(
@@ -643,6 +686,7 @@ class Scheduler:
                 error=error,
                 prefill_seconds=seq.prefill_seconds,
                 decode_seconds=seq.decode_seconds,
+                refused=refused,
             )
         )
 

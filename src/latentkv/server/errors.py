@@ -20,6 +20,8 @@ TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -91,7 +93,9 @@ def describe_validation(errors) -> tuple[str, str | None]:
     """The first validation error as one readable line, and the field it names (OpenAI's `param`)."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # A value's own check (e.g. invalid Unicode in one alternative of a union) says more than
+    # the other alternatives' type mismatches.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     raw_loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # A union field (prompt, content, stop) reports each alternative's type name in loc: drop them.
     loc = [part for part in raw_loc if not _is_type_name(part)]
@@ -115,7 +119,10 @@ UNION_FIELDS = {
 
 
 def _is_type_name(part: str) -> bool:
-    return part.startswith(("list[", "str", "int", "function-", "constrained-")) or part in (
+    # exact names, not prefixes: "stream" and "stream_options" are fields, "str" a type
+    return part.startswith(("list[", "function-", "constrained-")) or part in (
+        "str",
+        "int",
         "TextPart",
         "StrictInt",
     )
