@@ -110,7 +110,9 @@ def binary(name: str) -> Path:
 def converter() -> Path:
     path = source_dir() / "convert_hf_to_gguf.py"
     if not path.exists():
-        raise SystemExit(f"llama.cpp's converter is not in {source_dir()}: run `python benchmarks/llamacpp.py --build`")
+        raise SystemExit(
+            f"llama.cpp's converter is not in {source_dir()}: run `python benchmarks/llamacpp.py --build`"
+        )
     return path
 
 
@@ -226,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--where", action="store_true", help="print where the tools are (JSON)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--nice", type=int, default=10)
-    parser.add_argument("--convert", nargs=2, metavar=("HF_DIR", "OUT_GGUF"), help="convert a checkpoint (f32)")
+    parser.add_argument(
+        "--convert", nargs=2, metavar=("HF_DIR", "OUT_GGUF"), help="convert a checkpoint (f32)"
+    )
     parser.add_argument("--convert-inner", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.convert_inner:

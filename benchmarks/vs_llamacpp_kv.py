@@ -65,7 +65,9 @@ def gguf_path(model: str, directory: Path) -> Path:
 _KLD = re.compile(r"Mean\s+KLD:\s+([-+\d.eE]+)\s+±\s+([-+\d.eE]+)")
 _TOP = re.compile(r"Same top p:\s+([\d.]+)\s+±\s+([\d.]+)\s*%")
 _PPL = re.compile(r"Mean PPL\(Q\)\s*:\s+([\d.]+)")
-_TOKENS = re.compile(r"tokenizing the input ..\s*\n.*?(\d+) tokens|calculating perplexity over (\d+) chunks", re.S)
+_TOKENS = re.compile(
+    r"tokenizing the input ..\s*\n.*?(\d+) tokens|calculating perplexity over (\d+) chunks", re.S
+)
 
 
 def llama_perplexity(gguf: Path, text: Path, args, kind: str, base_file: Path, base: bool) -> dict:
@@ -165,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         r["bytes"], r["bytes_glm5"] = r.pop("bytes_per_token_layer"), glm5_bytes(r["tier"])
     if not args.skip_llama:
         gguf = gguf_path(args.model, directory)
-        base_file = llamacpp.cache_dir() / "kld" / f"{gguf.stem}-c{args.context}-n{args.chunks}-{args.base_type}.kld"
+        base_file = (
+            llamacpp.cache_dir() / "kld" / f"{gguf.stem}-c{args.context}-n{args.chunks}-{args.base_type}.kld"
+        )
         base_file.parent.mkdir(parents=True, exist_ok=True)
         base = llama_perplexity(gguf, text, args, args.base_type, base_file, base=True)
         base.update(bytes=ggml_bytes(args.base_type, widths), bytes_glm5=ggml_bytes(args.base_type, GLM5))

@@ -159,7 +159,9 @@ def _run_ppl(args: argparse.Namespace) -> dict:
     text = text_path.read_text(encoding="utf-8", errors="replace")
     contexts = _contexts(args.context, model.cfg.max_position_embeddings)
     if not 0 <= args.score_from <= min(contexts) - 2:
-        raise UserError(f"--score-from {args.score_from}: must be 0 .. {min(contexts) - 2} (the shortest context - 2)")
+        raise UserError(
+            f"--score-from {args.score_from}: must be 0 .. {min(contexts) - 2} (the shortest context - 2)"
+        )
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     counts_path = directory / TOKEN_COUNTS
     counts = None

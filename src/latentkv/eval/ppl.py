@@ -111,7 +111,9 @@ class ContextScores:
     score_from: int = 0  # S: the first scored position
 
     @classmethod
-    def empty(cls, context: int, tiers: list[CacheConfig], windows: int, score_from: int = 0) -> ContextScores:
+    def empty(
+        cls, context: int, tiers: list[CacheConfig], windows: int, score_from: int = 0
+    ) -> ContextScores:
         def zeros():
             return np.zeros((len(tiers), windows))
 

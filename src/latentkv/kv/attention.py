@@ -15,7 +15,7 @@ a row is `factor_t * values_t`, with the per-row factor kept out of the dot prod
     polar*    rotated   unit vector from the angles          radius_t
     q8_0 .. q4_1  rows  levels x fp16 block scale (folded)  1
     hq8_0 ..      rotated  the same, of the rotated row         1
-    q8s, nq5, nq4 rows  level[code] x block scale (folded)      1
+    q8s, wq4      rows  level[code] x block scale (folded)      1
     (tq* and polar* with grouped radii fold each group's radius into its values: factor 1)
 
     s_t = factor_t * (B q) . values_t          B = R (rotate) for tq / polar, identity otherwise

@@ -75,7 +75,9 @@ def ref_decode_block(fmt: str, raw: bytes, n: int) -> np.ndarray:
         m, body = _half16(raw[2:4]), raw[4:]
         q = [b & 15 for b in body] + [b >> 4 for b in body]
         return np.array(q, dtype=np.float64) * d + m
-    high, body = (0, raw[2:]) if fmt == "q4_0" else (int.from_bytes(raw[2 : 2 + n // 8], "little"), raw[2 + n // 8 :])
+    high, body = (
+        (0, raw[2:]) if fmt == "q4_0" else (int.from_bytes(raw[2 : 2 + n // 8], "little"), raw[2 + n // 8 :])
+    )
     q = [b & 15 for b in body] + [b >> 4 for b in body]
     offset = 8 if fmt == "q4_0" else 16
     q = [v | (((high >> j) & 1) << 4) for j, v in enumerate(q)]
@@ -122,7 +124,10 @@ def test_decode_equals_ggml_dequantize_and_bounds_the_error(fmt):
     ref = np.stack(
         [
             np.concatenate(
-                [ref_decode_block(fmt, raw[(r * 4 + b) * step : (r * 4 + b + 1) * step], block) for b in range(4)]
+                [
+                    ref_decode_block(fmt, raw[(r * 4 + b) * step : (r * 4 + b + 1) * step], block)
+                    for b in range(4)
+                ]
             )
             for r in range(8)
         ]
@@ -174,8 +179,14 @@ def test_bytes_per_token_per_layer_match_llama_cpp():
     expect = {"q8_0": (170, 612), "q5_0": (110, 396), "q4_0": (90, 324), "q4_1": (100, 360)}
     for name, (fixture, glm5) in expect.items():
         for prefix in ("", "h"):
-            assert get_codec(prefix + name, 128).bytes_per_row + get_codec(prefix + name, 32).bytes_per_row == fixture
-            assert get_codec(prefix + name, 512).bytes_per_row + get_codec(prefix + name, 64).bytes_per_row == glm5
+            assert (
+                get_codec(prefix + name, 128).bytes_per_row + get_codec(prefix + name, 32).bytes_per_row
+                == fixture
+            )
+            assert (
+                get_codec(prefix + name, 512).bytes_per_row + get_codec(prefix + name, 64).bytes_per_row
+                == glm5
+            )
 
 
 @pytest.mark.parametrize("name", PLAIN)
@@ -194,13 +205,21 @@ def test_rotation_lowers_the_error_of_rows_with_an_outlier_channel():
     rows[:, 7] *= 30.0  # one channel far larger than the rest, as trained latents have
     for fmt in PLAIN:
         err = {
-            name: ((get_codec(name, 128).decode(get_codec(name, 128).encode(rows)) - rows).norm() / rows.norm()).item()
+            name: (
+                (get_codec(name, 128).decode(get_codec(name, 128).encode(rows)) - rows).norm() / rows.norm()
+            ).item()
             for name in (fmt, "h" + fmt)
         }
         assert err["h" + fmt] < 0.7 * err[fmt], err
 
 
-# --- searched scales: q8s (q8_0's bytes), nq4 / nq5 (non-uniform levels, 8-bit scales) ---------
+# --- searched scales: q8s (q8_0's bytes), wq4 (q4_0's shape, non-uniform levels) --------------
+
+
+def weighted_error(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Per block of 32: sum x^2 (x_hat - x)^2, float64 [N, B]."""
+    x = rows.double()
+    return ((out.double() - x) * x).square().view(x.shape[0], -1, 32).sum(-1)
 
 
 def test_q8s_is_read_by_the_q8_0_reference_and_beats_q8_0():
@@ -209,65 +228,51 @@ def test_q8s_is_read_by_the_q8_0_reference_and_beats_q8_0():
     enc = q8s.encode(rows)
     raw = enc.codes.numpy().tobytes()
     ref = np.concatenate([ref_decode_block("q8_0", raw[i * 34 : (i + 1) * 34], 32) for i in range(64 * 4)])
-    torch.testing.assert_close(q8s.decode(enc).double().flatten(), torch.from_numpy(ref), rtol=1e-6, atol=0)
-    err = {c.name: (c.decode(c.encode(rows)) - rows).double().square().view(64, 4, 32).sum(-1) for c in (q8s, q8_0)}
-    assert torch.all(err["q8s"] <= err["q8_0"] * (1 + 1e-6) + 1e-12)  # q8_0's own scale is among the trials
-    assert err["q8s"].sum() < 0.95 * err["q8_0"].sum()
+    out = q8s.decode(enc)
+    torch.testing.assert_close(out.double().flatten(), torch.from_numpy(ref), rtol=1e-6, atol=0)
+    ours, theirs = weighted_error(out, rows), weighted_error(q8_0.decode(q8_0.encode(rows)), rows)
+    assert ours.sum() < 0.9 * theirs.sum()
 
 
-def nq_reference_decode(raw: bytes, bits: int, block: int, levels: tuple[float, ...]) -> np.ndarray:
-    """float64 decode of nq bytes: d = 2^((k - 128) / 8), value = level[code] d."""
-    table = [-v for v in reversed(levels)] + list(levels)
-    k, rest = raw[0], raw[1:]
-    high = 0
-    if bits == 5:
-        high, rest = int.from_bytes(rest[: block // 8], "little"), rest[block // 8 :]
-    codes = [b & 15 for b in rest] + [b >> 4 for b in rest]
-    codes = [c | (((high >> j) & 1) << 4) for j, c in enumerate(codes)]
-    d = 0.0 if k == 0 else 2.0 ** ((k - 128) / 8)
+def wq4_reference_decode(raw: bytes) -> np.ndarray:
+    """float64 decode of one wq4 block: fp16 d, then value j in the low nibble of byte j (j < 16),
+    value j + 16 in its high nibble; x_hat = level[code] d with the symmetric level table."""
+    from latentkv.kv.codecs.blocks import WQ4_LEVELS
+
+    table = [-v for v in reversed(WQ4_LEVELS)] + list(WQ4_LEVELS)
+    d = _half16(raw[:2])
+    codes = [b & 15 for b in raw[2:]] + [b >> 4 for b in raw[2:]]
     return np.array([table[c] * d for c in codes])
 
 
-@pytest.mark.parametrize("bits", [4, 5])
-def test_nq_decodes_as_the_reference_and_beats_the_ggml_format_of_its_bytes(bits):
-    from latentkv.kv.codecs.blocks import NQ_LEVELS
-
-    width = 64
-    codec = get_codec(f"nq{bits}", width)
-    assert codec.block == 16 and codec.block_bytes == (9 if bits == 4 else 11)
-    rows = sample_rows(32, width, seed=bits)
+def test_wq4_decodes_as_the_reference_codes_are_nearest_and_beats_q4_0():
+    rows = sample_rows(32, 64, seed=9)
+    codec, q4_0 = get_codec("wq4", 64), get_codec("q4_0", 64)
+    assert codec.bytes_per_row == q4_0.bytes_per_row == 36
     enc = codec.encode(rows)
     raw = enc.codes.numpy().tobytes()
-    step = codec.block_bytes
-    ref = np.concatenate(
-        [nq_reference_decode(raw[i * step : (i + 1) * step], bits, 16, NQ_LEVELS[bits]) for i in range(32 * 4)]
-    )
-    out = codec.decode(enc).double()
-    torch.testing.assert_close(out.flatten(), torch.from_numpy(ref), rtol=1e-6, atol=1e-30)
-    ggml = get_codec("q4_0" if bits == 4 else "q5_0", width)
-    assert ggml.bytes_per_row == codec.bytes_per_row  # the same bytes ...
-    x = rows.double()
-    ours = (out - x).square().sum()
-    theirs = (ggml.decode(ggml.encode(rows)).double() - x).square().sum()
-    assert ours < 0.9 * theirs  # ... and less squared error
-    # every code is the nearest level under the block's chosen scale
-    k = torch.tensor([raw[i * step] for i in range(32 * 4)])
-    zero = k == 0  # scale 0: exactly the all-zero blocks (row 1)
-    assert torch.equal(zero, (x.view(-1, 16) == 0).all(-1)) and torch.all(out.view(-1, 16)[zero] == 0)
-    d = torch.exp2((k[~zero].double() - 128) / 8)
+    ref = np.concatenate([wq4_reference_decode(raw[i * 18 : (i + 1) * 18]) for i in range(32 * 2)])
+    out = codec.decode(enc)
+    torch.testing.assert_close(out.double().flatten(), torch.from_numpy(ref), rtol=1e-6, atol=0)
+    # each value's code is the nearest level under its block's scale (zero blocks: scale 0)
+    d = torch.tensor([_half16(raw[i * 18 : i * 18 + 2]) for i in range(64)], dtype=torch.float64)
+    live = d != 0
+    assert torch.equal(~live, (rows.view(-1, 32) == 0).all(-1))
     table = codec.table.double()
-    u = x.view(-1, 16)[~zero] / d[:, None]
+    u = rows.double().view(-1, 32)[live] / d[live, None]
     nearest = table[(u[..., None] - table).abs().argmin(-1)]
-    torch.testing.assert_close(out.view(-1, 16)[~zero] / d[:, None], nearest, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(out.double().view(-1, 32)[live] / d[live, None], nearest, rtol=1e-6, atol=1e-9)
+    ours, theirs = weighted_error(out, rows), weighted_error(q4_0.decode(q4_0.encode(rows)), rows)
+    assert ours.sum() < 0.85 * theirs.sum()
 
 
-@pytest.mark.parametrize("name", ["q8s", "nq4", "nq5"])
+@pytest.mark.parametrize("name", ["q8s", "wq4"])
 def test_searched_codecs_inert_rows_and_refusals(name):
     codec = get_codec(name, 64)
     rows = torch.randn(3, 64)
     rows[0, 1] = float("nan")
     rows[1] = 0.0
     out = codec.decode(codec.encode(rows))
-    assert torch.all(out[:2] == 0) and (out[2] - rows[2]).norm() < 0.15 * rows[2].norm()
+    assert torch.all(out[:2] == 0) and (out[2] - rows[2]).norm() < 0.2 * rows[2].norm()
     with pytest.raises(ValueError, match=f"{name} stores rows in blocks.*12 wide; use fp8"):
         get_codec(name, 12)

@@ -97,7 +97,12 @@ class BlockCodec(Codec):
         self.rotation = Rotation(width, seed) if self.rotated else None
 
     def params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {"name": self.name, "width": self.width, "bits": self.bits, "block": self.block}
+        params: dict[str, Any] = {
+            "name": self.name,
+            "width": self.width,
+            "bits": self.bits,
+            "block": self.block,
+        }
         if self.rotation is not None:
             params["rotation_seed"] = self.rotation.seed
         return params
@@ -183,62 +188,52 @@ class RotatedBlockCodec(BlockCodec):
     rotated = True
 
 
-# --- searched block scales: nq4, nq5 (non-uniform levels, 8-bit scales), q8s (q8_0's bytes) ---
+# --- searched block scales: q8s (q8_0's bytes), wq4 (q4_0's shape, non-uniform levels) ---------
 
-# Lloyd-Max levels of Gaussian values divided by their block's largest magnitude (blocks of 16),
-# symmetrised, in units of that magnitude: the positive half; the negative half mirrors it.
-NQ_LEVELS = {
-    4: (0.0504, 0.1524, 0.2591, 0.373, 0.4978, 0.6391, 0.8036, 1.0),
-    5: (
-        *(0.0221, 0.0661, 0.1104, 0.1557, 0.2028, 0.2524, 0.3046, 0.3591),
-        *(0.4171, 0.4796, 0.5478, 0.6214, 0.7024, 0.7905, 0.8885, 1.0),
-    ),
-}
-E8_STEP = 8  # an 8-bit block scale is 2^((k - 128) / 8), k = 1 .. 255 (k = 0: the scale 0)
-FP16_GRID = tuple(0.90 + 0.01 * i for i in range(21))  # trial fp16 scales, in units of amax / 127
+# wq4's levels, in units of the block's largest level: the positive half (the negative half
+# mirrors it). Lloyd-Max levels of Gaussian values divided by their block's largest magnitude
+# (blocks of 32) under the error weight x^2, so they crowd towards the large values.
+WQ4_LEVELS = (0.1844, 0.3147, 0.4262, 0.5329, 0.6406, 0.7521, 0.8703, 1.0)
+SCALE_GRID = tuple(0.85 + 0.01 * i for i in range(21))  # trial scales, in units of amax / top level
 
 
-def level_table(bits: int) -> torch.Tensor:
-    """The 2^bits levels (nq4, nq5) ascending, or q8s's 255 integers -127 .. 127; float32."""
-    if bits == 8:
+def level_table(name: str) -> torch.Tensor:
+    """q8s: the 255 integers -127 .. 127 (code byte = int8 level); wq4: its 16 levels; float32."""
+    if name == "q8s":
         return torch.arange(-127, 128, dtype=torch.float32)
-    half = torch.tensor(NQ_LEVELS[bits], dtype=torch.float64)
+    half = torch.tensor(WQ4_LEVELS, dtype=torch.float64)
     return torch.cat((-half.flip(0), half)).to(torch.float32)
 
 
-def e8_scale(k: torch.Tensor) -> torch.Tensor:
-    """8-bit scale codes -> float32 scales (k = 0 -> 0)."""
-    d = torch.exp2((k.to(torch.float32) - 128.0) / E8_STEP)
-    return torch.where(k == 0, torch.zeros_like(d), d)
-
-
 class SearchedBlockCodec(Codec):
-    """Blocks whose scale is chosen to minimise each block's squared error.
+    """ggml-shaped blocks of 32 (fp16 d first) whose scale minimises a weighted block error.
 
-    nq4, nq5: blocks of 16 values, one byte of scale k (d = 2^((k-128)/8)), codes indexing the
-    non-uniform levels `level_table(bits)` (x_hat = level[code] d), nibbles as q4_0 (nq5 adds
-    q5_0's fifth-bit field): 9 (11) bytes per 16 values, q4_0's (q5_0's) 4.5 (5.5) bits a value.
-    Trial scales: the four codes below the smallest d >= amax and that one.
-    q8s: q8_0's bytes exactly (fp16 d, int8 codes), d = g amax / 127 for the g of FP16_GRID with
-    the least error, then a least-squares refit d = <x, q> / <q, q>; llama.cpp reads it as q8_0.
+    Each block's d is the best of the trial scales d = g amax / top level (g in SCALE_GRID) and
+    the weighted least-squares refit of the best one's codes, d = sum w x q / sum w q^2, where the
+    error weighs each value by w = x^2 (as ggml's k-quants do without an importance matrix):
+    attention's dot products lean on a block's large values, so their error counts most.
+
+    q8s: q8_0's bytes exactly (fp16 d | 32 x int8), so llama.cpp reads it as q8_0.
+    wq4: q4_0's shape (fp16 d | 16 nibbles, low nibble value j, high value j + 16), the codes
+    indexing the 16 symmetric levels `level_table("wq4")` (x_hat = level[code] d): 90 bytes a
+    token per layer at the fixture's widths, as q4_0.
     """
 
     def __init__(self, width: int, name: str):
-        self.name, self.bits = name, {"nq4": 4, "nq5": 5, "q8s": 8}[name]
-        block = 32 if self.bits == 8 else 16
-        block = block if width % block == 0 else (8 if width % 8 == 0 else 0)
+        if name not in ("q8s", "wq4"):
+            raise ValueError(f"unknown searched block codec {name!r}")
+        self.name, self.bits = name, 8 if name == "q8s" else 4
+        block = block_for(width)
         if width < 1 or not block:
             raise ValueError(
-                f"{name} stores rows in blocks of {32 if self.bits == 8 else 16} values (8 on narrower rows), "
+                f"{name} stores rows in blocks of 32 values (16 or 8 on narrower rows), "
                 f"but this row is {width} wide; use fp8, which works at any width"
             )
         self.width, self.block, self.blocks = width, block, width // block
-        self.header = 2 if self.bits == 8 else 1  # fp16 d, or the 8-bit scale code
-        self.high = block // 8 if self.bits == 5 else 0
-        self.block_bytes = self.header + self.high + (block if self.bits == 8 else block // 2)
+        self.block_bytes = 2 + (block if self.bits == 8 else block // 2)
         self.code_bytes = self.blocks * self.block_bytes
         self.scale_count = 0
-        self.table = level_table(self.bits)
+        self.table = level_table(name)
         self._mids = (self.table[1:] + self.table[:-1]) / 2
 
     def params(self) -> dict[str, Any]:
@@ -248,74 +243,56 @@ class SearchedBlockCodec(Codec):
         x = self.check_rows(x)
         n = x.shape[0]
         blocks = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).view(n, self.blocks, self.block)
-        idx, head, ok = self._search_fp16(blocks) if self.bits == 8 else self._search_e8(blocks)
-        bad = ~ok | ~torch.isfinite(x).all(dim=-1, keepdim=True)  # [N, B]
+        idx, d16 = self._search(blocks)
+        bad = ~torch.isfinite(d16[..., 0]) | ~torch.isfinite(x).all(dim=-1, keepdim=True)  # [N, B]
         if self.bits == 8:
             body = [(idx - 127).to(torch.int8).view(torch.uint8)]
         else:
             body = _pack_nibbles_and_high(idx, self.block, self.bits)
-        codes = torch.cat([head, *body], dim=-1).masked_fill(bad[..., None], 0)
+        codes = torch.cat([d16.view(torch.uint8), *body], dim=-1).masked_fill(bad[..., None], 0)
         return EncodedRows(codes.reshape(n, self.code_bytes), torch.empty(n, 0, dtype=torch.float32))
 
     def _nearest(self, blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes of the nearest level under scales d [N, B, 1], and each block's squared error."""
+        """Codes of the nearest level under scales d [N, B, 1], and each block's weighted error."""
         safe = torch.where(d == 0, torch.ones_like(d), d)
         idx = torch.bucketize((blocks / safe).contiguous(), self._mids)
-        # weighted by x^2 (as ggml's k-quants weigh without an importance matrix): attention's dot
-        # products lean on a block's large values, so their error counts most
         return idx, ((self.table[idx] * d - blocks) * blocks).square().sum(dim=-1, keepdim=True)
 
-    def _best(self, blocks: torch.Tensor, trials) -> tuple[torch.Tensor, torch.Tensor]:
-        """Over trial (scale [N, B, 1], tag [N, B, 1]) pairs: the codes and tag of least error."""
-        best_idx = best_err = best_tag = None
-        for d, tag in trials:
+    def _best(self, blocks: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor]:
+        """Over trial scales [N, B, 1]: the codes and the scale of least weighted error."""
+        best_idx = best_err = best_d = None
+        for d in scales:
             idx, err = self._nearest(blocks, d)
             if best_err is None:
-                best_idx, best_err, best_tag = idx, err, tag
+                best_idx, best_err, best_d = idx, err, d
                 continue
             better = err < best_err
             best_idx = torch.where(better, idx, best_idx)
-            best_err, best_tag = torch.where(better, err, best_err), torch.where(better, tag, best_tag)
-        return best_idx, best_tag
+            best_err, best_d = torch.where(better, err, best_err), torch.where(better, d, best_d)
+        return best_idx, best_d
 
-    def _search_e8(self, blocks: torch.Tensor):
-        amax = blocks.abs().amax(dim=-1, keepdim=True)  # [N, B, 1]
-        top = torch.ceil(torch.log2(amax.clamp_min(2.0**-40)) * E8_STEP) + 128  # smallest k: d >= amax
-        trials = []
-        for j in range(-4, 1):
-            k = (top + j).clamp(1, 255)
-            k = torch.where(amax > 0, k, torch.zeros_like(k))
-            trials.append((e8_scale(k), k))
-        idx, k = self._best(blocks, trials)
-        return idx, k.to(torch.uint8), torch.ones(k.shape[:-1], dtype=torch.bool)
-
-    def _search_fp16(self, blocks: torch.Tensor):
-        amax = blocks.abs().amax(dim=-1, keepdim=True)
-
+    def _search(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         def fp16(d: torch.Tensor) -> torch.Tensor:
             return d.to(torch.float16).to(torch.float32)
 
-        idx, d = self._best(blocks, [(fp16(amax * (g / 127)),) * 2 for g in FP16_GRID])
-        q, w = self.table[idx], blocks.square()  # weighted least squares for those codes
-        refit = fp16((w * blocks * q).sum(-1, keepdim=True) / (w * q.square()).sum(-1, keepdim=True).clamp_min(1e-30))
-        idx, d = self._best(blocks, [(d, d), (refit, refit)])
-        d16 = d.to(torch.float16)
-        return idx, d16.view(torch.uint8), torch.isfinite(d16[..., 0])
+        unit = blocks.abs().amax(dim=-1, keepdim=True) / self.table[-1]  # [N, B, 1]
+        idx, d = self._best(blocks, [fp16(unit * g) for g in SCALE_GRID])
+        q, w = self.table[idx], blocks.square()
+        refit = (w * blocks * q).sum(-1, keepdim=True) / (w * q.square()).sum(-1, keepdim=True).clamp_min(
+            1e-30
+        )
+        idx, d = self._best(blocks, [d, fp16(refit)])
+        return idx, d.to(torch.float16)
 
     def block_values(self, codes: torch.Tensor) -> torch.Tensor:
         """codes uint8 [N, code_bytes] -> level[code] * d, float32 [N, n] (what attention reads)."""
         n = codes.shape[0]
         blocks = codes.view(n, self.blocks, self.block_bytes)
-        body = blocks[..., self.header + self.high :]
+        d = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [N, B, 1]
+        body = blocks[..., 2:]
         if self.bits == 8:
-            d = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [N, B, 1]
             return (body.contiguous().view(torch.int8).to(torch.float32) * d).view(n, self.width)
-        d = e8_scale(blocks[..., :1])
         idx = torch.cat((body & 15, body >> 4), dim=-1).to(torch.int64)  # [N, B, b]
-        if self.bits == 5:
-            field = blocks[..., 1 : 1 + self.high].to(torch.int64)
-            shifts = torch.arange(8, dtype=torch.int64)
-            idx = idx | (((field[..., None] >> shifts) & 1).view(n, self.blocks, self.block) << 4)
         return (self.table[idx] * d).view(n, self.width)
 
     def decode(self, enc: EncodedRows) -> torch.Tensor:
