@@ -438,6 +438,13 @@ def _rope(raw: _Raw) -> RopeConfig:
 # The tiers, named as vLLM's --kv-cache-dtype; kept in step with latentkv.kv.codecs.TIER_NAMES
 # (a test checks it) so this module stays free of imports from the rest of the package.
 # The mixed tiers (tq4-r8: tq4 latent, fp8 rope key; -r16: bf16 rope key) follow the single-codec ones.
+# llama.cpp's block formats (fixed blocks of 32, no --kv-group-size) and their rotated variants.
+BLOCK_KV_CACHE_DTYPES = (
+    *("q8_0", "q5_0", "q4_0", "q4_1"),
+    *("hq8_0", "hq5_0", "hq4_0", "hq4_1"),
+    "q8s",
+    "wq4",
+)
 KV_CACHE_DTYPES = (
     "f32",
     "bf16",
@@ -445,9 +452,12 @@ KV_CACHE_DTYPES = (
     *(f"tq{b}" for b in range(2, 7)),
     *(f"polar{b}" for b in range(2, 7)),
     *(f"{base}-{r}" for base in ("tq4", "tq3", "polar4") for r in ("r8", "r16")),
+    *BLOCK_KV_CACHE_DTYPES,
 )
 # Tiers whose latent codec takes --kv-group-size (one scale per group of values).
-GROUPED_KV_CACHE_DTYPES = tuple(n for n in KV_CACHE_DTYPES if n not in ("f32", "bf16"))
+GROUPED_KV_CACHE_DTYPES = tuple(
+    n for n in KV_CACHE_DTYPES if n not in ("f32", "bf16", *BLOCK_KV_CACHE_DTYPES)
+)
 KV_CACHE_ALIASES = {"auto": "f32", "fp32": "f32", "float32": "f32", "bfloat16": "bf16", "fp8_e4m3": "fp8"}
 DEFAULT_ROTATION_SEED = 0x9E3779B9
 WEIGHT_DTYPES = ("f32", "bf16")

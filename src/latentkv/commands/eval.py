@@ -77,6 +77,14 @@ def _add_ppl(sub) -> None:
         "--bootstrap", type=int, default=1000, metavar="N", help="bootstrap resamples (default: 1000)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling (default: 0)")
+    p.add_argument(
+        "--score-from",
+        type=int,
+        default=0,
+        metavar="N",
+        help="score only positions >= N of each window, each seeing the whole window before it "
+        "(llama-perplexity scores the second half: N = context / 2; default: 0, every position)",
+    )
 
 
 def _add_mc(sub) -> None:
@@ -138,6 +146,7 @@ def _run_ppl(args: argparse.Namespace) -> dict:
 
     if args.bootstrap < 0 or args.max_windows < 0:
         raise UserError("--bootstrap and --max-windows cannot be negative")
+
     loaded, tiers = _load(args, PPL_TIERS)
     model, directory = loaded.model, loaded.directory
     text_path = args.text if args.text is not None else directory / HELDOUT
@@ -149,6 +158,10 @@ def _run_ppl(args: argparse.Namespace) -> dict:
         )
     text = text_path.read_text(encoding="utf-8", errors="replace")
     contexts = _contexts(args.context, model.cfg.max_position_embeddings)
+    if not 0 <= args.score_from <= min(contexts) - 2:
+        raise UserError(
+            f"--score-from {args.score_from}: must be 0 .. {min(contexts) - 2} (the shortest context - 2)"
+        )
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     counts_path = directory / TOKEN_COUNTS
     counts = None
@@ -164,7 +177,7 @@ def _run_ppl(args: argparse.Namespace) -> dict:
         except ValueError as exc:
             raise UserError(str(exc)) from None
         _progress(f"context {context}: {windows.shape[0]} windows x {len(tiers)} tiers")
-        scores = ppl.score_context(model, windows, tiers, progress=_progress)
+        scores = ppl.score_context(model, windows, tiers, progress=_progress, score_from=args.score_from)
         summary = ppl.summarize(scores, model.layout, args.bootstrap, args.seed)
         summary["unigram_ppl"] = ppl.unigram_ppl(counts, scores.targets) if counts is not None else None
         results.append(summary)
@@ -205,6 +218,8 @@ def ppl_table(payload: dict) -> str:
     out = []
     for ctx in payload["contexts"]:
         head = f"context {ctx['context']}: {ctx['windows']} windows, {ctx['tokens_scored']:,} tokens scored"
+        if ctx.get("score_from"):
+            head += f" (positions >= {ctx['score_from']})"
         if ctx["unigram_ppl"] is not None:
             head += f"; unigram baseline ppl {ctx['unigram_ppl']:.2f}"
         out += [

@@ -8,7 +8,9 @@ ones when --max-windows keeps fewer than the text holds). Each window is scored 
 which appends the window's latent rows to an empty cache of that tier first and then attends
 through the tier's reader: every query sees the quantized rows exactly as decode would
 (tests/eval/test_ppl.py checks it against token-by-token decode). Position t predicts token
-t+1, so a window scores N-1 tokens.
+t+1, so a window scores N-1 tokens; with `score_from` S only the positions t >= S are scored
+(N-1-S tokens), each still seeing the whole window before it: llama-perplexity scores the
+second half of each chunk, S = N/2.
 
 Per window, against the f32 cache's logits of the same window (f32 runs once and is the
 reference; a window's f32 logits are dropped before the next window, so memory stays bounded):
@@ -105,18 +107,22 @@ class ContextScores:
     kl: np.ndarray
     agree: np.ndarray
     seconds: np.ndarray  # [tiers]: time spent scoring
-    targets: list[torch.Tensor] = field(default_factory=list)  # per window [N-1], for the unigram
+    targets: list[torch.Tensor] = field(default_factory=list)  # per window [N-1-S], for the unigram
+    score_from: int = 0  # S: the first scored position
 
     @classmethod
-    def empty(cls, context: int, tiers: list[CacheConfig], windows: int) -> ContextScores:
+    def empty(
+        cls, context: int, tiers: list[CacheConfig], windows: int, score_from: int = 0
+    ) -> ContextScores:
         def zeros():
             return np.zeros((len(tiers), windows))
 
-        return cls(context, tiers, windows, zeros(), zeros(), zeros(), np.zeros(len(tiers)))
+        z = np.zeros(len(tiers))
+        return cls(context, tiers, windows, zeros(), zeros(), zeros(), z, score_from=score_from)
 
     @property
     def tokens_per_window(self) -> int:
-        return self.context - 1
+        return self.context - 1 - self.score_from
 
 
 def score_context(
@@ -124,18 +130,22 @@ def score_context(
     windows: torch.Tensor,
     tiers: Sequence[CacheConfig],
     progress: Callable[[str], None] | None = None,
+    score_from: int = 0,
 ) -> ContextScores:
-    """Score windows [W, N] under f32 (the reference) and every tier, window by window."""
+    """Score windows [W, N] under f32 (the reference) and every tier, window by window; only the
+    positions t >= score_from (predicting tokens score_from + 1 .. N - 1) count."""
     tiers = _with_reference(tiers)
     W, N = windows.shape
-    out = ContextScores.empty(N, tiers, W)
+    if not 0 <= score_from <= N - 2:
+        raise ValueError(f"--score-from {score_from}: must be 0 .. {N - 2} for windows of {N} tokens")
+    out = ContextScores.empty(N, tiers, W, score_from)
     t0 = last = time.perf_counter()
     for w in range(W):
-        window, targets = windows[w], windows[w, 1:]
+        window, targets = windows[w], windows[w, score_from + 1 :]
         reference = None
         for i, tier in enumerate(tiers):
             t = time.perf_counter()
-            logits = score_window(model, window, tier)[:-1]  # [N-1, vocab]: the scored positions
+            logits = score_window(model, window, tier)[score_from:-1]  # [N-1-S, vocab]: the scored positions
             out.seconds[i] += time.perf_counter() - t
             reference = logits if reference is None else reference
             s = compare(reference, logits, targets)
@@ -169,6 +179,7 @@ def summarize(
         row["bytes_per_token_layer"] = make_cache(layout, tier).bytes_per_token_layer()
     return {
         "context": scores.context,
+        "score_from": scores.score_from,
         "windows": scores.windows,
         "tokens_scored": int(counts.sum()),
         "tiers": rows,

@@ -13,6 +13,9 @@ a row is `factor_t * values_t`, with the per-row factor kept out of the dot prod
     fp8       rows      lut[byte]  (group scales folded in)  scale_t  (1 when grouped)
     tq*       rotated   level[code]                          radius_t / sqrt(n)
     polar*    rotated   unit vector from the angles          radius_t
+    q8_0 .. q4_1  rows  levels x fp16 block scale (folded)  1
+    hq8_0 ..      rotated  the same, of the rotated row         1
+    q8s, wq4      rows  level[code] x block scale (folded)      1
     (tq* and polar* with grouped radii fold each group's radius into its values: factor 1)
 
     s_t = factor_t * (B q) . values_t          B = R (rotate) for tq / polar, identity otherwise
@@ -33,7 +36,18 @@ from dataclasses import dataclass
 
 import torch
 
-from latentkv.kv.codecs import Bf16Codec, Codec, EncodedRows, F32Codec, Fp8Codec, PolarCodec, TurboCodec
+from latentkv.kv.codecs import (
+    Bf16Codec,
+    BlockCodec,
+    Codec,
+    EncodedRows,
+    F32Codec,
+    Fp8Codec,
+    PolarCodec,
+    RotatedBlockCodec,
+    SearchedBlockCodec,
+    TurboCodec,
+)
 
 DEFAULT_TILE = 512
 
@@ -78,12 +92,20 @@ def _read_polar(codec: PolarCodec, enc: EncodedRows) -> tuple[torch.Tensor, torc
     return codec.unit_vectors(enc.codes), enc.scales[:, 0]
 
 
+def _read_blocks(codec: BlockCodec | SearchedBlockCodec, enc: EncodedRows) -> tuple[torch.Tensor, None]:
+    # each block's fp16 scale multiplies its integer levels as they are widened to float32
+    return codec.block_values(enc.codes), None
+
+
 CONSUMERS: dict[type[Codec], Consumer] = {
     F32Codec: Consumer(_read_f32, tiled=False),
     Bf16Codec: Consumer(_read_bf16),
     Fp8Codec: Consumer(_read_fp8),
     TurboCodec: Consumer(_read_turbo, rotated=True),
     PolarCodec: Consumer(_read_polar, rotated=True),
+    BlockCodec: Consumer(_read_blocks),
+    RotatedBlockCodec: Consumer(_read_blocks, rotated=True),
+    SearchedBlockCodec: Consumer(_read_blocks),
 }
 
 

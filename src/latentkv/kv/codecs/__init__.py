@@ -1,4 +1,5 @@
-"""KV row codecs, by name: f32, bf16, fp8, tq2..tq6, polar2..polar6; and the tiers built from them.
+"""KV row codecs, by name: f32, bf16, fp8, tq2..tq6, polar2..polar6, llama.cpp's block formats
+q8_0, q5_0, q4_0, q4_1 and their rotated variants hq8_0 .. hq4_1; and the tiers built from them.
 
     codec = get_codec("tq4", width=512)        # one codec per row width (c and r separately)
     enc = codec.encode(rows)                   # EncodedRows(codes uint8 [N, B], scales f32 [N, S])
@@ -15,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from latentkv.kv.codecs.base import Codec, EncodedRows
+from latentkv.kv.codecs.blocks import FORMATS as BLOCK_FORMATS
+from latentkv.kv.codecs.blocks import BlockCodec, RotatedBlockCodec, SearchedBlockCodec
 from latentkv.kv.codecs.fp8 import Fp8Codec
 from latentkv.kv.codecs.identity import Bf16Codec, F32Codec
 from latentkv.kv.codecs.polar import PolarCodec
@@ -53,12 +56,31 @@ def _rotated(cls: type[TurboCodec] | type[PolarCodec], prefix: str, bits: int) -
     return make
 
 
+def _block(fmt: str, rotate: bool) -> _Factory:
+    def make(width: int, seed: int, group_size: int | None) -> Codec:
+        _no_groups(("h" if rotate else "") + fmt, group_size)
+        return (RotatedBlockCodec if rotate else BlockCodec)(width, fmt, seed=seed)
+
+    return make
+
+
+def _searched(name: str) -> _Factory:
+    def make(width: int, seed: int, group_size: int | None) -> Codec:
+        _no_groups(name, group_size)
+        return SearchedBlockCodec(width, name)
+
+    return make
+
+
 CODECS: dict[str, _Factory] = {
     "f32": _identity(F32Codec),
     "bf16": _identity(Bf16Codec),
     "fp8": _fp8,
     **{f"tq{b}": _rotated(TurboCodec, "tq", b) for b in range(2, 7)},
     **{f"polar{b}": _rotated(PolarCodec, "polar", b) for b in range(2, 7)},
+    **{fmt: _block(fmt, False) for fmt in BLOCK_FORMATS},
+    **{f"h{fmt}": _block(fmt, True) for fmt in BLOCK_FORMATS},
+    **{name: _searched(name) for name in ("q8s", "wq4")},
 }
 CODEC_NAMES: tuple[str, ...] = tuple(CODECS)
 
@@ -81,11 +103,14 @@ __all__ = [
     "TIER_NAMES",
     "Tier",
     "Bf16Codec",
+    "BlockCodec",
     "Codec",
     "EncodedRows",
     "F32Codec",
     "Fp8Codec",
     "PolarCodec",
+    "RotatedBlockCodec",
+    "SearchedBlockCodec",
     "TurboCodec",
     "get_codec",
 ]

@@ -14,7 +14,8 @@ higher precision while the latent is rotated and 4- or 3-bit:
     polar4-r16  polar4  bf16   228 + 128 = 356
 
 r is 64 of GLM-5's 576 values, so keeping it at 8 or 16 bits costs 32 to 92 bytes a row;
-whether that buys quality is measured in docs/kv-tiers.md. The suffix names r's storage:
+whether that buys quality is measured in docs/kv-tiers.md. The block tiers (llama.cpp's q8_0,
+q5_0, q4_0, q4_1 and the rotated hq* variants, `blocks.py`) store c and r in the same format. The suffix names r's storage:
 `-r8` fp8 e4m3 (per-row scale), `-r16` bf16. The KV file records the tier name and both
 codecs' params, so a file written under one tier is refused under any other.
 """
@@ -38,6 +39,7 @@ def _same(name: str) -> Tier:
 
 
 _R_SUFFIXES = {"r8": "fp8", "r16": "bf16"}
+BLOCK_TIERS = (*("q8_0", "q5_0", "q4_0", "q4_1"), *("hq8_0", "hq5_0", "hq4_0", "hq4_1"), "q8s", "wq4")
 MIXED_BASES = ("tq4", "tq3", "polar4")
 
 TIERS: dict[str, Tier] = {
@@ -50,5 +52,6 @@ TIERS: dict[str, Tier] = {
         for base in MIXED_BASES
         for suffix, r in _R_SUFFIXES.items()
     },
+    **{n: _same(n) for n in BLOCK_TIERS},
 }
 TIER_NAMES: tuple[str, ...] = tuple(TIERS)
