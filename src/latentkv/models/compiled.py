@@ -106,10 +106,11 @@ class CompiledDecode:
         dsa = model.cfg.dsa
         if dsa is not None and dsa.index_topk + 2 <= model.cfg.max_position_embeddings:
             lengths.append(dsa.index_topk + 1)  # past index_topk the indexer selects: another graph
-        token = torch.zeros(1, dtype=torch.long)
+        device = model.rope.inv_freq.device
+        token = torch.zeros(1, dtype=torch.long, device=device)
         for length in lengths:
             cache = make_cache()
-            model.forward(torch.zeros(length, dtype=torch.long), cache)
+            model.forward(torch.zeros(length, dtype=torch.long, device=device), cache)
             with torch.inference_mode():  # an eager step first: it builds the RoPE patterns the graph reads
                 model._forward(token, cache)
             for _ in range(2):  # the second call checks the first graph serves the next length

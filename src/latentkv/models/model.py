@@ -70,8 +70,9 @@ class Model:
         self.blocks = blocks
         self.norm = norm
         self.lm_head = lm_head  # [vocab, D]
-        self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
-        self.layout = CacheLayout.for_model(cfg)
+        self.device = embed.device  # where every weight lives (chosen by the loader)
+        self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim, self.device)
+        self.layout = CacheLayout.for_model(cfg, self.device)
         self.compiled: CompiledDecode | None = None
 
     def compile_decode(self, cache: CacheConfig | None = None, progress: bool = True) -> float:
@@ -150,7 +151,7 @@ class Model:
         ):  # run in slot order: the pool is then read by a slice
             order = sorted(range(len(caches)), key=slots.__getitem__)
             logits = self.decode_batch(tokens[order], [caches[b] for b in order], pool)
-            return logits[torch.tensor(order).argsort()]
+            return logits[torch.tensor(order, device=logits.device).argsort()]
         return self._run(batches.decode(self.rope, self.layout, tokens, caches, pool))
 
     @torch.inference_mode()
