@@ -90,9 +90,10 @@ def prefill(rope: Rope, prompts: Sequence[torch.Tensor], caches: Sequence[Cache]
 
 
 def decode(
-    rope: Rope, layout: CacheLayout, tokens: torch.Tensor, caches: Sequence[Cache], pool: SlotPool | None
+    rope: Rope, tokens: torch.Tensor, caches: Sequence[Cache], pool: SlotPool | None, slots: list[int] | None
 ) -> Batch:
-    """One new token [B] per cache (B > 1), caches ordered by pool slot when they are in `pool`."""
+    """One new token [B] per cache (B > 1); `slots`: the caches' slots in `pool`, in order
+    (`pool_slots`), or None when the step runs on their own buffers."""
     lengths = [c.length for c in caches]
     ends = [n + 1 for n in lengths]
     T = max(ends)
@@ -104,7 +105,6 @@ def decode(
         blocked = (
             torch.arange(T, device=device)[None, :] >= torch.tensor(ends, device=device)[:, None]
         )  # [B, T]
-    slots = pool_slots(layout, pool, caches, T)
     if slots is None:
         store: _OwnBuffers | _Slots = _OwnBuffers(caches, _tier_groups(caches))
     else:

@@ -152,7 +152,7 @@ class Model:
             order = sorted(range(len(caches)), key=slots.__getitem__)
             logits = self.decode_batch(tokens[order], [caches[b] for b in order], pool)
             return logits[torch.tensor(order, device=logits.device).argsort()]
-        return self._run(batches.decode(self.rope, self.layout, tokens, caches, pool))
+        return self._run(batches.decode(self.rope, tokens, caches, pool, slots))
 
     @torch.inference_mode()
     def prefill_batch(self, prompts: Sequence[torch.Tensor], caches: Sequence[Cache]) -> torch.Tensor:
