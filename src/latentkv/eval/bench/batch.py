@@ -20,7 +20,6 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.eval.bench.common import random_prompt
-from latentkv.kv.cache import LatentCache
 from latentkv.kv.slots import SlotPool
 
 
@@ -95,7 +94,7 @@ def _single_step(model, state: tuple[list, list[int]]) -> float:
 
 def _pooled(model, size: int, caches: list) -> SlotPool | None:
     """The server's slot pool for float32 caches (None for other tiers, which it does not hold)."""
-    if not all(type(c) is LatentCache for c in caches):
+    if not all(c.tier.poolable for c in caches):
         return None
     pool = SlotPool(model.layout, size)
     for cache in caches:
