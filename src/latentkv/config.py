@@ -392,6 +392,8 @@ class EngineConfig:
         for flag, name in (("weight", self.weight_dtype), ("expert", self.expert_dtype or self.weight_dtype)):
             if name not in WEIGHT_DTYPES:
                 raise ConfigError(f"unknown {flag} dtype {name!r}; choose from {', '.join(WEIGHT_DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 (got {self.threads})")
 
     @property
     def experts(self) -> str:
@@ -401,9 +403,11 @@ class EngineConfig:
     @property
     def weights_label(self) -> str:
         """`int4` or `bf16 (experts int4)`: how a run names its weights."""
-        return self.weight_dtype if self.experts == self.weight_dtype else f"{self.weight_dtype} (experts {self.experts})"
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1 (got {self.threads})")
+        return (
+            self.weight_dtype
+            if self.experts == self.weight_dtype
+            else f"{self.weight_dtype} (experts {self.experts})"
+        )
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,9 @@ def weight_dtypes(value: str) -> list[str]:
     names = [n.strip() for n in value.split(",") if n.strip()]
     bad = [n for n in names if n not in WEIGHT_DTYPES]
     if bad or not names:
-        raise UserError(f"unknown weight dtype {', '.join(bad) or repr(value)}; choose from {', '.join(WEIGHT_DTYPES)}")
+        raise UserError(
+            f"unknown weight dtype {', '.join(bad) or repr(value)}; choose from {', '.join(WEIGHT_DTYPES)}"
+        )
     return names
 
 
@@ -259,7 +261,9 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
         check_tier(ModelConfig.from_hf(directory), engine.cache)
         if engine.compile:
             check_compilable(engine.cache)
-        model = load_model(directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype)
+        model = load_model(
+            directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
+        )
     except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable) as exc:
         raise UserError(str(exc)) from None
     seconds = time.perf_counter() - t0

@@ -8,7 +8,9 @@ For each output row o and group g of `group_size` consecutive input columns (32,
     W~[o, i]    = (q[o, i] - 8) * scale + zero  = q * scale + min: the matrix computed with
 
 which is the convention of torch's CPU int4 op `_weight_int4pack_mm_for_cpu` (`qScaleAndZeros`
-[in / G, out, 2] float32). The op wants its own packed layout, made by
+[in / G, out, 2]). The op takes scales and zeros in the activations' dtype and its bfloat16 path
+is the fast one (docs/weights.md), so scale and zero are bfloat16 (the scale rounded up, so the
+range still spans the group) and x is cast to bfloat16 for the product. The op wants its own packed layout, made by
 `_convert_weight_to_int4pack_for_cpu`; that layout depends on the CPU's vector width, so it is
 built at load and never written to disk: files hold the portable nibbles (`pack_nibbles`: byte j
 of a row holds columns 2j in its low and 2j+1 in its high nibble).
@@ -19,10 +21,13 @@ The op needs out % 16 == 0 and in % group_size == 0: other shapes are padded wit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from latentkv.weights.base import Linear, register
+from latentkv.weights.int8 import bf16_at_least
 
 GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 64
@@ -31,13 +36,14 @@ OUT_MULTIPLE = 16  # the packing op's requirement on the output dimension
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w float [out, in] (in % group_size == 0) -> (q uint8 [out, in] in 0..15,
-    scale float32 [out, in / G], zero float32 [out, in / G]) with W~ = (q - 8) * scale + zero."""
+    scale bfloat16 [out, in / G], zero bfloat16 [out, in / G]) with W~ = (q - 8) * scale + zero."""
     out_f, in_f = w.shape
     wg = w.float().reshape(out_f, in_f // group_size, group_size)  # [out, groups, G]
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [out, groups]
-    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo))
-    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-    return q.reshape(out_f, in_f), scale, lo + 8 * scale
+    scale = bf16_at_least(torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo)))
+    zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+    q = torch.round((wg - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    return q.clamp_(0, 15).to(torch.uint8).reshape(out_f, in_f), scale, zero
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -45,7 +51,7 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     out_f, in_f = q.shape
     groups = scale.shape[1]
     qg = q.float().reshape(out_f, groups, in_f // groups)
-    return ((qg - 8) * scale[..., None] + zero[..., None]).reshape(out_f, in_f)
+    return ((qg - 8) * scale.float()[..., None] + zero.float()[..., None]).reshape(out_f, in_f)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -75,7 +81,7 @@ class Int4Linear(Linear):
         in_features: int,
         bias: torch.Tensor | None = None,
     ):
-        """nibbles uint8 [out, in_padded / 2] (`pack_nibbles`), scale/zero float32
+        """nibbles uint8 [out, in_padded / 2] (`pack_nibbles`), scale/zero bfloat16
         [out, in_padded / G]: a weight as a file stores it; packed here for this CPU."""
         out_f, half = nibbles.shape
         groups = scale.shape[1]
@@ -92,10 +98,10 @@ class Int4Linear(Linear):
         self._out_padded = _padded(out_f, OUT_MULTIPLE)
         q = unpack_nibbles(nibbles).to(torch.int32)  # [out, in_padded]
         pad_rows = self._out_padded - out_f
-        sz = torch.stack([scale.float(), zero.float()], dim=-1)  # [out, groups, 2]
+        sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
         if pad_rows:
             q = F.pad(q, (0, 0, 0, pad_rows), value=8)  # (8 - 8) * 1 + 0 = 0
-            sz = torch.cat([sz, torch.tensor([1.0, 0.0]).expand(pad_rows, groups, 2)])
+            sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # the op's layout
         self.scale_zeros = sz.transpose(0, 1).contiguous()  # [groups, out_padded, 2]
         self._bias = None if bias is None else bias.float().contiguous()
@@ -118,14 +124,12 @@ class Int4Linear(Linear):
         return self._bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
         if self._in_padded != self.in_features:
             x2 = F.pad(x2, (0, self._in_padded - self.in_features))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.contiguous(), self.packed, self.group_size, self.scale_zeros
-        )  # [M, out_padded]
+        ).float()  # [M, out_padded]
         if self._out_padded != self.out_features:
             y = y[:, : self.out_features]
         if self._bias is not None:
@@ -145,7 +149,7 @@ class Int4Linear(Linear):
 
     @property
     def nbytes(self) -> int:
-        n = self.packed.numel() + self.scale_zeros.numel() * 4
+        n = self.packed.numel() + self.scale_zeros.numel() * 2
         return n if self._bias is None else n + self._bias.numel() * 4
 
 
@@ -156,9 +160,18 @@ def pad_columns(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def unpack_op_layout(packed: torch.Tensor, out_f: int, in_f: int) -> torch.Tensor:
-    """The op's packed layout -> q uint8 [out, in], whatever layout this CPU's build uses: pack
-    probes whose values are the hex digits of each element's index, read back where every
-    nibble landed, and invert that permutation."""
+    """The op's packed layout -> q uint8 [out, in], whatever layout this CPU's build uses (see
+    `_op_positions`)."""
+    q = torch.empty(out_f * in_f, dtype=torch.uint8)
+    q[_op_positions(out_f, in_f)] = _nibbles_flat(packed)
+    return q.view(out_f, in_f)
+
+
+@functools.lru_cache(maxsize=16)
+def _op_positions(out_f: int, in_f: int) -> torch.Tensor:
+    """For each nibble of the op's packed layout, the flat index (o * in + i) of the weight it
+    holds: found by packing probes whose values are the hex digits of each element's index.
+    Cached per shape (a model has a handful); the packed data itself is never re-probed."""
     n = out_f * in_f
     where = torch.zeros(n, dtype=torch.int64)
     index = torch.arange(n, dtype=torch.int64)
@@ -166,9 +179,7 @@ def unpack_op_layout(packed: torch.Tensor, out_f: int, in_f: int) -> torch.Tenso
         probe = ((index >> (4 * digit)) & 15).to(torch.int32).view(out_f, in_f)
         landed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
         where |= _nibbles_flat(landed).to(torch.int64) << (4 * digit)
-    q = torch.empty(n, dtype=torch.uint8)
-    q[where] = _nibbles_flat(packed)
-    return q.view(out_f, in_f)
+    return where
 
 
 def _nibbles_flat(packed: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,15 @@
     q[o, i]  = round(W[o, i] / scale[o])         int8 in [-127, 127]
     W~[o, i] = q[o, i] * scale[o]                the matrix this format computes with
 
-Decode (a few rows) runs torch's `_weight_int8pack_mm` (x @ q^T * scale, reading int8 from
-memory: the step is bandwidth-bound, so a quarter of the bytes is the point). Prefill (many
-rows) is compute-bound and there a dequantized tile in a fast float dtype wins: since the scale
-is per output row it factors out, `x @ W~^T = (x @ q^T) * scale`, and q is exact in bfloat16, so
-a tile of q cast to the CPU's matmul dtype feeds one `F.linear` and the scale multiplies the
-product. See docs/weights.md for the measurements behind the row threshold.
+The scale is stored in bfloat16 (rounded up, so no weight clips): torch's op takes the scale
+in the activations' dtype, and its bfloat16 path is the fast one (docs/weights.md).
+
+Decode (a few rows) runs torch's `_weight_int8pack_mm` on bfloat16 activations (x @ q^T * scale,
+reading int8 from memory: the step is bandwidth-bound, so a quarter of the bytes is the point).
+Prefill (many rows) is compute-bound, and there the op is several times slower than a
+dequantized tile: the scale is per output row so it factors out, `x @ W~^T = (x @ q^T) * scale`,
+and q is exact in bfloat16, so a tile of q cast to the CPU's matmul dtype feeds one `F.linear`
+and the scale multiplies the product.
 """
 
 from __future__ import annotations
@@ -27,13 +30,19 @@ PREFILL_MIN_ROWS = 16
 TILE_ROWS = 1024
 
 
+def bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """x (positive float32) rounded to bfloat16, upwards: the smallest bfloat16 >= x."""
+    b = x.to(torch.bfloat16)
+    return torch.where(b.float() < x, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w float [out, in] -> (q int8 [out, in], scale float32 [out]). An all-zero row gets
+    """w float [out, in] -> (q int8 [out, in], scale bfloat16 [out]). An all-zero row gets
     scale 1 (its q is 0 either way)."""
     w = w.float()
     amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    scale = bf16_at_least(torch.where(amax > 0, amax / QMAX, torch.ones_like(amax)))
+    q = torch.round(w / scale.float()[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 
@@ -44,10 +53,13 @@ class Int8Linear(Linear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         if q.dim() != 2 or q.dtype != torch.int8:
             raise ValueError(f"int8 weight must be int8 [out, in], got {q.dtype} {tuple(q.shape)}")
-        if scale.shape != (q.shape[0],) or scale.dtype != torch.float32:
-            raise ValueError(f"int8 scale must be float32 [{q.shape[0]}], got {scale.dtype} {tuple(scale.shape)}")
+        if scale.shape != (q.shape[0],) or scale.dtype != torch.bfloat16:
+            raise ValueError(
+                f"int8 scale must be bfloat16 [{q.shape[0]}], got {scale.dtype} {tuple(scale.shape)}"
+            )
         self.q = q.contiguous()  # [out, in]
-        self.scale = scale.contiguous()  # [out]
+        self.scale = scale.contiguous()  # [out] bfloat16, the op's
+        self._scale_f32 = scale.float()  # [out], for the tile path
         self._bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = q.shape
 
@@ -66,12 +78,11 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
         if x2.shape[0] > PREFILL_MIN_ROWS:
             y = self._tiled(x2)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)
+            xb = x2.to(torch.bfloat16).contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale).float()
         if self._bias is not None:
             y = y + self._bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -84,13 +95,13 @@ class Int8Linear(Linear):
         for r0 in range(0, self.out_features, TILE_ROWS):
             r1 = min(r0 + TILE_ROWS, self.out_features)
             part = F.linear(xd, self.q[r0:r1].to(dtype))  # [M, r1-r0]
-            torch.mul(part, self.scale[r0:r1], out=out[:, r0:r1])
+            torch.mul(part, self._scale_f32[r0:r1], out=out[:, r0:r1])
         return out
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
+        return self.q.float() * self._scale_f32[:, None]
 
     @property
     def nbytes(self) -> int:
-        n = self.q.numel() + self.scale.numel() * 4
+        n = self.q.numel() + self.scale.numel() * 2
         return n if self._bias is None else n + self._bias.numel() * 4

@@ -21,7 +21,9 @@ def cpu_features() -> dict[str, bool | str]:
         "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
         "amx": bool(torch.cpu._is_amx_tile_supported()),
         "vnni": bool(torch.cpu._is_vnni_supported()),
-        "mkldnn_bf16": bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "mkldnn_bf16": bool(
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ),
     }
 
 
