@@ -42,6 +42,7 @@ def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> 
     p.add_argument(
         "--weight-dtype",
         default="f32",
+        choices=None if multiple else WEIGHT_DTYPES,
         metavar="LIST" if multiple else "DTYPE",
         help=f"{what}: {names} (default: f32; int8 per-channel, int4 group-wise; norms and the "
         "router stay f32)",
@@ -49,6 +50,7 @@ def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> 
     p.add_argument(
         "--expert-dtype",
         default=None,
+        choices=WEIGHT_DTYPES,
         metavar="DTYPE",
         help=f"format of the routed experts: {names} (default: the --weight-dtype)",
     )
