@@ -277,12 +277,22 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
             f"{engine.weights_label} weights) in {seconds:.2f} s",
             file=sys.stderr,
         )
+        print(
+            f"peak RSS so far {_peak_rss_mib():.0f} MiB (checkpoint pages read through mmap included)",
+            file=sys.stderr,
+        )
         for fmt in dict.fromkeys((engine.weight_dtype, engine.experts)):
             if fmt in ("int8", "int4"):
                 print(describe(fmt), file=sys.stderr)
     if engine.compile:
         model.compile_decode(engine.cache, progress=not quiet)
     return Loaded(model, tokenizer, directory, seconds)
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
