@@ -52,6 +52,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @register
 class Int8Linear(Linear):
     format = "int8"
+    pieces = ("q", "scale")  # the portable state a file stores (`quantize_state`, `from_state`)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         if q.dim() != 2 or q.dtype != torch.int8:
@@ -69,12 +70,24 @@ class Int8Linear(Linear):
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **params) -> Int8Linear:
+        return cls.from_state(cls.quantize_state(w, **params), w.shape[1], bias)
+
+    @staticmethod
+    def quantize_state(w: torch.Tensor, **params) -> dict[str, torch.Tensor]:
+        """The portable tensors of w float [out, in] in this format (what a file stores); every
+        piece has the output rows first, so matrices fused by rows concatenate piece by piece."""
         if params:
             raise ValueError(f"weight format int8 takes no parameters, got {sorted(params)}")
         if w.dim() != 2:
             raise ValueError(f"int8 needs a matrix [out, in], got shape {tuple(w.shape)}")
         q, scale = quantize_int8(w)
-        return cls(q, scale, bias)
+        return {"q": q, "scale": scale}
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None = None
+    ) -> Int8Linear:
+        return cls(state["q"], state["scale"], bias)
 
     @property
     def bias(self) -> torch.Tensor | None:
