@@ -55,6 +55,26 @@ def gguf(model: Path, fmt: str, work: Path, llama: Path) -> Path:
     return out
 
 
+def with_tokenizer(model: Path, donor: Path | None, work: Path) -> Path:
+    """MODEL itself if it has a tokenizer; else a directory of links to its files plus the donor's
+    tokenizer files (the random benchmark checkpoints ship none; llama.cpp's converter needs one)."""
+    if (model / "tokenizer.json").is_file():
+        return model
+    if donor is None:
+        sys.exit(
+            f"error: {model} has no tokenizer.json; pass --tokenizer-from DIR (e.g. src/latentkv/builtin/fixture)"
+        )
+    view = work / f"{model.name}-with-tokenizer"
+    view.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if not (view / f.name).exists():
+            (view / f.name).symlink_to(f.resolve())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (donor / name).is_file() and not (view / name).exists():
+            (view / name).write_bytes((donor / name).read_bytes())
+    return view
+
+
 def run(cmd: list[str]) -> str:
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -138,6 +158,9 @@ def main() -> int:
         "--work", type=Path, default=DEFAULT_LLAMA.parent / "gguf", help="where GGUF files are kept"
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/vs-llamacpp.json"))
+    p.add_argument(
+        "--tokenizer-from", type=Path, default=None, help="tokenizer donor for a checkpoint without one"
+    )
     args = p.parse_args()
     model = Path(args.model)
     if not (model / "config.json").is_file():
@@ -150,6 +173,7 @@ def main() -> int:
     except (ValueError, AssertionError):
         print(f"error: bad --depths {args.depths!r} or --pairs {args.pairs!r}", file=sys.stderr)
         return 2
+    model = with_tokenizer(model, args.tokenizer_from, args.work)
     results = []
     for fmt, dtype in pairs:
         t0 = time.time()
