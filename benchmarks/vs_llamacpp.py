@@ -32,6 +32,23 @@ PREFILL = 512
 GEN = 64
 
 
+# llama.cpp's converter refuses a BPE tokenizer whose pre-tokenizer hash it does not know; ours
+# split text with GLM-4's regex, so it is told so; and its GLM vocabulary step wants GLM's own
+# special tokens ([gMASK], ...), which our small tokenizers lack: the generic BPE step serves.
+# (argv: the converter's path, then its arguments)
+CONVERT_AS_GLM4 = """
+import runpy, sys
+from pathlib import Path
+converter = Path(sys.argv[1])
+sys.path[:0] = [str(converter.parent), str(converter.parent / "gguf-py")]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "glm4"
+base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2
+sys.argv = sys.argv[1:]
+runpy.run_path(str(converter), run_name="__main__")
+"""
+
+
 def find(root: Path, name: str) -> Path:
     """The first file called `name` under root (build/bin first)."""
     for candidate in [root / "build" / "bin" / name, *root.rglob(name)]:
@@ -46,7 +63,19 @@ def gguf(model: Path, fmt: str, work: Path, llama: Path) -> Path:
     f16 = work / f"{model.name}-f16.gguf"
     if not f16.exists():
         converter = find(llama, "convert_hf_to_gguf.py")
-        run([sys.executable, str(converter), str(model), "--outtype", "f16", "--outfile", str(f16)])
+        run(
+            [
+                sys.executable,
+                "-c",
+                CONVERT_AS_GLM4,
+                str(converter),
+                str(model),
+                "--outtype",
+                "f16",
+                "--outfile",
+                str(f16),
+            ]
+        )
     if fmt == "f16":
         return f16
     out = work / f"{model.name}-{fmt}.gguf"
@@ -73,6 +102,19 @@ def with_tokenizer(model: Path, donor: Path | None, work: Path) -> Path:
         if (donor / name).is_file() and not (view / name).exists():
             (view / name).write_bytes((donor / name).read_bytes())
     return view
+
+
+def per_expert(model: Path, work: Path) -> Path:
+    """MODEL itself if its experts are stored one by one; else a copy with them split (llama.cpp's
+    converter rejects transformers' fused `experts.gate_up_proj`): `latentkv convert` to f32."""
+    from latentkv.models.loader import Checkpoint
+
+    if not any(n.endswith("experts.gate_up_proj") for n in Checkpoint(model).keys()):  # noqa: SIM118
+        return model
+    split = work / f"{model.name}-per-expert"
+    if not (split / "config.json").exists():
+        run([sys.executable, "-m", "latentkv", "convert", str(model), str(split), "--weight-dtype", "f32"])
+    return split
 
 
 def run(cmd: list[str]) -> str:
