@@ -46,10 +46,12 @@ class _Reader:
         ckpt: Checkpoint,
         fmt: str,
         block_size: tuple[int, int] | None,
+        device: str = "cpu",
         expert_fmt: str | None = None,
         packed: dict | None = None,
     ):
         self.ckpt = ckpt
+        self.device = torch.device(device)
         self.packed = packed or {}  # a converted checkpoint's pre-quantized matrices (its manifest)
         self.fmt = fmt
         self.expert_fmt = expert_fmt or fmt  # routed experts' format (--expert-dtype)
@@ -78,7 +80,7 @@ class _Reader:
                 f"{name} has shape {tuple(t.shape)} but the config implies {tuple(shape)}; "
                 "is config.json the one these weights were saved with?"
             )
-        return t
+        return t.to(self.device)  # (no copy on the CPU)
 
     def table(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The embedding table, in the format's dtype (a view when it already is)."""
@@ -116,10 +118,15 @@ class _Reader:
 
 
 def load_model(
-    directory: str | Path, weight_dtype: str = "f32", progress: bool = False, expert_dtype: str | None = None
+    directory: str | Path,
+    weight_dtype: str = "f32",
+    progress: bool = False,
+    device: str = "cpu",
+    expert_dtype: str | None = None,
 ) -> Model:
-    """The model in `directory`, its matrices in `weight_dtype` and its routed experts in
-    `expert_dtype` (default: the same)."""
+    """The model in `directory` with its matrices in `weight_dtype` and its routed experts in
+    `expert_dtype` (default: the same), every tensor on `device` (the one device the model, its
+    caches and its passes then use)."""
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
@@ -130,7 +137,7 @@ def load_model(
     ckpt = Checkpoint(directory, progress=progress)
     packed = manifest["tensors"] if manifest else None
     return build_model(
-        cfg, ckpt, weight_dtype, tuple(block) if block else None, progress, expert_dtype, packed
+        cfg, ckpt, weight_dtype, tuple(block) if block else None, progress, device, expert_dtype, packed
     )
 
 
@@ -150,13 +157,14 @@ def build_model(
     weight_dtype: str = "f32",
     block_size: tuple[int, int] | None = None,
     progress: bool = False,
+    device: str = "cpu",
     expert_dtype: str | None = None,
     packed: dict | None = None,
 ) -> Model:
     for name in (weight_dtype, expert_dtype or weight_dtype):
         if name not in FORMATS:
             raise ValueError(f"weight dtype {name!r} not in {sorted(FORMATS)}")
-    rd = _Reader(ckpt, weight_dtype, block_size, expert_dtype, packed)
+    rd = _Reader(ckpt, weight_dtype, block_size, device, expert_dtype, packed)
     D, V = cfg.hidden_size, cfg.vocab_size
     embed = rd.table("model.embed_tokens.weight", (V, D))
     layers = range(cfg.num_layers)
@@ -189,7 +197,10 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
     b_in = None
     if any(b is not None for b in biases):
         b_in = torch.cat(
-            [b if b is not None else torch.zeros(rows) for b, (_, rows) in zip(biases, parts, strict=False)]
+            [
+                b if b is not None else torch.zeros(rows, device=rd.device)
+                for b, (_, rows) in zip(biases, parts, strict=False)
+            ]
         )
     w_in = rd.prequantized([name + ".weight" for name, _ in parts], rd.fmt) if b_in is None else None
     if w_in is None:
@@ -273,7 +284,7 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
             bias=(
                 rd.vector(p + "gate.e_score_correction_bias", (E,))
                 if rd.has(p + "gate.e_score_correction_bias")
-                else torch.zeros(E)
+                else torch.zeros(E, device=rd.device)
             ),
         ),
     )
@@ -289,8 +300,8 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
         return MoE(router, ResidentExperts([_expert(rd, f"{p}experts.{e}.", D, I) for e in range(E)]), shared)
     # per-expert tensors, as checkpoints ship them: stacked here (the one copy)
     dtype = DTYPES[rd.expert_fmt]
-    gate_up = torch.empty(E, 2 * I, D, dtype=dtype)
-    down = torch.empty(E, D, I, dtype=dtype)
+    gate_up = torch.empty(E, 2 * I, D, dtype=dtype, device=rd.device)
+    down = torch.empty(E, D, I, dtype=dtype, device=rd.device)
     for e in range(E):
         q = f"{p}experts.{e}."
         gate_up[e, :I] = rd.raw(q + "gate_proj.weight", (I, D))
