@@ -24,18 +24,49 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, com
         p.add_argument(
             "model", metavar="MODEL", help="model directory (config.json + safetensors) or builtin:tiny"
         )
-    p.add_argument(
-        "--weight-dtype",
-        default="f32",
-        choices=["f32", "bf16"],
-        help="dtype of the weight matrices in memory (default: f32; norms and router stay f32)",
-    )
+    add_weight_arguments(p)
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
     add_cache_arguments(p)
     if compile:
         add_compile_argument(p)
+
+
+def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> None:
+    """--weight-dtype (one format, or a comma list when `multiple`) and --expert-dtype."""
+    from latentkv.config import WEIGHT_DTYPES
+
+    names = ", ".join(WEIGHT_DTYPES)
+    what = "comma-separated weight formats" if multiple else "format of the weight matrices in memory"
+    p.add_argument(
+        "--weight-dtype",
+        default="f32",
+        choices=None if multiple else WEIGHT_DTYPES,
+        metavar="LIST" if multiple else "DTYPE",
+        help=f"{what}: {names} (default: f32; int8 per-channel, int4 group-wise; norms and the "
+        "router stay f32)",
+    )
+    p.add_argument(
+        "--expert-dtype",
+        default=None,
+        choices=WEIGHT_DTYPES,
+        metavar="DTYPE",
+        help=f"format of the routed experts: {names} (default: the --weight-dtype)",
+    )
+
+
+def weight_dtypes(value: str) -> list[str]:
+    """A --weight-dtype list, checked: each name a known format, one clear error otherwise."""
+    from latentkv.config import WEIGHT_DTYPES
+
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in WEIGHT_DTYPES]
+    if bad or not names:
+        raise UserError(
+            f"unknown weight dtype {', '.join(bad) or repr(value)}; choose from {', '.join(WEIGHT_DTYPES)}"
+        )
+    return names
 
 
 def add_compile_argument(p: argparse.ArgumentParser) -> None:
@@ -182,6 +213,7 @@ def engine_config(args: argparse.Namespace):
     try:
         return EngineConfig(
             weight_dtype=args.weight_dtype,
+            expert_dtype=getattr(args, "expert_dtype", None),
             threads=args.threads if args.threads is not None else env_threads(),
             cache=cache,
             compile=getattr(args, "compile", False),
@@ -221,6 +253,7 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
     from latentkv.models.registry import ModelNotFound, resolve
     from latentkv.models.weights import load_model
     from latentkv.tokenizer import Tokenizer
+    from latentkv.weights.kernels import describe
 
     if engine.threads:
         torch.set_num_threads(engine.threads)
@@ -230,7 +263,9 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
         check_tier(ModelConfig.from_hf(directory), engine.cache)
         if engine.compile:
             check_compilable(engine.cache)
-        model = load_model(directory, engine.weight_dtype, progress=not quiet)
+        model = load_model(
+            directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
+        )
     except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable) as exc:
         raise UserError(str(exc)) from None
     seconds = time.perf_counter() - t0
@@ -239,12 +274,25 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
         params = model.num_parameters()
         print(
             f"loaded {model_arg} ({model.cfg.model_type}, {params / 1e6:.1f}M parameters, "
-            f"{engine.weight_dtype} weights) in {seconds:.2f} s",
+            f"{engine.weights_label} weights) in {seconds:.2f} s",
             file=sys.stderr,
         )
+        print(
+            f"peak RSS so far {_peak_rss_mib():.0f} MiB (checkpoint pages read through mmap included)",
+            file=sys.stderr,
+        )
+        for fmt in dict.fromkeys((engine.weight_dtype, engine.experts)):
+            if fmt in ("int8", "int4"):
+                print(describe(fmt), file=sys.stderr)
     if engine.compile:
         model.compile_decode(engine.cache, progress=not quiet)
     return Loaded(model, tokenizer, directory, seconds)
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

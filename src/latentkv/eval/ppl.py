@@ -96,9 +96,19 @@ def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
     return WindowScore(nll, kl, agree)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One scored configuration: a model (its weights in some format) and a KV tier."""
+
+    model: object
+    cache: CacheConfig
+    weights: str = "f32"  # the weight format's name, for the report
+
+
 @dataclass
 class ContextScores:
-    """Per-window sums for every tier at one context length; arrays [tiers, windows]."""
+    """Per-window sums for every variant (weights x KV tier) at one context length; arrays
+    [variants, windows]. Row 0 is the reference (f32 weights, f32 cache)."""
 
     context: int
     tiers: list[CacheConfig]
@@ -109,16 +119,32 @@ class ContextScores:
     seconds: np.ndarray  # [tiers]: time spent scoring
     targets: list[torch.Tensor] = field(default_factory=list)  # per window [N-1-S], for the unigram
     score_from: int = 0  # S: the first scored position
+    weights: list[str] = field(default_factory=list)  # per row: the weight format ("f32" if empty)
 
     @classmethod
     def empty(
-        cls, context: int, tiers: list[CacheConfig], windows: int, score_from: int = 0
+        cls,
+        context: int,
+        tiers: list[CacheConfig],
+        windows: int,
+        score_from: int = 0,
+        weights: list[str] | None = None,
     ) -> ContextScores:
         def zeros():
             return np.zeros((len(tiers), windows))
 
         z = np.zeros(len(tiers))
-        return cls(context, tiers, windows, zeros(), zeros(), zeros(), z, score_from=score_from)
+        return cls(
+            context,
+            tiers,
+            windows,
+            zeros(),
+            zeros(),
+            zeros(),
+            z,
+            score_from=score_from,
+            weights=weights or [],
+        )
 
     @property
     def tokens_per_window(self) -> int:
@@ -134,18 +160,30 @@ def score_context(
 ) -> ContextScores:
     """Score windows [W, N] under f32 (the reference) and every tier, window by window; only the
     positions t >= score_from (predicting tokens score_from + 1 .. N - 1) count."""
-    tiers = _with_reference(tiers)
+    return score_variants(windows, [Variant(model, t) for t in _with_reference(tiers)], progress, score_from)
+
+
+def score_variants(
+    windows: torch.Tensor,
+    variants: Sequence[Variant],
+    progress: Callable[[str], None] | None = None,
+    score_from: int = 0,
+) -> ContextScores:
+    """Score windows [W, N] under every variant, window by window; variants[0] is the reference
+    (f32 weights and cache) the others are compared with. Only positions t >= score_from count."""
     W, N = windows.shape
     if not 0 <= score_from <= N - 2:
         raise ValueError(f"--score-from {score_from}: must be 0 .. {N - 2} for windows of {N} tokens")
-    out = ContextScores.empty(N, tiers, W, score_from)
+    out = ContextScores.empty(N, [v.cache for v in variants], W, score_from, [v.weights for v in variants])
     t0 = last = time.perf_counter()
     for w in range(W):
         window, targets = windows[w], windows[w, score_from + 1 :]
         reference = None
-        for i, tier in enumerate(tiers):
+        for i, v in enumerate(variants):
             t = time.perf_counter()
-            logits = score_window(model, window, tier)[score_from:-1]  # [N-1-S, vocab]: the scored positions
+            logits = score_window(v.model, window, v.cache)[
+                score_from:-1
+            ]  # [N-1-S, vocab]: the scored positions
             out.seconds[i] += time.perf_counter() - t
             reference = logits if reference is None else reference
             s = compare(reference, logits, targets)
@@ -193,6 +231,7 @@ def _tier_row(
     total = counts.sum()
     nll, ref_nll = scores.nll[i].sum() / total, scores.nll[0].sum() / total
     row = {
+        "weights": scores.weights[i] if scores.weights else "f32",
         "tier": scores.tiers[i].kv_cache_dtype,
         "tokens": int(total),
         "nll": float(nll),
