@@ -1,0 +1,1 @@
+"""Routed experts: where the MoE layer gets the experts a batch routed to."""
