@@ -29,7 +29,7 @@ def test_the_budget_is_never_exceeded_and_pins_stay(policy, budget, ops):
                 pinned.add(key)
         assert cache.resident_bytes <= budget
         assert cache.resident_bytes == sum(n for _v, n in cache._items.values())
-        assert pinned <= set(cache.keys())
+        assert pinned <= set(cache.cached_keys())
         if step:
             cache.next_step()
     assert cache.stats.hits + cache.stats.misses == len(ops)
@@ -41,7 +41,7 @@ def test_lru_evicts_the_least_recently_used():
         c.put(k, k, 1)
     c.get("a")
     c.put("d", "d", 1)
-    assert sorted(c.keys()) == ["a", "c", "d"]
+    assert sorted(c.cached_keys()) == ["a", "c", "d"]
 
 
 def test_lfu_evicts_the_least_frequently_used_ties_by_recency():
@@ -51,9 +51,9 @@ def test_lfu_evicts_the_least_frequently_used_ties_by_recency():
     for k in "aab":
         c.get(k)
     c.put("d", "d", 1)  # c used once (at insert), least
-    assert sorted(c.keys()) == ["a", "b", "d"]
+    assert sorted(c.cached_keys()) == ["a", "b", "d"]
     c.put("e", "e", 1)  # d (count 1) goes before b (2) and a (3)
-    assert sorted(c.keys()) == ["a", "b", "e"]
+    assert sorted(c.cached_keys()) == ["a", "b", "e"]
 
 
 def test_least_stale_evicts_by_step_not_by_access_order():
@@ -66,7 +66,7 @@ def test_least_stale_evicts_by_step_not_by_access_order():
     c.put("c", "c", 1)
     c.get("b")  # b used at step 1: a (step 0) is now the stalest despite its count
     c.put("d", "d", 1)
-    assert sorted(c.keys()) == ["b", "c", "d"]
+    assert sorted(c.cached_keys()) == ["b", "c", "d"]
 
 
 def test_protected_experts_are_not_evicted_and_oversized_ones_are_not_kept():

@@ -149,7 +149,7 @@ class ExpertCache:
     def __len__(self) -> int:
         return len(self._items)
 
-    def keys(self) -> list[Key]:
+    def cached_keys(self) -> list[Key]:
         with self._lock:
             return list(self._items)
 
