@@ -1,0 +1,101 @@
+"""A model's MoE layers served by an `ExpertStreamer`: the streamed MoE layer and its prefetch.
+
+    streamer = stream_model(model, "MODEL/experts", StreamConfig(budget=...))
+
+Each MoE layer becomes a `StreamedMoE`: the same router and shared expert, its routed experts
+asked from the streamed store once per pass (the batch's union, so batched decode reads each
+expert once), grouped by expert. Before its own experts, layer L runs the next MoE layer's
+router on the current hidden state (the residual stream after L's attention, through the next
+layer's MLP norm) and starts reading the experts it predicts: the reads overlap layer L's
+compute. Prediction is advice only; what is computed never depends on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from latentkv.experts.base import Expert
+from latentkv.experts.streamed import ExpertStreamer, StreamConfig
+from latentkv.models.moe import MoE
+
+Lookahead = Callable[[torch.Tensor], None]
+
+
+class StreamedMoE:
+    """y = sum_e w_e Expert_e(x) + Shared(x) with the experts from a store that streams them."""
+
+    def __init__(self, router, store, shared: Expert | None, lookahead: Lookahead | None = None):
+        self.router = router
+        self.experts = store
+        self.shared = shared
+        self.lookahead = lookahead
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+        """x [N, D] (the MLP-normed hidden state) -> [N, D] (+ residual [N, D], the hidden state)."""
+        if self.lookahead is not None:
+            self.lookahead(residual if residual is not None else x)
+        idx, weights = self.router(x)  # [N, k] each
+        out = grouped(x, idx, weights, self.experts.get)
+        if self.shared is not None:
+            out += self.shared(x)
+        return out if residual is None else residual + out
+
+
+def grouped(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    get: Callable[[Sequence[int]], Mapping[int, Expert]],
+) -> torch.Tensor:
+    """The N*k (token, expert) pairs grouped by expert: one `get` for their union, one matmul per
+    expert over its tokens. x [N, D], idx / weights [N, k] -> [N, D]."""
+    out = torch.zeros_like(x)
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    ids, counts = flat[order].unique_consecutive(return_counts=True)
+    tokens = order // idx.shape[1]
+    pair_weights = weights.reshape(-1)[order].to(x.dtype)
+    experts = get(ids.tolist())
+    start = 0
+    for e, n in zip(ids.tolist(), counts.tolist(), strict=True):
+        tok = tokens[start : start + n]
+        y = experts[e](x.index_select(0, tok)) * pair_weights[start : start + n, None]
+        out.index_add_(0, tok, y)
+        start += n
+    return out
+
+
+def _prefetcher(streamer: ExpertStreamer, layer: int, norm, router) -> Lookahead:
+    def lookahead(hidden: torch.Tensor) -> None:
+        idx, _ = router(norm(hidden))
+        streamer.prefetch(layer, idx.reshape(-1).unique().tolist())
+
+    return lookahead
+
+
+def moe_layers(model) -> list[int]:
+    """Indices of the blocks whose MLP is a mixture of experts."""
+    return [i for i, b in enumerate(model.blocks) if isinstance(b.mlp, (MoE, StreamedMoE))]
+
+
+def stream_model(
+    model, directory: str | Path, config: StreamConfig, fingerprint: str | None = None, prefetch: bool = True
+) -> ExpertStreamer:
+    """Serve every MoE layer of `model` from the expert store at `directory`; the streamer."""
+    streamer = ExpertStreamer(directory, fingerprint, config)
+    layers = moe_layers(model)
+    missing = sorted(set(layers) - set(streamer.manifest.layers))
+    if missing:
+        streamer.close()
+        raise ValueError(f"the expert store at {directory} has no experts for MoE layers {missing}")
+    for here, nxt in zip(layers, [*layers[1:], None], strict=True):
+        block = model.blocks[here]
+        look = None
+        if prefetch and nxt is not None:
+            look = _prefetcher(streamer, nxt, model.blocks[nxt].mlp_norm, model.blocks[nxt].mlp.router)
+        block.mlp = StreamedMoE(block.mlp.router, streamer.layer(here), block.mlp.shared, look)
+    streamer.pin_hot_set()
+    return streamer
