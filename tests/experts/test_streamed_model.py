@@ -184,3 +184,27 @@ def test_prefetch_recall_is_measured(converted):
     _greedy(model, "f32")
     assert streamer.snapshot()["predicted"] == 0
     streamer.close()
+
+
+def test_load_streamed_never_reads_an_expert_tensor(converted, monkeypatch):
+    from latentkv.experts.attach import load_streamed
+
+    model_dir, store = converted
+    ref = _greedy(_resident(model_dir), "f32")
+    read = []
+    real_get = Checkpoint.get
+    monkeypatch.setattr(Checkpoint, "get", lambda self, name: (read.append(name), real_get(self, name))[1])
+    model, streamer = load_streamed(model_dir, store, StreamConfig(budget=0, history=False))
+    assert read and not [n for n in read if ".mlp.experts." in n]
+    _check_identical(ref, _greedy(model, "f32"))
+    streamer.close()
+
+
+def test_a_store_of_another_model_is_refused(converted, tmp_path):
+    from latentkv.experts.attach import load_streamed
+    from latentkv.experts.store_file import ExpertFileError
+
+    model_dir, store = converted
+    other = resolve("builtin:fixture" if "tiny" in str(model_dir) else "builtin:tiny")
+    with pytest.raises(ExpertFileError, match="another model"):
+        load_streamed(other, store, StreamConfig(budget=0, history=False))

@@ -84,18 +84,81 @@ def moe_layers(model) -> list[int]:
 def stream_model(
     model, directory: str | Path, config: StreamConfig, fingerprint: str | None = None, prefetch: bool = True
 ) -> ExpertStreamer:
-    """Serve every MoE layer of `model` from the expert store at `directory`; the streamer."""
+    """Serve every MoE layer of an already loaded `model` from the expert store at `directory`
+    (its resident experts are dropped); the streamer. `load_streamed` never loads them at all."""
     streamer = ExpertStreamer(directory, fingerprint, config)
-    layers = moe_layers(model)
-    missing = sorted(set(layers) - set(streamer.manifest.layers))
-    if missing:
+    try:
+        for i in moe_layers(model):
+            mlp = model.blocks[i].mlp
+            model.blocks[i].mlp = StreamedMoE(mlp.router, _layer_store(streamer, i), mlp.shared)
+    except BaseException:
         streamer.close()
-        raise ValueError(f"the expert store at {directory} has no experts for MoE layers {missing}")
-    for here, nxt in zip(layers, [*layers[1:], None], strict=True):
-        block = model.blocks[here]
-        look = None
-        if prefetch and nxt is not None:
-            look = _prefetcher(streamer, nxt, model.blocks[nxt].mlp_norm, model.blocks[nxt].mlp.router)
-        block.mlp = StreamedMoE(block.mlp.router, streamer.layer(here), block.mlp.shared, look)
-    streamer.pin_hot_set()
+        raise
+    _wire(model, streamer, prefetch)
     return streamer
+
+
+def load_streamed(
+    model_dir: str | Path,
+    store_dir: str | Path,
+    config: StreamConfig,
+    weight_dtype: str = "f32",
+    prefetch: bool = True,
+    progress: bool = False,
+):
+    """Load the dense weights of the checkpoint at `model_dir` and serve its routed experts from
+    the expert store at `store_dir` (which must be this checkpoint's): (model, streamer)."""
+    from latentkv.models.loader import Checkpoint
+    from latentkv.models.weights import load_model
+
+    streamer = ExpertStreamer(store_dir, Checkpoint(model_dir).fingerprint(), config)
+    try:
+        model = load_model(
+            model_dir,
+            weight_dtype,
+            progress,
+            moe_factory=lambda i, router, shared: StreamedMoE(router, _layer_store(streamer, i), shared),
+        )
+    except BaseException:
+        streamer.close()
+        raise
+    _wire(model, streamer, prefetch)
+    return model, streamer
+
+
+def _layer_store(streamer: ExpertStreamer, layer: int):
+    if layer not in streamer.manifest.layers:
+        raise ValueError(f"the expert store at {streamer.directory} has no experts for MoE layer {layer}")
+    return streamer.layer(layer)
+
+
+def _wire(model, streamer: ExpertStreamer, prefetch: bool) -> None:
+    """Give each MoE layer its lookahead into the next one; pin the hot set."""
+    layers = moe_layers(model)
+    if prefetch:
+        for here, nxt in zip(layers, layers[1:], strict=False):
+            nb = model.blocks[nxt]
+            model.blocks[here].mlp.lookahead = _prefetcher(streamer, nxt, nb.mlp_norm, nb.mlp.router)
+    streamer.pin_hot_set()
+
+
+def default_store_dir(model_dir: str | Path, weight_format: str) -> Path:
+    """MODEL/experts when the model folder holds an expert store, else a folder under the user's
+    cache named by the checkpoint's fingerprint and the expert format."""
+    from latentkv.config import cache_root
+    from latentkv.models.loader import Checkpoint
+
+    local = Path(model_dir) / "experts"
+    if (local / "manifest.json").exists():
+        return local
+    return cache_root() / "experts" / f"{Checkpoint(model_dir).fingerprint()[:16]}-{weight_format}"
+
+
+def ensure_store(model_dir: str | Path, weight_format: str = "f32", progress: bool = False) -> Path:
+    """The expert store of `model_dir`, converted from its checkpoint first if there is none."""
+    from latentkv.experts.convert import convert_experts
+
+    store = default_store_dir(model_dir, weight_format)
+    if not (store / "manifest.json").exists():
+        convert_experts(model_dir, store, weight_format, replace=True, progress=progress)
+    return store

@@ -12,6 +12,7 @@ Layer indices come from the config; the MTP layers past `num_hidden_layers` are 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +26,8 @@ from latentkv.models.model import Block, Model
 from latentkv.models.moe import ExpertStore, MoE, Router, RouterWeights
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+# (layer index, router, shared expert or None) -> the layer's MoE, for experts kept elsewhere
+MoEFactory = Callable[[int, Router, SwiGLU | None], object]
 # transformers builds the q-LoRA and kv-a norms without the config's eps: they use 1e-6.
 LORA_NORM_EPS = 1e-6
 
@@ -73,13 +76,18 @@ class _Reader:
         return self.vector(name, shape) if self.has(name) else None
 
 
-def load_model(directory: str | Path, weight_dtype: str = "f32", progress: bool = False) -> Model:
+def load_model(
+    directory: str | Path,
+    weight_dtype: str = "f32",
+    progress: bool = False,
+    moe_factory: MoEFactory | None = None,
+) -> Model:
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
     ckpt = Checkpoint(directory, progress=progress)
-    return build_model(cfg, ckpt, weight_dtype, tuple(block) if block else None, progress)
+    return build_model(cfg, ckpt, weight_dtype, tuple(block) if block else None, progress, moe_factory)
 
 
 def build_model(
@@ -88,7 +96,10 @@ def build_model(
     weight_dtype: str = "f32",
     block_size: tuple[int, int] | None = None,
     progress: bool = False,
+    moe_factory: MoEFactory | None = None,
 ) -> Model:
+    """`moe_factory(layer, router, shared)`, when given, builds each MoE layer instead of the
+    resident experts: their tensors are then never read (experts streamed from disk)."""
     if weight_dtype not in DTYPES:
         raise ValueError(f"weight dtype {weight_dtype!r} not in {sorted(DTYPES)}")
     rd = _Reader(ckpt, DTYPES[weight_dtype], block_size)
@@ -99,7 +110,7 @@ def build_model(
         from tqdm import tqdm
 
         layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
-    blocks = [_block(cfg, rd, i) for i in layers]
+    blocks = [_block(cfg, rd, i, moe_factory) for i in layers]
     norm = RMSNorm(rd.vector("model.norm.weight", (D,)), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings or not rd.has("lm_head.weight"):
         lm_head = embed
@@ -108,7 +119,7 @@ def build_model(
     return Model(cfg, embed, blocks, norm, lm_head)
 
 
-def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
+def _block(cfg: ModelConfig, rd: _Reader, i: int, moe_factory: MoEFactory | None = None) -> Block:
     p = f"model.layers.{i}."
     a = p + "self_attn."
     D, H = cfg.hidden_size, cfg.num_heads
@@ -132,7 +143,7 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
         )
         b_in = b_in.to(rd.dtype)
     if cfg.mlp_layer_types[i] == "sparse":
-        mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.")
+        mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.", i, moe_factory)
     else:
         mlp = _swiglu(rd, p + "mlp.", D, cfg.intermediate_size)
     return Block(
@@ -190,7 +201,7 @@ def _swiglu(rd: _Reader, p: str, D: int, inter: int) -> SwiGLU:
     return SwiGLU(gate_up, rd.matrix(p + "down_proj.weight", (D, inter)))
 
 
-def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
+def _moe(cfg: ModelConfig, rd: _Reader, p: str, layer: int = 0, moe_factory: MoEFactory | None = None) -> MoE:
     D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     router = Router(
         cfg,
@@ -203,6 +214,11 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
             ),
         ),
     )
+    shared = None
+    if cfg.n_shared_experts:
+        shared = _swiglu(rd, p + "shared_experts.", D, I * cfg.n_shared_experts)
+    if moe_factory is not None:  # experts served from elsewhere (streamed): never read here
+        return moe_factory(layer, router, shared)
     if rd.has(p + "experts.gate_up_proj"):  # transformers' fused in-memory layout
         gate_up = rd.matrix(p + "experts.gate_up_proj", (E, 2 * I, D))
         down = rd.matrix(p + "experts.down_proj", (E, D, I))
@@ -214,7 +230,4 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
             gate_up[e, :I] = rd.raw(q + "gate_proj.weight", (I, D))
             gate_up[e, I:] = rd.raw(q + "up_proj.weight", (I, D))
             down[e] = rd.raw(q + "down_proj.weight", (D, I))
-    shared = None
-    if cfg.n_shared_experts:
-        shared = _swiglu(rd, p + "shared_experts.", D, I * cfg.n_shared_experts)
     return MoE(router, ExpertStore(gate_up, down), shared)
