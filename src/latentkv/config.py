@@ -386,12 +386,18 @@ class EngineConfig:
     threads: int | None = None  # None: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
     compile: bool = False  # decode one token per step through torch.compile (models/compiled.py)
+    ram_gb: float | None = None  # stream routed experts from disk within this RAM budget (GiB)
+    expert_policy: str = "lru"  # the expert cache's eviction policy when streaming
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"unknown weight dtype {self.weight_dtype!r}; choose from {WEIGHT_DTYPES}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1 (got {self.threads})")
+        if self.ram_gb is not None and not self.ram_gb > 0:
+            raise ConfigError(f"--ram-gb must be positive (got {self.ram_gb})")
+        if self.ram_gb is not None and self.compile:
+            raise ConfigError("--compile does not apply to streamed experts (--ram-gb): drop one of them")
 
 
 @dataclass(frozen=True)
