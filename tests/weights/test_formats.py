@@ -83,3 +83,21 @@ def test_unknown_format_lists_the_valid_names():
     with pytest.raises(ValueError, match="takes no parameters"):
         make_linear(torch.zeros(2, 2), "f32", group_size=32)
     assert format_class("f32") is FORMATS["f32"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_linear_add_against_float64(dtype, with_residual):
+    g = torch.Generator().manual_seed(3)
+    x, w, r = (
+        torch.randn(1, 24, generator=g),
+        torch.randn(16, 24, generator=g),
+        torch.randn(1, 16, generator=g),
+    )
+    w = w.to(dtype)
+    fmt = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    got = make_linear(w, fmt).add_to(r if with_residual else None, x)
+    want = x.double() @ w.double().T + (r.double() if with_residual else 0)
+    assert got.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)

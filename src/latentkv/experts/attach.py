@@ -2,9 +2,9 @@
 
     streamer = stream_model(model, "MODEL/experts", StreamConfig(budget=...))
 
-Each MoE layer becomes a `StreamedMoE`: the same router and shared expert, its routed experts
-asked from the streamed store once per pass (the batch's union, so batched decode reads each
-expert once), grouped by expert. Before its own experts, layer L runs the next MoE layer's
+Each MoE layer becomes a `StreamedMoE`: the same router, shared expert and computation
+(`models.moe.MoE`), its routed experts asked from the streamed store once per pass (the batch's
+union, so batched decode reads each expert once). Before its own experts, layer L runs the next MoE layer's
 router on the current hidden state (the residual stream after L's attention, through the next
 layer's MLP norm) and starts reading the experts it predicts: the reads overlap layer L's
 compute. Prediction is advice only; what is computed never depends on it.
@@ -12,60 +12,34 @@ compute. Prediction is advice only; what is computed never depends on it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from latentkv.experts.base import Expert
 from latentkv.experts.streamed import ExpertStreamer, StreamConfig
-from latentkv.models.moe import MoE
+from latentkv.models.moe import MoE, Router
 
 Lookahead = Callable[[torch.Tensor], None]
 
 
-class StreamedMoE:
-    """y = sum_e w_e Expert_e(x) + Shared(x) with the experts from a store that streams them."""
+class StreamedMoE(MoE):
+    """The MoE layer over a streamed store (its `stacked` is None, so every pass asks the store
+    once for the experts it needs), plus the lookahead that prefetches the next layer's."""
 
-    def __init__(self, router, store, shared: Expert | None, lookahead: Lookahead | None = None):
-        self.router = router
-        self.experts = store
-        self.shared = shared
+    def __init__(self, router: Router, store, shared: Expert | None, lookahead: Lookahead | None = None):
+        super().__init__(router, store, shared)
         self.lookahead = lookahead
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, **_: object) -> torch.Tensor:
-        """x [N, D] (the MLP-normed hidden state) -> [N, D] (+ residual [N, D], the hidden state)."""
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
+    ) -> torch.Tensor:
+        """x [N, D] (the MLP-normed hidden state) -> [N, D] (+ residual [N, D], the hidden state
+        after this layer's attention, which the lookahead reads)."""
         if self.lookahead is not None:
             self.lookahead(residual if residual is not None else x)
-        idx, weights = self.router(x)  # [N, k] each
-        out = grouped(x, idx, weights, self.experts.get)
-        if self.shared is not None:
-            out += self.shared(x)
-        return out if residual is None else residual + out
-
-
-def grouped(
-    x: torch.Tensor,
-    idx: torch.Tensor,
-    weights: torch.Tensor,
-    get: Callable[[Sequence[int]], Mapping[int, Expert]],
-) -> torch.Tensor:
-    """The N*k (token, expert) pairs grouped by expert: one `get` for their union, one matmul per
-    expert over its tokens. x [N, D], idx / weights [N, k] -> [N, D]."""
-    out = torch.zeros_like(x)
-    flat = idx.reshape(-1)
-    order = flat.argsort(stable=True)
-    ids, counts = flat[order].unique_consecutive(return_counts=True)
-    tokens = order // idx.shape[1]
-    pair_weights = weights.reshape(-1)[order].to(x.dtype)
-    experts = get(ids.tolist())
-    start = 0
-    for e, n in zip(ids.tolist(), counts.tolist(), strict=True):
-        tok = tokens[start : start + n]
-        y = experts[e](x.index_select(0, tok)) * pair_weights[start : start + n, None]
-        out.index_add_(0, tok, y)
-        start += n
-    return out
+        return super().__call__(x, residual, decode)
 
 
 def _prefetcher(streamer: ExpertStreamer, layer: int, norm, router) -> Lookahead:
@@ -78,7 +52,7 @@ def _prefetcher(streamer: ExpertStreamer, layer: int, norm, router) -> Lookahead
 
 def moe_layers(model) -> list[int]:
     """Indices of the blocks whose MLP is a mixture of experts."""
-    return [i for i, b in enumerate(model.blocks) if isinstance(b.mlp, (MoE, StreamedMoE))]
+    return [i for i, b in enumerate(model.blocks) if isinstance(b.mlp, MoE)]
 
 
 def stream_model(

@@ -70,9 +70,7 @@ class ExpertStore(Protocol):
     """The routed experts of one MoE layer."""
 
     num_experts: int
-
-    @property
-    def stacked(self) -> StackedExperts | None: ...
+    stacked: StackedExperts | None  # the whole layer stacked, when resident in a plain dtype
 
     def get(self, ids: Sequence[int]) -> Mapping[int, Expert]:
         """The experts `ids`, valid until the next `get` on this store."""

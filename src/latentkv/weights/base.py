@@ -69,6 +69,7 @@ class Linear(ABC):
     format: ClassVar[str]
     in_features: int
     out_features: int
+    bias: torch.Tensor | None = None  # [out], added by __call__
 
     @classmethod
     @abstractmethod
@@ -93,10 +94,6 @@ class Linear(ABC):
         """The stored [out, in] matrix when torch ops can read it directly; None otherwise."""
         return None
 
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return None
-
     def add_to(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T for x [N, in] (just the product when residual is None)."""
         out = self(x)
@@ -118,7 +115,7 @@ class DenseLinear(Linear):
                 f"{self.format} weight must be {self.dtype} [out, in], got {weight.dtype} {tuple(weight.shape)}"
             )
         self.weight = weight  # [out, in]
-        self._bias = bias
+        self.bias = bias
         self._weight_t = weight.T  # [in, out] view, for add_to's addmm
         self.out_features, self.in_features = weight.shape
 
@@ -132,14 +129,10 @@ class DenseLinear(Linear):
     def dense(self) -> torch.Tensor:
         return self.weight
 
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self._bias
-
     def dequantize(self) -> torch.Tensor:
         return self.weight.float()
 
     @property
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
-        return n if self._bias is None else n + self._bias.numel() * self._bias.element_size()
+        return n if self.bias is None else n + self.bias.numel() * self.bias.element_size()

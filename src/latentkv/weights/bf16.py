@@ -15,10 +15,10 @@ class Bf16Linear(DenseLinear):
     dtype = torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight, self._bias).to(x.dtype)
+        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
 
     def add_to(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        if self._bias is not None:
+        if self.bias is not None:
             return super().add_to(residual, x)
         out = (x.to(torch.bfloat16) @ self._weight_t).to(x.dtype)
         return out if residual is None else residual + out

@@ -14,10 +14,10 @@ class F32Linear(DenseLinear):
     dtype = torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self._bias)
+        return F.linear(x, self.weight, self.bias)
 
     def add_to(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         # one op (addmm on the stored transpose): a decode step is bound by per-op overhead
-        if self._bias is not None:
+        if self.bias is not None:
             return super().add_to(residual, x)
         return torch.mm(x, self._weight_t) if residual is None else torch.addmm(residual, x, self._weight_t)
