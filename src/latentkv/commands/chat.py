@@ -201,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         chat.loop(sys.stdin, sys.stdout)
     finally:
         conv.close()
+        loaded.close()  # streamed experts: saves the usage history
     return 0
 
 
