@@ -15,6 +15,10 @@ COMMANDS = {
     "kv": ("latentkv.commands.kv", "KV cache tiers (kv stats) and KV files (kv inspect)"),
     "serve": ("latentkv.commands.serve", "an OpenAI-compatible HTTP server with continuous batching"),
     "eval": ("latentkv.commands.eval", "quality per KV tier: held-out perplexity, multiple choice"),
+    "experts": (
+        "latentkv.commands.experts",
+        "expert stores for --ram-gb: convert a model's experts, verify one",
+    ),
     "plan": (
         "latentkv.commands.plan",
         "split a RAM budget: dense weights, KV pool, activations, expert cache",

@@ -8,7 +8,6 @@ import random
 
 import httpx
 import pytest
-
 from tests.server.conftest import start_server
 
 MAX_TOKENS = 12
@@ -24,7 +23,9 @@ async def _together(server) -> list[dict]:
     body = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 2}
     body["return_tokens_as_token_ids"] = True
     async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as client:
-        replies = await asyncio.gather(*(client.post("/v1/completions", json={**body, "prompt": p}) for p in _prompts()))
+        replies = await asyncio.gather(
+            *(client.post("/v1/completions", json={**body, "prompt": p}) for p in _prompts())
+        )
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
     return [r.json()["choices"][0]["logprobs"] for r in replies]
 
