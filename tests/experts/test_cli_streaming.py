@@ -33,3 +33,35 @@ def test_bad_ram_budgets_exit_2(capsys, monkeypatch, tmp_path):
     assert main([*base, "--ram-gb", "0"]) == 2
     assert main([*base, "--ram-gb", "0.001"]) == 2
     assert "latentkv plan" in capsys.readouterr().err
+
+
+def test_metrics_report_expert_streaming():
+    from latentkv.engine.scheduler import SchedulerStats
+    from latentkv.server.metrics import Registry, render
+
+    snapshot = {
+        "asked": 10,
+        "hits": 7,
+        "misses": 2,
+        "prefetched": 1,
+        "bytes_read": 12288,
+        "hit_rate": 0.7,
+        "recall": 0.5,
+        "read_gbps": 1.5,
+        "resident_bytes": 4096,
+        "budget": 8192,
+    }
+    stats = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts=snapshot)
+    text = render("m", True, stats, (0.0, 0.0), Registry())
+    assert "latentkv_expert_hit_rate" in text and "latentkv_expert_cache_budget_bytes" in text
+    lines = {
+        line.split("{")[0].split(" ")[0]: line.rsplit(" ", 1)[1]
+        for line in text.splitlines()
+        if line.startswith("latentkv_expert")
+    }
+    assert (
+        float(lines["latentkv_expert_hits_total"]) == 7
+        and float(lines["latentkv_expert_read_bytes_total"]) == 12288
+    )
+    plain = render("m", True, SchedulerStats(1, 0, 5, 6, 100, 1000, "f32"), (0.0, 0.0), Registry())
+    assert "latentkv_expert" not in plain
