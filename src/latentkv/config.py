@@ -306,7 +306,7 @@ KV_CACHE_DTYPES = (
 GROUPED_KV_CACHE_DTYPES = tuple(n for n in KV_CACHE_DTYPES if n not in ("f32", "bf16"))
 KV_CACHE_ALIASES = {"auto": "f32", "fp32": "f32", "float32": "f32", "bfloat16": "bf16", "fp8_e4m3": "fp8"}
 DEFAULT_ROTATION_SEED = 0x9E3779B9
-WEIGHT_DTYPES = ("f32", "bf16")
+WEIGHT_DTYPES = ("f32", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -386,18 +386,34 @@ class EngineConfig:
     threads: int | None = None  # None: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
     compile: bool = False  # decode one token per step through torch.compile (models/compiled.py)
+    expert_dtype: str | None = None  # routed experts' format; None: the same as weight_dtype
     ram_gb: float | None = None  # stream routed experts from disk within this RAM budget (GiB)
     expert_policy: str = "lru"  # the expert cache's eviction policy when streaming
 
     def __post_init__(self) -> None:
-        if self.weight_dtype not in WEIGHT_DTYPES:
-            raise ConfigError(f"unknown weight dtype {self.weight_dtype!r}; choose from {WEIGHT_DTYPES}")
+        for flag, name in (("weight", self.weight_dtype), ("expert", self.expert_dtype or self.weight_dtype)):
+            if name not in WEIGHT_DTYPES:
+                raise ConfigError(f"unknown {flag} dtype {name!r}; choose from {', '.join(WEIGHT_DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1 (got {self.threads})")
         if self.ram_gb is not None and not self.ram_gb > 0:
             raise ConfigError(f"--ram-gb must be positive (got {self.ram_gb})")
         if self.ram_gb is not None and self.compile:
             raise ConfigError("--compile does not apply to streamed experts (--ram-gb): drop one of them")
+
+    @property
+    def experts(self) -> str:
+        """The routed experts' weight format."""
+        return self.expert_dtype or self.weight_dtype
+
+    @property
+    def weights_label(self) -> str:
+        """`int4` or `bf16 (experts int4)`: how a run names its weights."""
+        return (
+            self.weight_dtype
+            if self.experts == self.weight_dtype
+            else f"{self.weight_dtype} (experts {self.experts})"
+        )
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from latentkv.experts.store_file import ExpertDamaged, read_manifest
 from latentkv.experts.streamed import ExpertStreamer, StreamConfig
 from latentkv.weights.base import make_linear
 
-D, I, E = 24, 16, 6
+D, I, E = 64, 32, 6  # int8 needs in_features % 32 == 0 (see the report on i15)
 LAYERS = (1, 2)
 FP = "f" * 64
 

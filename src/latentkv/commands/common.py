@@ -24,12 +24,7 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, com
         p.add_argument(
             "model", metavar="MODEL", help="model directory (config.json + safetensors) or builtin:tiny"
         )
-    p.add_argument(
-        "--weight-dtype",
-        default="f32",
-        choices=["f32", "bf16"],
-        help="dtype of the weight matrices in memory (default: f32; norms and router stay f32)",
-    )
+    add_weight_arguments(p)
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
@@ -55,6 +50,40 @@ def add_streaming_arguments(p: argparse.ArgumentParser) -> None:
         choices=["lru", "lfu", "least-stale"],
         help="eviction policy of the expert cache with --ram-gb (default: lru)",
     )
+
+
+def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> None:
+    """--weight-dtype (one format, or a comma list when `multiple`) and --expert-dtype."""
+    from latentkv.config import WEIGHT_DTYPES
+
+    names = ", ".join(WEIGHT_DTYPES)
+    what = "comma-separated weight formats" if multiple else "format of the weight matrices in memory"
+    p.add_argument(
+        "--weight-dtype",
+        default="f32",
+        metavar="LIST" if multiple else "DTYPE",
+        help=f"{what}: {names} (default: f32; int8 per-channel, int4 group-wise; norms and the "
+        "router stay f32)",
+    )
+    p.add_argument(
+        "--expert-dtype",
+        default=None,
+        metavar="DTYPE",
+        help=f"format of the routed experts: {names} (default: the --weight-dtype)",
+    )
+
+
+def weight_dtypes(value: str) -> list[str]:
+    """A --weight-dtype list, checked: each name a known format, one clear error otherwise."""
+    from latentkv.config import WEIGHT_DTYPES
+
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in WEIGHT_DTYPES]
+    if bad or not names:
+        raise UserError(
+            f"unknown weight dtype {', '.join(bad) or repr(value)}; choose from {', '.join(WEIGHT_DTYPES)}"
+        )
+    return names
 
 
 def add_compile_argument(p: argparse.ArgumentParser) -> None:
@@ -201,6 +230,7 @@ def engine_config(args: argparse.Namespace):
     try:
         return EngineConfig(
             weight_dtype=args.weight_dtype,
+            expert_dtype=getattr(args, "expert_dtype", None),
             threads=args.threads if args.threads is not None else env_threads(),
             cache=cache,
             compile=getattr(args, "compile", False),
@@ -252,6 +282,7 @@ def load(
     from latentkv.models.registry import ModelNotFound, resolve
     from latentkv.models.weights import load_model
     from latentkv.tokenizer import Tokenizer
+    from latentkv.weights.kernels import describe
 
     if engine.threads:
         torch.set_num_threads(engine.threads)
@@ -265,7 +296,9 @@ def load(
         if engine.ram_gb is not None:
             model, streamer = _load_streamed(directory, engine, quiet, max_model_len, max_num_seqs)
         else:
-            model = load_model(directory, engine.weight_dtype, progress=not quiet)
+            model = load_model(
+                directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
+            )
     except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
     seconds = time.perf_counter() - t0
@@ -274,9 +307,12 @@ def load(
         params = model.num_parameters()
         print(
             f"loaded {model_arg} ({model.cfg.model_type}, {params / 1e6:.1f}M parameters, "
-            f"{engine.weight_dtype} weights) in {seconds:.2f} s",
+            f"{engine.weights_label} weights) in {seconds:.2f} s",
             file=sys.stderr,
         )
+        for fmt in dict.fromkeys((engine.weight_dtype, engine.experts)):
+            if fmt in ("int8", "int4"):
+                print(describe(fmt), file=sys.stderr)
     if engine.compile:
         model.compile_decode(engine.cache, progress=not quiet)
     return Loaded(model, tokenizer, directory, seconds, streamer)
@@ -291,9 +327,16 @@ def _load_streamed(directory, engine, quiet: bool, max_model_len: int | None, ma
 
     cfg = ModelConfig.from_hf(directory)
     length = max_model_len or min(cfg.max_position_embeddings, 4096)
-    store = ensure_store(directory, engine.weight_dtype, progress=not quiet)
+    store = ensure_store(directory, engine.experts, progress=not quiet)
     plan = make_plan(
-        cfg, directory, int(engine.ram_gb * GIB), engine.weight_dtype, engine.cache, length, max_num_seqs
+        cfg,
+        directory,
+        int(engine.ram_gb * GIB),
+        engine.weight_dtype,
+        engine.cache,
+        length,
+        max_num_seqs,
+        store_dir=store,
     )
     if not plan.fits:
         raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from latentkv.cli import UserError
-from latentkv.commands.common import add_cache_arguments, emit
+from latentkv.commands.common import add_cache_arguments, add_weight_arguments, emit, weight_dtypes
 
 PPL_TIERS = "f32,bf16,fp8,tq6,tq4,tq3,polar4"
 MC_TIERS = "f32,fp8,tq4,tq3"
@@ -31,10 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_common(p: argparse.ArgumentParser, tiers: str) -> None:
     p.add_argument("model", metavar="MODEL", help="model directory or builtin:NAME (needs a tokenizer)")
-    add_cache_arguments(p, multiple=True, default=tiers, note="; f32 is always run as the reference")
-    p.add_argument(
-        "--weight-dtype", default="f32", choices=["f32", "bf16"], help="weights in memory (default: f32)"
+    add_cache_arguments(
+        p,
+        multiple=True,
+        default=tiers,
+        note="; f32 is always run as the reference (with --weight-dtype other than f32 the default is f32)",
     )
+    add_weight_arguments(p, multiple=tiers == PPL_TIERS)
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
@@ -105,25 +108,52 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, default_tiers: str):
-    """(loaded model, tier CacheConfigs with f32 first) after every check that needs no weights."""
+def _load(args: argparse.Namespace, default_tiers: str, multiple_weights: bool = False):
+    """(loaded model per weight format, tier CacheConfigs with f32 first) after every check that
+    needs no weights. A list of weight formats scores f32 weights too (the reference); it defaults
+    the KV tiers to f32 alone."""
     from latentkv.commands.common import cache_configs, check_tier, load
     from latentkv.config import ConfigError, EngineConfig, ModelConfig, env_threads
     from latentkv.models.registry import ModelNotFound, resolve
 
+    formats = weight_dtypes(args.weight_dtype)
+    if len(formats) > 1 and not multiple_weights:
+        raise UserError(f"--weight-dtype takes one format here, got {args.weight_dtype!r}")
+    if multiple_weights and formats != ["f32"]:
+        default_tiers = "f32"
+        formats = list(dict.fromkeys(["f32", *formats]))
     tiers = cache_configs(args, default=default_tiers)
+    threads = args.threads if args.threads is not None else env_threads()
     try:
         cfg = ModelConfig.from_hf(resolve(args.model))
-        engine = EngineConfig(args.weight_dtype, args.threads if args.threads is not None else env_threads())
+        engines = [
+            EngineConfig(f, threads, expert_dtype=None if f == "f32" else args.expert_dtype) for f in formats
+        ]
     except (ModelNotFound, ConfigError) as exc:
         raise UserError(str(exc)) from None
     for tier in tiers:
         check_tier(cfg, tier)
-    loaded = load(args.model, engine)
-    if loaded.tokenizer is None:
-        raise UserError(f"{loaded.directory} has no tokenizer.json; eval needs text")
+    loaded = {e.weights_label: load(args.model, e) for e in engines}
+    first = next(iter(loaded.values()))
+    if first.tokenizer is None:
+        raise UserError(f"{first.directory} has no tokenizer.json; eval needs text")
     tiers.sort(key=lambda t: t.kv_cache_dtype != "f32")
-    return loaded, tiers
+    return (loaded if multiple_weights else first), tiers
+
+
+def _variants(loaded: dict, tiers: list) -> list:
+    """Every (weights, KV tier) pair, the f32/f32 reference first and once."""
+    from latentkv.config import CacheConfig
+    from latentkv.eval.ppl import Variant
+
+    reference = Variant(loaded["f32"].model, CacheConfig("f32"), "f32")
+    rest = [
+        Variant(one.model, tier, label)
+        for label, one in loaded.items()
+        for tier in tiers
+        if (label, tier.kv_cache_dtype) != ("f32", "f32")
+    ]
+    return [reference, *rest]
 
 
 def _progress(text: str) -> None:
@@ -138,7 +168,9 @@ def _run_ppl(args: argparse.Namespace) -> dict:
 
     if args.bootstrap < 0 or args.max_windows < 0:
         raise UserError("--bootstrap and --max-windows cannot be negative")
-    loaded, tiers = _load(args, PPL_TIERS)
+    all_loaded, tiers = _load(args, PPL_TIERS, multiple_weights=True)
+    loaded = all_loaded["f32"]
+    variants = _variants(all_loaded, tiers)
     model, directory = loaded.model, loaded.directory
     text_path = args.text if args.text is not None else directory / HELDOUT
     if not text_path.is_file():
@@ -163,8 +195,8 @@ def _run_ppl(args: argparse.Namespace) -> dict:
             windows = ppl.make_windows(ids, context, args.max_windows or None)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        _progress(f"context {context}: {windows.shape[0]} windows x {len(tiers)} tiers")
-        scores = ppl.score_context(model, windows, tiers, progress=_progress)
+        _progress(f"context {context}: {windows.shape[0]} windows x {len(variants)} weights/tiers")
+        scores = ppl.score_variants(windows, variants, progress=_progress)
         summary = ppl.summarize(scores, model.layout, args.bootstrap, args.seed)
         summary["unigram_ppl"] = ppl.unigram_ppl(counts, scores.targets) if counts is not None else None
         results.append(summary)
@@ -172,7 +204,7 @@ def _run_ppl(args: argparse.Namespace) -> dict:
         "model": args.model,
         "text": str(text_path),
         "text_tokens": len(ids),
-        "weight_dtype": args.weight_dtype,
+        "weight_dtype": list(all_loaded),
         "bootstrap": {"unit": "window", "resamples": args.bootstrap, "seed": args.seed, "level": 0.95},
         "contexts": results,
     }
@@ -210,12 +242,13 @@ def ppl_table(payload: dict) -> str:
         out += [
             head,
             "",
-            "| KV | B/token/layer | ppl [95% CI] | Δppl vs f32 % [95% CI] | KLD [95% CI] | top-1 vs f32 [95% CI] |",
-            "|---|---:|---|---|---|---|",
+            "| weights | KV | B/token/layer | ppl [95% CI] | Δppl vs f32 % [95% CI] | KLD [95% CI] | "
+            "top-1 vs f32 [95% CI] |",
+            "|---|---|---:|---|---|---|---|",
         ]
         for r in ctx["tiers"]:
             out.append(
-                f"| {r['tier']} | {r['bytes_per_token_layer']} | {r['ppl']:.3f}{_ci(r['ppl_ci'], '.3f')} | "
+                f"| {r.get('weights', 'f32')} | {r['tier']} | {r['bytes_per_token_layer']} | {r['ppl']:.3f}{_ci(r['ppl_ci'], '.3f')} | "
                 f"{r['delta_ppl_pct']:+.2f}{_ci(r['delta_ppl_pct_ci'], '+.2f')} | "
                 f"{r['kld']:.5f}{_ci(r['kld_ci'], '.5f')} | {r['top1']:.2%}{_ci(r['top1_ci'], '.2%')} |"
             )

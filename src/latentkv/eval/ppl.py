@@ -94,9 +94,19 @@ def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
     return WindowScore(nll, kl, agree)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One scored configuration: a model (its weights in some format) and a KV tier."""
+
+    model: object
+    cache: CacheConfig
+    weights: str = "f32"  # the weight format's name, for the report
+
+
 @dataclass
 class ContextScores:
-    """Per-window sums for every tier at one context length; arrays [tiers, windows]."""
+    """Per-window sums for every variant (weights x KV tier) at one context length; arrays
+    [variants, windows]. Row 0 is the reference (f32 weights, f32 cache)."""
 
     context: int
     tiers: list[CacheConfig]
@@ -106,13 +116,18 @@ class ContextScores:
     agree: np.ndarray
     seconds: np.ndarray  # [tiers]: time spent scoring
     targets: list[torch.Tensor] = field(default_factory=list)  # per window [N-1], for the unigram
+    weights: list[str] = field(default_factory=list)  # per row: the weight format ("f32" if empty)
 
     @classmethod
-    def empty(cls, context: int, tiers: list[CacheConfig], windows: int) -> ContextScores:
+    def empty(
+        cls, context: int, tiers: list[CacheConfig], windows: int, weights: list[str] | None = None
+    ) -> ContextScores:
         def zeros():
             return np.zeros((len(tiers), windows))
 
-        return cls(context, tiers, windows, zeros(), zeros(), zeros(), np.zeros(len(tiers)))
+        return cls(
+            context, tiers, windows, zeros(), zeros(), zeros(), np.zeros(len(tiers)), weights=weights or []
+        )
 
     @property
     def tokens_per_window(self) -> int:
@@ -126,16 +141,25 @@ def score_context(
     progress: Callable[[str], None] | None = None,
 ) -> ContextScores:
     """Score windows [W, N] under f32 (the reference) and every tier, window by window."""
-    tiers = _with_reference(tiers)
+    return score_variants(windows, [Variant(model, t) for t in _with_reference(tiers)], progress)
+
+
+def score_variants(
+    windows: torch.Tensor,
+    variants: Sequence[Variant],
+    progress: Callable[[str], None] | None = None,
+) -> ContextScores:
+    """Score windows [W, N] under every variant, window by window; variants[0] is the reference
+    (f32 weights and cache) the others are compared with."""
     W, N = windows.shape
-    out = ContextScores.empty(N, tiers, W)
+    out = ContextScores.empty(N, [v.cache for v in variants], W, [v.weights for v in variants])
     t0 = last = time.perf_counter()
     for w in range(W):
         window, targets = windows[w], windows[w, 1:]
         reference = None
-        for i, tier in enumerate(tiers):
+        for i, v in enumerate(variants):
             t = time.perf_counter()
-            logits = score_window(model, window, tier)[:-1]  # [N-1, vocab]: the scored positions
+            logits = score_window(v.model, window, v.cache)[:-1]  # [N-1, vocab]: the scored positions
             out.seconds[i] += time.perf_counter() - t
             reference = logits if reference is None else reference
             s = compare(reference, logits, targets)
@@ -182,6 +206,7 @@ def _tier_row(
     total = counts.sum()
     nll, ref_nll = scores.nll[i].sum() / total, scores.nll[0].sum() / total
     row = {
+        "weights": scores.weights[i] if scores.weights else "f32",
         "tier": scores.tiers[i].kv_cache_dtype,
         "tokens": int(total),
         "nll": float(nll),

@@ -21,7 +21,7 @@ from latentkv.experts.base import Expert
 from latentkv.experts.extent import expert_layout, tensor_bytes
 from latentkv.experts.store_file import ExpertStoreWriter, Manifest
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
-from latentkv.weights.base import format_class, make_linear
+from latentkv.weights.base import DenseLinear, format_class, make_linear
 
 # (layer index, number of experts, expert e -> Expert)
 LayerSource = tuple[int, int, Callable[[int], Expert]]
@@ -100,12 +100,12 @@ class _ExpertSource:
         self._fused: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def expert(self, layer: int, e: int, fmt: str, params: dict) -> Expert:
-        # The dtypes the resident loader stacks per-expert tensors in (the format's own, else
-        # float32), so both build their Linear objects from the same values.
+        # As the resident loader builds them: per-expert tensors of a plain format are stacked
+        # in its dtype first; a packed format quantizes the checkpoint's tensors directly.
         gate_up, down, fused = self._float(layer, e)
-        if not fused:
-            dtype = getattr(format_class(fmt), "dtype", torch.float32)
-            gate_up, down = gate_up.to(dtype), down.to(dtype)
+        cls = format_class(fmt)
+        if not fused and issubclass(cls, DenseLinear):
+            gate_up, down = gate_up.to(cls.dtype), down.to(cls.dtype)
         return Expert(make_linear(gate_up, fmt, **params), make_linear(down, fmt, **params))
 
     def _float(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, bool]:

@@ -1,12 +1,13 @@
 """An expert <-> the raw tensors of its on-disk extent (the torch side of `store_file`).
 
 An extent holds an expert's two Linear objects, gate_up [2I, D] and down [D, I], each as its
-format's raw tensors (`gate_up.weight`, `down.weight`, and scales where the format has them).
+format's raw tensors: `weight` (f32, bf16), `q` + `scale` (int8), `nibbles` + `scale` + `zero`
+(int4, the portable nibble layout; the CPU-specific packed layout is built when read).
 The layout's meta records each Linear's format and parameters, so the reader rebuilds exactly
-the objects the converter wrote: tensors are views of the read buffer, never copied.
+the objects the converter wrote: plain and int8 tensors are views of the read buffer (no copy).
 
-A format joins by registering how its raw tensors come and go (`register_codec`); the plain
-float formats (f32, bf16) are registered here.
+A format joins by registering how its raw tensors come and go (`register_codec`); f32, bf16,
+int8 and int4 are registered here.
 """
 
 from __future__ import annotations
@@ -63,6 +64,37 @@ def _dense_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) ->
 DENSE = LinearCodec(_dense_to_raw, _dense_from_raw)
 for _name in ("f32", "bf16"):
     register_codec(_name, DENSE)
+
+
+def _with_bias(lin: Linear, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if lin.bias is not None:
+        tensors["bias"] = lin.bias
+    return tensors
+
+
+def _int8_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:
+    return {}, _with_bias(lin, {"q": lin.q, "scale": lin.scale})  # int8 [out, in], bfloat16 [out]
+
+
+def _int8_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> Linear:
+    return format_class(fmt)(tensors["q"], tensors["scale"], tensors.get("bias"))
+
+
+def _int4_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:
+    # The portable nibbles (the op's packed layout depends on the CPU: built again when read).
+    nibbles, scale, zero = lin.nibbles()
+    return {"in_features": lin.in_features}, _with_bias(
+        lin, {"nibbles": nibbles, "scale": scale, "zero": zero}
+    )
+
+
+def _int4_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> Linear:
+    t = tensors
+    return format_class(fmt)(t["nibbles"], t["scale"], t["zero"], params["in_features"], t.get("bias"))
+
+
+register_codec("int8", LinearCodec(_int8_to_raw, _int8_from_raw))
+register_codec("int4", LinearCodec(_int4_to_raw, _int4_from_raw))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

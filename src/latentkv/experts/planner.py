@@ -115,13 +115,18 @@ def dense_bytes(ckpt: Checkpoint, fmt: str) -> int:
     return int(total)
 
 
-def expert_extent_bytes(cfg: ModelConfig, model_dir: Path, fmt: str) -> tuple[int, str]:
+def expert_extent_bytes(
+    cfg: ModelConfig, model_dir: Path, fmt: str, store_dir: Path | None = None
+) -> tuple[int, str]:
     """One expert's bytes on disk: from the converted store when there is one, else computed."""
-    try:
-        m = read_manifest(model_dir / EXPERTS_DIR)
-        return max(e.layout.stride for e in m.layers.values()), "the expert store"
-    except ExpertFileError:
-        pass
+    for d in (store_dir, model_dir / EXPERTS_DIR):
+        if d is None:
+            continue
+        try:
+            m = read_manifest(d)
+            return max(e.layout.stride for e in m.layers.values()), "the expert store"
+        except ExpertFileError:
+            pass
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     n = make_linear(torch.zeros(2 * I, D), fmt).nbytes + make_linear(torch.zeros(D, I), fmt).nbytes
     return -(-n // ALIGN) * ALIGN, "computed"
@@ -135,6 +140,7 @@ def make_plan(
     cache: CacheConfig | None = None,
     max_model_len: int = 4096,
     max_num_seqs: int = 1,
+    store_dir: Path | None = None,
 ) -> Plan:
     cache = cache or CacheConfig()
     source = "--ram-gb"
@@ -152,7 +158,7 @@ def make_plan(
     )
     moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    extent, _ = expert_extent_bytes(cfg, model_dir, weight_dtype)
+    extent, _ = expert_extent_bytes(cfg, model_dir, weight_dtype, store_dir)
     working = (min(E, k * max_num_seqs) + k) * extent if moe_layers else 0
     all_experts = moe_layers * E * extent
     cache_bytes = max(0, min(ram_bytes - dense - kv - act - working, all_experts))

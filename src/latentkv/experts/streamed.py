@@ -127,7 +127,8 @@ class ExpertStreamer:
         futures = [(key, self.reader.submit(*key)) for key in hot]
         for key, f in futures:
             ext = f.result()
-            self.cache.put(key, expert_from_extent(ext), ext.layout.stride, pin=True)
+            expert = expert_from_extent(ext)
+            self.cache.put(key, expert, _charge(ext, expert), pin=True)
         return hot
 
     def save_history(self) -> None:
@@ -178,7 +179,7 @@ class ExpertStreamer:
             for e, future in pending:
                 ext = future.result()  # ExpertDamaged propagates: never computed on
                 expert = expert_from_extent(ext)
-                self.cache.put((layer, e), expert, ext.layout.stride)
+                self.cache.put((layer, e), expert, _charge(ext, expert))
                 out[e] = expert
         finally:
             for _e, future in pending:
@@ -267,3 +268,9 @@ class StreamedExperts:
         return sum(
             self.streamer.expert_bytes[self.layer] for key in cache.cached_keys() if key[0] == self.layer
         )
+
+
+def _charge(ext: Extent, expert: Expert) -> int:
+    """Bytes an expert holds in the cache: its read buffer (plain and int8 formats keep views of
+    it), or what the format built from it (int4 repacks), whichever is more."""
+    return max(ext.layout.stride, expert.nbytes)

@@ -20,6 +20,7 @@ import torch
 
 from latentkv.config import ModelConfig
 from latentkv.experts import ResidentExperts
+from latentkv.experts.base import Expert
 from latentkv.models.indexer import Indexer, IndexerWeights
 from latentkv.models.layers import RMSNorm, SwiGLU, softmax_scale
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
@@ -27,6 +28,7 @@ from latentkv.models.mla import MLA, MLAWeights
 from latentkv.models.model import Block, Model
 from latentkv.models.moe import MoE, Router, RouterWeights
 from latentkv.weights import FORMATS, Linear, make_linear
+from latentkv.weights.base import DenseLinear, format_class
 from latentkv.weights.heads import HeadLinears
 
 # The table a token id reads (the embedding) in each format; float32 for packed formats.
@@ -40,10 +42,18 @@ LORA_NORM_EPS = 1e-6
 class _Reader:
     """Fetches, dequantizes, checks and casts tensors from a checkpoint."""
 
-    def __init__(self, ckpt: Checkpoint, fmt: str, block_size: tuple[int, int] | None, device: str = "cpu"):
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        fmt: str,
+        block_size: tuple[int, int] | None,
+        device: str = "cpu",
+        expert_fmt: str | None = None,
+    ):
         self.ckpt = ckpt
         self.device = torch.device(device)
         self.fmt = fmt
+        self.expert_fmt = expert_fmt or fmt  # routed experts' format (--expert-dtype)
         self.dtype = DTYPES.get(fmt, torch.float32)  # the embedding table's
         self.block_size = block_size
         self.used: set[str] = set()
@@ -97,17 +107,18 @@ def load_model(
     progress: bool = False,
     device: str = "cpu",
     moe_factory: MoEFactory | None = None,
+    expert_dtype: str | None = None,
 ) -> Model:
-    """The model in `directory` with its matrices in `weight_dtype`, every tensor on `device`
-    (the one device the model, its caches and its passes then use). `moe_factory`: see
-    `build_model`."""
+    """The model in `directory`, its matrices in `weight_dtype` and its routed experts in
+    `expert_dtype` (default: the same), every tensor on `device` (the one device the model, its
+    caches and its passes then use). `moe_factory`: see `build_model`."""
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
     ckpt = Checkpoint(directory, progress=progress)
     return build_model(
-        cfg, ckpt, weight_dtype, tuple(block) if block else None, progress, device, moe_factory
+        cfg, ckpt, weight_dtype, tuple(block) if block else None, progress, device, moe_factory, expert_dtype
     )
 
 
@@ -119,12 +130,14 @@ def build_model(
     progress: bool = False,
     device: str = "cpu",
     moe_factory: MoEFactory | None = None,
+    expert_dtype: str | None = None,
 ) -> Model:
     """`moe_factory(layer, router, shared)`, when given, builds each MoE layer instead of the
     resident experts: their tensors are then never read (experts streamed from disk)."""
-    if weight_dtype not in FORMATS:
-        raise ValueError(f"weight dtype {weight_dtype!r} not in {sorted(FORMATS)}")
-    rd = _Reader(ckpt, weight_dtype, block_size, device)
+    for name in (weight_dtype, expert_dtype or weight_dtype):
+        if name not in FORMATS:
+            raise ValueError(f"weight dtype {name!r} not in {sorted(FORMATS)}")
+    rd = _Reader(ckpt, weight_dtype, block_size, device, expert_dtype)
     D, V = cfg.hidden_size, cfg.vocab_size
     embed = rd.table("model.embed_tokens.weight", (V, D))
     layers = range(cfg.num_layers)
@@ -243,12 +256,24 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str, layer: int = 0, moe_factory: MoE
     if rd.has(p + "experts.gate_up_proj"):  # transformers' fused in-memory layout
         gate_up = rd.raw(p + "experts.gate_up_proj", (E, 2 * I, D))
         down = rd.raw(p + "experts.down_proj", (E, D, I))
-    else:  # per-expert tensors, as checkpoints ship them: stacked here (the one copy)
-        gate_up = torch.empty(E, 2 * I, D, dtype=rd.dtype, device=rd.device)
-        down = torch.empty(E, D, I, dtype=rd.dtype, device=rd.device)
-        for e in range(E):
-            q = f"{p}experts.{e}."
-            gate_up[e, :I] = rd.raw(q + "gate_proj.weight", (I, D))
-            gate_up[e, I:] = rd.raw(q + "up_proj.weight", (I, D))
-            down[e] = rd.raw(q + "down_proj.weight", (D, I))
-    return MoE(router, ResidentExperts.from_float(gate_up, down, rd.fmt), shared)
+        return MoE(router, ResidentExperts.from_float(gate_up, down, rd.expert_fmt), shared)
+    if not issubclass(format_class(rd.expert_fmt), DenseLinear):
+        # a packed format: each expert straight into it, one at a time (never the layer in float)
+        return MoE(router, ResidentExperts([_expert(rd, f"{p}experts.{e}.", D, I) for e in range(E)]), shared)
+    # per-expert tensors, as checkpoints ship them: stacked here (the one copy)
+    dtype = DTYPES[rd.expert_fmt]
+    gate_up = torch.empty(E, 2 * I, D, dtype=dtype, device=rd.device)
+    down = torch.empty(E, D, I, dtype=dtype, device=rd.device)
+    for e in range(E):
+        q = f"{p}experts.{e}."
+        gate_up[e, :I] = rd.raw(q + "gate_proj.weight", (I, D))
+        gate_up[e, I:] = rd.raw(q + "up_proj.weight", (I, D))
+        down[e] = rd.raw(q + "down_proj.weight", (D, I))
+    return MoE(router, ResidentExperts.from_float(gate_up, down, rd.expert_fmt), shared)
+
+
+def _expert(rd: _Reader, q: str, D: int, I: int) -> Expert:
+    """One routed expert read from its own tensors into the experts' format."""
+    gate_up = torch.cat([rd.raw(q + "gate_proj.weight", (I, D)), rd.raw(q + "up_proj.weight", (I, D))])
+    down = rd.raw(q + "down_proj.weight", (D, I))
+    return Expert(make_linear(gate_up, rd.expert_fmt), make_linear(down, rd.expert_fmt))

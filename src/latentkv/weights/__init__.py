@@ -7,7 +7,7 @@
 A new format is one file here: a `Linear` subclass decorated with `@register` (see base.py).
 """
 
-from latentkv.weights import bf16, f32  # noqa: F401  (register the built-in formats)
+from latentkv.weights import bf16, f32, int4, int8  # noqa: F401  (register the built-in formats)
 from latentkv.weights.base import FORMATS, Linear, make_linear, register
 
 __all__ = ["FORMATS", "Linear", "make_linear", "register"]

@@ -1,0 +1,107 @@
+"""int8 weights (`--weight-dtype int8`): per-output-channel symmetric, a quarter of f32's bytes.
+
+    scale[o] = max_i |W[o, i]| / 127            float32 [out]
+    q[o, i]  = round(W[o, i] / scale[o])         int8 in [-127, 127]
+    W~[o, i] = q[o, i] * scale[o]                the matrix this format computes with
+
+The scale is stored in bfloat16 (rounded up, so no weight clips): torch's op takes the scale
+in the activations' dtype, and its bfloat16 path is the fast one (docs/weights.md).
+
+Decode (a few rows) runs torch's `_weight_int8pack_mm` on bfloat16 activations (x @ q^T * scale,
+reading int8 from memory: the step is bandwidth-bound, so a quarter of the bytes is the point).
+Prefill (many rows) is compute-bound, and there the op is several times slower than a
+dequantized tile: the scale is per output row so it factors out, `x @ W~^T = (x @ q^T) * scale`,
+and q is exact in bfloat16, so a tile of q cast to the CPU's matmul dtype feeds one `F.linear`
+and the scale multiplies the product.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from latentkv.weights.base import Linear, register
+from latentkv.weights.kernels import matmul_dtype
+
+QMAX = 127
+# Products with more rows than this take the dequantized-tile path (docs/weights.md).
+PREFILL_MIN_ROWS = 16
+# Output rows dequantized at a time on the tile path: bounds the temporary to TILE_ROWS x in.
+TILE_ROWS = 1024
+
+
+def bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """x (positive float32) rounded to bfloat16, upwards: the smallest bfloat16 >= x."""
+    b = x.to(torch.bfloat16)
+    return torch.where(b.float() < x, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float [out, in] -> (q int8 [out, in], scale bfloat16 [out]). An all-zero row gets
+    scale 1 (its q is 0 either way)."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    scale = bf16_at_least(torch.where(amax > 0, amax / QMAX, torch.ones_like(amax)))
+    q = torch.round(w / scale.float()[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+@register
+class Int8Linear(Linear):
+    format = "int8"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        if q.dim() != 2 or q.dtype != torch.int8:
+            raise ValueError(f"int8 weight must be int8 [out, in], got {q.dtype} {tuple(q.shape)}")
+        if scale.shape != (q.shape[0],) or scale.dtype != torch.bfloat16:
+            raise ValueError(
+                f"int8 scale must be bfloat16 [{q.shape[0]}], got {scale.dtype} {tuple(scale.shape)}"
+            )
+        self.q = q.contiguous()  # [out, in]
+        self.scale = scale.contiguous()  # [out] bfloat16, the op's
+        self._scale_f32 = scale.float()  # [out], for the tile path
+        self._bias = None if bias is None else bias.float().contiguous()
+        self.out_features, self.in_features = q.shape
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **params) -> Int8Linear:
+        if params:
+            raise ValueError(f"weight format int8 takes no parameters, got {sorted(params)}")
+        if w.dim() != 2:
+            raise ValueError(f"int8 needs a matrix [out, in], got shape {tuple(w.shape)}")
+        q, scale = quantize_int8(w)
+        return cls(q, scale, bias)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        if x2.shape[0] > PREFILL_MIN_ROWS:
+            y = self._tiled(x2)
+        else:
+            xb = x2.to(torch.bfloat16).contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale).float()
+        if self._bias is not None:
+            y = y + self._bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] float32 -> [M, out]: (x @ q_tile^T) * scale_tile, tile by tile of output rows."""
+        dtype = matmul_dtype()
+        xd = x.to(dtype)
+        out = torch.empty(x.shape[0], self.out_features)
+        for r0 in range(0, self.out_features, TILE_ROWS):
+            r1 = min(r0 + TILE_ROWS, self.out_features)
+            part = F.linear(xd, self.q[r0:r1].to(dtype))  # [M, r1-r0]
+            torch.mul(part, self._scale_f32[r0:r1], out=out[:, r0:r1])
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self._scale_f32[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.q.numel() + self.scale.numel() * 2
+        return n if self._bias is None else n + self._bias.numel() * 4

@@ -1,0 +1,142 @@
+"""int8 and int4 formats: each product against float64 over the format's own dequantized matrix,
+the dequantized matrix against the quantization bounds of its definition, and the int4 layouts
+(portable nibbles, the op's CPU-specific packing) read back exactly. Inputs are fresh random
+draws each run; the seed is in every failure message."""
+
+import random
+
+import pytest
+import torch
+
+from latentkv.weights import make_linear
+from latentkv.weights.int4 import (
+    Int4Linear,
+    dequantize_int4,
+    pack_nibbles,
+    quantize_int4,
+    unpack_nibbles,
+    unpack_op_layout,
+)
+from latentkv.weights.int8 import PREFILL_MIN_ROWS, Int8Linear
+from latentkv.weights.kernels import describe, matmul_dtype
+
+
+def _gen() -> tuple[torch.Generator, int]:
+    seed = random.randrange(2**31)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).abs().max() / ref.abs().max())
+
+
+# The ops take x in bfloat16 and return bfloat16: compared with x rounded the same way, what is
+# left is the output's rounding (2^-8 relative) and the order of accumulation.
+OP_TOL = 8e-3
+# The int8 tile path rounds x to bfloat16 where the CPU has native bf16, else stays float32.
+TILE_TOL = 8e-3 if matmul_dtype() == torch.bfloat16 else 1e-5
+# Against float x (no rounding in the reference): bfloat16's 8 bits of x as well.
+LOOSE_TOL = 2e-2
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("rows", [1, 3, PREFILL_MIN_ROWS + 1, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_product_matches_its_dequantized_matrix(rows, bias):
+    g, seed = _gen()
+    w = torch.randn(96, 160, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    lin = make_linear(w, "int8", bias=b)
+    x = torch.randn(2, rows, 160, generator=g)  # leading axes are kept
+    bias64 = 0 if b is None else b.double()
+    tile = rows > PREFILL_MIN_ROWS
+    rounded = x.double() if tile and matmul_dtype() == torch.float32 else _bf16(x)
+    ref = rounded @ lin.dequantize().double().T + bias64
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (2, rows, 96)
+    assert _rel_err(y, ref) < (TILE_TOL if tile else OP_TOL), f"seed {seed}"
+    assert _rel_err(y, x.double() @ lin.dequantize().double().T + bias64) < LOOSE_TOL, f"seed {seed}"
+
+
+def test_int8_is_within_half_a_step_of_the_float_matrix():
+    g, seed = _gen()
+    w = torch.randn(64, 200, generator=g) * torch.rand(64, 1, generator=g) * 3
+    w[5] = 0  # an all-zero row stays exactly zero
+    deq = Int8Linear.from_float(w).dequantize().double()
+    # the step is amax / 127 rounded up to bfloat16: at most 2^-7 relative above it
+    step = w.double().abs().amax(dim=1, keepdim=True) / 127 * (1 + 2**-7)
+    assert ((deq - w.double()).abs() <= step / 2 * (1 + 1e-6) + 1e-12).all(), f"seed {seed}"
+    assert torch.equal(deq[5], torch.zeros(200, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("shape", [(48, 256), (20, 200), (130, 96)])  # the last two need padding
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int4_product_matches_its_dequantized_matrix(group, shape, rows):
+    g, seed = _gen()
+    w = torch.randn(*shape, generator=g)
+    b = torch.randn(shape[0], generator=g)
+    lin = make_linear(w, "int4", bias=b, group_size=group)
+    x = torch.randn(rows, shape[1], generator=g)
+    y = lin(x)
+    assert y.shape == (rows, shape[0]) and y.dtype == torch.float32
+    assert _rel_err(y, _bf16(x) @ lin.dequantize().double().T + b.double()) < OP_TOL, f"seed {seed}"
+    assert _rel_err(y, x.double() @ lin.dequantize().double().T + b.double()) < LOOSE_TOL, f"seed {seed}"
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_is_within_half_a_step_of_the_float_matrix(group):
+    g, seed = _gen()
+    w = torch.randn(32, 512, generator=g) + torch.linspace(-2, 2, 512)  # groups with offsets
+    deq = Int4Linear.from_float(w, group_size=group).dequantize().double()
+    wg = w.double().view(32, -1, group)
+    # half a step (the range / 15, rounded up to bfloat16), plus the zero point's bfloat16 rounding
+    step = (wg.amax(-1) - wg.amin(-1)) / 15 * (1 + 2**-7)  # [32, groups]
+    zero_rounding = (wg.amax(-1) + wg.amin(-1)).abs() / 2 * 2**-8 + step
+    err = (deq - w.double()).view(32, -1, group).abs()
+    assert (err <= step[..., None] / 2 + zero_rounding[..., None] * 2**-8 + 1e-6).all(), f"seed {seed}"
+
+
+def test_int4_reference_formula_and_layouts_round_trip():
+    g, seed = _gen()
+    w = torch.randn(80, 192, generator=g)
+    q, scale, zero = quantize_int4(w, 64)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == (80, 3)
+    assert scale.dtype == zero.dtype == torch.bfloat16
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+    lin = Int4Linear(pack_nibbles(q), scale, zero, 192)
+    assert torch.equal(unpack_op_layout(lin.packed, 80, 192), q), f"seed {seed}"
+    nib, s2, z2 = lin.nibbles()
+    assert torch.equal(nib, pack_nibbles(q)) and torch.equal(s2, scale) and torch.equal(z2, zero)
+    # the formula written out in float64, independent of dequantize_int4
+    qg = q.double().view(80, 3, 64)
+    expected = ((qg - 8) * scale.double()[..., None] + zero.double()[..., None]).view(80, 192)
+    assert (expected - w.double()).abs().max() < 0.5
+    assert torch.allclose(lin.dequantize().double(), expected, rtol=0, atol=1e-6)
+    assert torch.allclose(dequantize_int4(q, scale, zero).double(), expected, rtol=0, atol=1e-6)
+
+
+def test_resident_bytes():
+    w = torch.randn(64, 256)
+    assert make_linear(w, "int8").nbytes == 64 * 256 + 64 * 2
+    # 4 bits per weight plus a bfloat16 scale and zero per group of 64
+    assert make_linear(w, "int4", group_size=64).nbytes == 64 * 128 + 64 * 4 * 4
+    assert make_linear(w, "int4", group_size=64).nbytes < make_linear(w, "int8").nbytes / 1.5
+
+
+def test_bad_parameters_say_what_is_valid():
+    with pytest.raises(ValueError, match="one of"):
+        make_linear(torch.randn(16, 64), "int4", group_size=16)
+    with pytest.raises(ValueError, match="takes no parameters"):
+        make_linear(torch.randn(16, 64), "int8", group_size=32)
+    with pytest.raises(ValueError, match="valid formats: .*int4.*int8"):
+        make_linear(torch.randn(16, 64), "int2")
+
+
+def test_describe_names_the_kernel_and_the_cpu():
+    line = describe("int4")
+    assert line.startswith("weights: int4") and "_weight_int4pack_mm_for_cpu" in line
+    assert torch.backends.cpu.get_cpu_capability() in line
