@@ -208,3 +208,17 @@ def test_a_store_of_another_model_is_refused(converted, tmp_path):
     other = resolve("builtin:fixture" if "tiny" in str(model_dir) else "builtin:tiny")
     with pytest.raises(ExpertFileError, match="another model"):
         load_streamed(other, store, StreamConfig(budget=0, history=False))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_packed_experts_stream_identically_to_resident_packed(tmp_path, fmt):
+    from latentkv.experts.attach import load_streamed
+
+    model_dir = resolve("builtin:fixture")
+    store = tmp_path / "experts"
+    convert_experts(model_dir, store, fmt)
+    ref = _greedy(load_model(model_dir, expert_dtype=fmt), "f32")  # packed: no stacked fast path
+    model, streamer = load_streamed(model_dir, store, StreamConfig(budget=0, history=False))
+    _check_identical(ref, _greedy(model, "f32"))
+    assert read_manifest(store).meta["weight_format"] == fmt
+    streamer.close()
