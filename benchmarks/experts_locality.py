@@ -1,10 +1,18 @@
 """How well the expert cache and the prefetch do on real routing (no timings: these numbers do not
-depend on machine load). Teacher-forced decode over held-out text, one token per pass, through
-a streamed model at several cache budgets and policies: hit rate, prefetch recall (the next
-layer's router run early) against "the same experts as the last token", and bytes read per token.
+depend on machine load).
 
-    .venv/bin/python benchmarks/experts_locality.py builtin:fixture --budgets 1,2,3,4 \\
-        --policies lru,lfu,least-stale --tokens 512 --out benchmarks/results/experts-locality-fixture.json
+One teacher-forced decode over held-out text (one token per pass) records, per MoE layer and
+pass, the experts the router picked and the experts the prefetch predicted (the next layer's
+router run early on the hidden state after this layer's attention). What is computed never
+depends on the cache (the streamed model is exactly the resident one), so each cache policy and
+budget is then replayed on that trace with the real `ExpertCache`:
+
+    hit rate            experts found cached / experts asked for
+    prefetch recall     experts asked for that the prediction named
+    last-token recall   the same, predicting "the experts this layer used for the last token"
+
+    .venv/bin/python benchmarks/experts_locality.py builtin:fixture --budgets 1,2,3,4,6 \\
+        --tokens 512 --out benchmarks/results/experts-locality-fixture.json
 """
 
 from __future__ import annotations
@@ -12,95 +20,135 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from latentkv.experts.attach import load_streamed
-from latentkv.experts.convert import convert_experts
-from latentkv.experts.store_file import read_manifest
-from latentkv.experts.streamed import StreamConfig
+from latentkv.experts.attach import StreamedMoE, moe_layers
+from latentkv.experts.cache import POLICIES, ExpertCache
 from latentkv.models.registry import resolve
+from latentkv.models.weights import load_model
 from latentkv.tokenizer import Tokenizer
 
-
-def heldout_tokens(directory: Path, n: int) -> list[int]:
-    text = (directory / "heldout.txt").read_text(errors="replace")
-    return Tokenizer.of_model(directory).encode(text)[:n]
+Trace = list[dict[int, tuple[set[int], set[int] | None]]]  # per pass: layer -> (asked, predicted)
 
 
-def run(directory: Path, store: Path, per_layer: int, policy: str, tokens: list[int]) -> dict:
-    m = read_manifest(store)
-    stride = max(e.layout.stride for e in m.layers.values())
-    config = StreamConfig(budget=per_layer * len(m.layers) * stride, policy=policy, history=False)
-    model, streamer = load_streamed(directory, store, config)
-    trace: dict[int, list[set[int]]] = {layer: [] for layer in m.layers}
-    real_get = streamer.get
+class _Recorder:
+    """A resident store that records what each pass asks for."""
 
-    def traced(layer: int, ids):
-        trace[layer].append(set(ids))
-        return real_get(layer, ids)
+    def __init__(self, layer: int, first: int, inner, trace: Trace):
+        self.layer, self.first, self.inner, self.trace = layer, first, inner, trace
+        self.num_experts = inner.num_experts
+        self.predicted: set[int] | None = None
 
-    streamer.get = traced
+    @property
+    def stacked(self):
+        return None  # the per-expert path, as when streaming
+
+    def get(self, ids):
+        if self.layer == self.first:
+            self.trace.append({})
+        self.trace[-1][self.layer] = (set(ids), self.predicted)
+        self.predicted = None
+        return self.inner.get(ids)
+
+    def prefetch(self, ids) -> None:
+        self.predicted = set(ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+
+def record(directory: Path, tokens: list[int]) -> tuple[Trace, int]:
+    model = load_model(directory)
+    trace: Trace = []
+    layers = moe_layers(model)
+    stores = {}
+    for i in layers:
+        mlp = model.blocks[i].mlp
+        stores[i] = _Recorder(i, layers[0], mlp.experts, trace)
+        model.blocks[i].mlp = StreamedMoE(mlp.router, stores[i], mlp.shared)
+    for here, nxt in zip(layers, layers[1:], strict=False):
+        norm, router, store = model.blocks[nxt].mlp_norm, model.blocks[nxt].mlp.router, stores[nxt]
+        model.blocks[here].mlp.lookahead = lambda h, n=norm, r=router, s=store: s.prefetch(
+            r(n(h))[0].reshape(-1).unique().tolist()
+        )
     cache = model.make_cache()
     with torch.inference_mode():
         for t in tokens:
             model.forward(torch.tensor([t]), cache)
-    t = streamer.snapshot()
-    streamer.close()
-    same, total = 0, 0
-    for sets in trace.values():
-        for prev, cur in zip(sets, sets[1:], strict=False):
-            same += len(prev & cur)
-            total += len(cur)
-    return {
-        "experts_per_layer": per_layer,
-        "policy": policy,
-        "hit_rate": t["hit_rate"],
-        "recall": t["recall"],
-        "last_token_recall": same / total if total else 0.0,
-        "bytes_per_token": t["bytes_read"] / len(tokens),
-        "cold_bytes_per_token": sum(len(s[0]) for s in trace.values() if s) * stride,
-        "asked": t["asked"],
-        "wasted_prefetch": t["wasted_prefetch"],
-    }
+    return trace, model.cfg.n_routed_experts
+
+
+def replay(trace: Trace, per_layer: int, policy: str) -> float:
+    """Hit rate of `policy` with room for `per_layer` experts per MoE layer (one shared cache)."""
+    layers = len(trace[0])
+    cache = ExpertCache(per_layer * layers, policy)
+    for step in trace:
+        cache.next_step()
+        for layer, (asked, _pred) in step.items():
+            keys = [(layer, e) for e in sorted(asked)]
+            cache.protect(keys)
+            for key in keys:
+                if cache.get(key) is None:
+                    cache.put(key, True, 1)
+            cache.release()
+    return cache.stats.hit_rate
+
+
+def recalls(trace: Trace) -> tuple[float, float]:
+    """(prefetch recall, last-token recall) over the trace."""
+    hit = total = same = same_total = 0
+    last: dict[int, set[int]] = {}
+    for step in trace:
+        for layer, (asked, pred) in step.items():
+            if pred is not None:
+                hit += len(asked & pred)
+                total += len(asked)
+            if layer in last:
+                same += len(asked & last[layer])
+                same_total += len(asked)
+            last[layer] = asked
+    return hit / max(1, total), same / max(1, same_total)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", default="builtin:fixture", nargs="?")
-    p.add_argument("--budgets", default="1,2,3,4", help="cache budgets in experts per MoE layer")
-    p.add_argument("--policies", default="lru,lfu,least-stale")
+    p.add_argument("--budgets", default="1,2,3,4,6", help="cache budgets in experts per MoE layer")
+    p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     directory = resolve(args.model)
-    tokens = heldout_tokens(directory, args.tokens)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Path(tmp) / "experts"
-        convert_experts(directory, store, "f32")
-        for b in (int(x) for x in args.budgets.split(",")):
-            for policy in args.policies.split(","):
-                rows.append(run(directory, store, b, policy, tokens))
-                r = rows[-1]
-                print(
-                    f"| {b} | {policy} | {r['hit_rate']:.1%} | {r['recall']:.1%} | {r['last_token_recall']:.1%} | "
-                    f"{r['bytes_per_token'] / 2**10:.0f} |",
-                    file=sys.stderr,
-                )
-    head = "| experts/layer | policy | hit rate | prefetch recall | last-token recall | KiB read/token |"
-    print(head + "\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['experts_per_layer']} | {r['policy']} | {r['hit_rate']:.1%} | {r['recall']:.1%} | "
-            f"{r['last_token_recall']:.1%} | {r['bytes_per_token'] / 2**10:.0f} |"
-        )
+    text = (directory / "heldout.txt").read_text(errors="replace")
+    tokens = Tokenizer.of_model(directory).encode(text)[: args.tokens]
+    trace, n_experts = record(directory, tokens)
+    recall, last_recall = recalls(trace)
+    rows = [
+        {"experts_per_layer": b, "policy": pol, "hit_rate": replay(trace, b, pol)}
+        for b in (int(x) for x in args.budgets.split(","))
+        for pol in args.policies.split(",")
+    ]
+    print(f"{args.model}: {len(tokens)} held-out tokens, {len(trace[0])} MoE layers x {n_experts} experts")
+    print(
+        f"prefetch recall (next layer's router run early): {recall:.1%}; same experts as the last token: {last_recall:.1%}"
+    )
+    print("\n| experts/layer cached | " + " | ".join(args.policies.split(",")) + " |")
+    print("|---|" + "---|" * len(args.policies.split(",")))
+    for b in sorted({r["experts_per_layer"] for r in rows}):
+        cells = [f"{r['hit_rate']:.1%}" for r in rows if r["experts_per_layer"] == b]
+        print(f"| {b} of {n_experts} | " + " | ".join(cells) + " |")
     if args.out:
-        Path(args.out).write_text(
-            json.dumps({"model": args.model, "tokens": len(tokens), "rows": rows}, indent=1)
-        )
+        out = {
+            "model": args.model,
+            "tokens": len(tokens),
+            "recall": recall,
+            "last_token_recall": last_recall,
+            "rows": rows,
+        }
+        Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
 
 
