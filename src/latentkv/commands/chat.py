@@ -218,6 +218,7 @@ def _open(args: argparse.Namespace, loaded, cache_config):
 class Chat:
     def __init__(self, loaded, fmt, conv, sampling, args: argparse.Namespace):
         self.model = loaded.model
+        self.streamer = loaded.streamer  # experts streamed from disk (--ram-gb), or None
         self.tokenizer = loaded.tokenizer
         self.fmt = fmt
         self.conv = conv
@@ -302,6 +303,10 @@ class Chat:
             f"({stats.prompt_tps:.1f} tok/s), generated {stats.generated_tokens} ({stats.decode_tps:.1f} tok/s), "
             f"{len(self.conv.tokens)} tokens in the conversation]"
         )
+        if self.streamer is not None:
+            from latentkv.commands.common import experts_line
+
+            say(f"[{experts_line(self.streamer)}]")
 
 
 def say(text: str) -> None:
