@@ -72,3 +72,18 @@ def test_streaming_stays_under_a_real_memory_limit(tmp_path):
         greedy.oom_kills,
         greedy.stderr[-500:],
     )
+
+
+@pytest.mark.slow
+def test_the_planner_default_sees_the_cgroup_limit(tmp_path):
+    reason = memlimit.unavailable()
+    if reason:
+        pytest.skip(reason)
+    script = tmp_path / "avail.py"
+    script.write_text(
+        "from latentkv.experts.planner import available_memory\nprint(*available_memory(), sep='|')\n"
+    )
+    run = memlimit.run_limited([sys.executable, str(script)], 3 << 30, timeout=300)
+    assert run.returncode == 0, run.stderr[-1000:]
+    limit, source = run.stdout.strip().split("|")
+    assert int(limit) == 3 << 30 and source == "the cgroup memory limit"

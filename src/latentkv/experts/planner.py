@@ -79,14 +79,23 @@ def available_memory() -> tuple[int, str]:
 
 
 def _cgroup_limit() -> int | None:
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    """This process's memory cgroup limit (v2 memory.max or v1 limit_in_bytes), if it has one."""
+    paths = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, controllers, rel = line.split(":", 2)
+        if hid == "0" and not controllers:
+            paths.append(Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.max")
+        elif "memory" in controllers.split(","):
+            paths.append(Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / "memory.limit_in_bytes")
+    limits = []
+    for path in paths:
         try:
-            raw = Path(path).read_text().strip()
+            raw = path.read_text().strip()
         except OSError:
             continue
         if raw != "max" and int(raw) < 1 << 60:
-            return int(raw)
-    return None
+            limits.append(int(raw))
+    return min(limits) if limits else None
 
 
 def bytes_per_element(fmt: str) -> float:
