@@ -14,6 +14,10 @@ COMMANDS = {
     "bench": ("latentkv.commands.bench", "benchmark prefill and decode (optionally vs transformers)"),
     "kv": ("latentkv.commands.kv", "KV cache tiers (kv stats) and KV files (kv inspect)"),
     "serve": ("latentkv.commands.serve", "an OpenAI-compatible HTTP server with continuous batching"),
+    "convert": (
+        "latentkv.commands.convert",
+        "rewrite a checkpoint with int8/int4 weights (quantized once, loaded as is)",
+    ),
     "eval": ("latentkv.commands.eval", "quality per KV tier: held-out perplexity, multiple choice"),
     "experts": (
         "latentkv.commands.experts",

@@ -131,3 +131,18 @@ def test_the_environment_alias_adds_its_tier_to_the_gate(monkeypatch, capsys):
     code, rows = _oracle(capsys)
     assert code == 0
     assert [r["kv_cache_dtype"] for r in rows] == ["f32", "fp8"]
+
+
+def test_weight_formats_report_beside_the_f32_gate(checkpoint):
+    caches = [CacheConfig("f32")]
+    rows = oracle.check_tiers(
+        oracle.SPECS["glm5-tiny"], checkpoint("glm5-tiny"), None, caches, "f32", ("int8", "int4")
+    )
+    assert [(r.weight_dtype, r.kv_cache_dtype) for r in rows] == [
+        ("f32", "f32"),
+        ("int8", "f32"),
+        ("int4", "f32"),
+    ]
+    assert rows[0].ok is True and rows[1].ok is None and rows[2].ok is None  # only f32 gates
+    # quantized weights move the logits, int4 more than int8, yet stay close to the reference
+    assert 0 < rows[1].max_abs_logit_diff < rows[2].max_abs_logit_diff < 1.0

@@ -212,3 +212,29 @@ def test_cli_errors(capsys, tmp_path, argv, message):
     code, out, err = _run(capsys, *(a.format(text=text) for a in argv))
     assert code == 2 and out == ""
     assert message in err
+
+
+def test_cli_weight_formats_are_scored_against_f32_weights(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    code, out, err = _run(
+        capsys, "builtin:tiny", "--text", str(text), "--context", "64", "--max-windows", "3",
+        "--weight-dtype", "int8,int4", "--bootstrap", "50", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["weight_dtype"] == ["f32", "int8", "int4"]
+    rows = payload["contexts"][0]["tiers"]
+    assert [(r["weights"], r["tier"]) for r in rows] == [("f32", "f32"), ("int8", "f32"), ("int4", "f32")]
+    f32, int8, int4 = rows
+    assert f32["kld"] == 0.0 and f32["top1"] == 1.0
+    assert 0 < int8["kld"] < int4["kld"]  # 8 bits per weight beat 4
+    assert int4["kld_ci"][0] <= int4["kld"] <= int4["kld_ci"][1]
+    assert "weights: int4" in err  # the kernel line at start
+
+
+def test_cli_weight_format_errors(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    code, out, err = _run(capsys, "builtin:tiny", "--text", str(text), "--weight-dtype", "int8,int3")
+    assert code == 2 and out == "" and "unknown weight dtype int3" in err

@@ -61,6 +61,7 @@ def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> 
     p.add_argument(
         "--weight-dtype",
         default="f32",
+        choices=None if multiple else WEIGHT_DTYPES,
         metavar="LIST" if multiple else "DTYPE",
         help=f"{what}: {names} (default: f32; int8 per-channel, int4 group-wise; norms and the "
         "router stay f32)",
@@ -68,6 +69,7 @@ def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> 
     p.add_argument(
         "--expert-dtype",
         default=None,
+        choices=WEIGHT_DTYPES,
         metavar="DTYPE",
         help=f"format of the routed experts: {names} (default: the --weight-dtype)",
     )
@@ -310,6 +312,10 @@ def load(
             f"{engine.weights_label} weights) in {seconds:.2f} s",
             file=sys.stderr,
         )
+        print(
+            f"peak RSS so far {_peak_rss_mib():.0f} MiB (checkpoint pages read through mmap included)",
+            file=sys.stderr,
+        )
         for fmt in dict.fromkeys((engine.weight_dtype, engine.experts)):
             if fmt in ("int8", "int4"):
                 print(describe(fmt), file=sys.stderr)
@@ -362,6 +368,12 @@ def experts_line(streamer) -> str:
         f"{per_pass:.1f} MiB read per pass, {t['read_gbps']:.2f} GB/s, "
         f"resident {t['resident_bytes'] / 2**30:.3f} of {t['budget'] / 2**30:.3f} GiB"
     )
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

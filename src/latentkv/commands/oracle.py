@@ -11,7 +11,7 @@ import json
 import sys
 
 from latentkv.cli import UserError
-from latentkv.commands.common import add_cache_arguments
+from latentkv.commands.common import add_cache_arguments, weight_dtypes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     add_cache_arguments(p, multiple=True, default="f32", note=". f32 always runs: it is the gate")
+    p.add_argument(
+        "--weight-dtype",
+        default="f32",
+        metavar="LIST",
+        help="comma-separated weight formats (f32, bf16, int8, int4); f32 always runs and gates, the "
+        "others report their agreement like the lossy KV tiers (default: f32)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown := [n for n in names if n not in oracle.SPECS]:
         raise UserError(f"unknown oracle model(s) {unknown}; available: {', '.join(oracle.SPECS)}")
     caches = cache_configs(args, default="f32")
+    more_weights = tuple(w for w in weight_dtypes(args.weight_dtype) if w != "f32")
     if all(c.kv_cache_dtype != oracle.GATED_TIER for c in caches):
         caches.insert(0, CacheConfig(oracle.GATED_TIER))  # the gate always runs
     rows = []
@@ -51,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
             ref, _ = oracle.hf_reference(spec, directory)
             oracle.REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
             oracle.reference_path(name).write_text(json.dumps(ref, indent=1) + "\n")
-        rows += oracle.check_tiers(spec, directory, oracle.load_reference(name), caches)
+        rows += oracle.check_tiers(spec, directory, oracle.load_reference(name), caches, "f32", more_weights)
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=1))
     else:
-        print(table(rows, with_tiers=len(caches) > 1))
+        print(table(rows, with_tiers=len(caches) > 1 or bool(more_weights)))
         print(f"(tolerance {oracle.LOGIT_TOLERANCE:g} on float32 logits, gating f32 only)", file=sys.stderr)
     return 0 if all(r.ok is not False for r in rows) else 1
 
@@ -73,12 +81,12 @@ def table(rows, with_tiers: bool) -> str:
             )
         return "\n".join(lines)
     lines = [
-        f"{'model':<18} {'kv':<7} {'tf':>6} {'greedy':>7} {'prefix':>6} {'max_abs_logit_diff':>19} "
+        f"{'model':<18} {'weights':<7} {'kv':<7} {'tf':>6} {'greedy':>7} {'prefix':>6} {'max_abs_logit_diff':>19} "
         f"{'reference':>10}  result"
     ]
     for r in rows:
         lines.append(
-            f"{r.name:<18} {r.kv_cache_dtype:<7} {r.tf:>6} {r.greedy:>7} {r.greedy_prefix:>6} "
+            f"{r.name:<18} {r.weight_dtype:<7} {r.kv_cache_dtype:<7} {r.tf:>6} {r.greedy:>7} {r.greedy_prefix:>6} "
             f"{r.max_abs_logit_diff:>19.2e} {_ref(r):>10}  {_result(r)}"
         )
     return "\n".join(lines)

@@ -8,13 +8,15 @@ compares. References are committed under `eval/references/` so a change in eithe
 Teacher forcing uses the sequence prompt + transformers' greedy continuation, so with a
 12-token prompt and 20 greedy tokens it scores 32 positions ("32/32").
 
-`check_tiers` runs transformers once per model and our engine once per KV tier. f32 is the
-gate (exact agreement, logits within LOGIT_TOLERANCE); the lossy tiers (bf16, fp8, tq*,
-polar*) report their agreement and logit error and never fail.
+`check_tiers` runs transformers once per model and our engine once per KV tier (and per weight
+format: f32 weights, then each of `more_weights`, e.g. int8 and int4). f32 is the gate (exact
+agreement, logits within LOGIT_TOLERANCE); the lossy tiers (bf16, fp8, tq*, polar*) and the
+quantized weight formats report their agreement and logit error and never fail.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -236,6 +238,7 @@ class OracleRow:
     ok: bool | None
     kv_cache_dtype: str = "f32"
     greedy_prefix: int = 0  # leading greedy tokens equal to transformers' (where a lossy tier drifts)
+    weight_dtype: str = "f32"
 
     def as_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -254,26 +257,34 @@ def check_tiers(
     reference: dict[str, Any] | None,
     caches: list[CacheConfig],
     weight_dtype: str = "f32",
+    more_weights: tuple[str, ...] = (),
 ) -> list[OracleRow]:
-    """Transformers once on this model, then our engine once per KV tier; one row per tier."""
+    """Transformers once on this model, then our engine once per (weight format, KV tier); one
+    row each. Only `weight_dtype` with the f32 cache can gate; `more_weights` report."""
     from latentkv.models.weights import load_model
 
     live, hf_logits = hf_reference(spec, directory)
     prompt = live["prompt_ids"]
     sequence = prompt + live["greedy"]
     ref_ok = reference is None or all(reference[k] == live[k] for k in ("prompt_ids", "greedy", "tf_argmax"))
-    model = load_model(directory, weight_dtype)
     rows = []
-    for cache in caches:
-        t0 = time.perf_counter()
-        greedy, tf_logits = ours(model, prompt, sequence, cache)
-        seconds = time.perf_counter() - t0
-        theirs, mine = (live["greedy"], hf_logits), (greedy, tf_logits)
-        rows.append(_row(spec.name, cache.kv_cache_dtype, theirs, mine, ref_ok, seconds))
+    for weights in dict.fromkeys([weight_dtype, *more_weights]):
+        model = load_model(directory, weights)
+        for cache in caches:
+            t0 = time.perf_counter()
+            greedy, tf_logits = ours(model, prompt, sequence, cache)
+            seconds = time.perf_counter() - t0
+            theirs, mine = (live["greedy"], hf_logits), (greedy, tf_logits)
+            row = _row(
+                spec.name, cache.kv_cache_dtype, theirs, mine, ref_ok, seconds, weights != weight_dtype
+            )
+            rows.append(dataclasses.replace(row, weight_dtype=weights))
     return rows
 
 
-def _row(name: str, tier: str, theirs: tuple, mine: tuple, ref_ok: bool, seconds: float) -> OracleRow:
+def _row(
+    name: str, tier: str, theirs: tuple, mine: tuple, ref_ok: bool, seconds: float, report_only: bool = False
+) -> OracleRow:
     """Compare (greedy tokens, teacher-forced logits [N, vocab]) of both engines."""
     (hf_greedy, hf_logits), (greedy, tf_logits) = theirs, mine
     n = hf_logits.shape[0]
@@ -282,7 +293,7 @@ def _row(name: str, tier: str, theirs: tuple, mine: tuple, ref_ok: bool, seconds
     prefix = same.index(0) if 0 in same else len(same)
     diff = float((tf_logits - hf_logits).abs().max())
     ok = None
-    if tier == GATED_TIER:
+    if tier == GATED_TIER and not report_only:
         ok = tf_hits == n and sum(same) == GREEDY_TOKENS and diff <= LOGIT_TOLERANCE and ref_ok
     return OracleRow(
         name, f"{tf_hits}/{n}", f"{sum(same)}/{GREEDY_TOKENS}", diff, ref_ok, seconds, ok, tier, prefix

@@ -21,6 +21,7 @@ import torch
 from latentkv.config import ModelConfig
 from latentkv.experts import ResidentExperts
 from latentkv.experts.base import Expert
+from latentkv.models.convert import read_manifest
 from latentkv.models.indexer import Indexer, IndexerWeights
 from latentkv.models.layers import RMSNorm, SwiGLU, softmax_scale
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
@@ -31,7 +32,8 @@ from latentkv.weights import FORMATS, Linear, make_linear
 from latentkv.weights.base import DenseLinear, format_class
 from latentkv.weights.heads import HeadLinears
 
-# The table a token id reads (the embedding) in each format; float32 for packed formats.
+# The table a token id reads (the embedding) in each format; bfloat16 for packed formats (a
+# gather reads one row per token: its bytes are resident, not streamed, so 16 bits suffice).
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 # (layer index, router, shared expert or None) -> the layer's MoE, for experts kept elsewhere
 MoEFactory = Callable[[int, Router, SwiGLU | None], object]
@@ -49,17 +51,19 @@ class _Reader:
         block_size: tuple[int, int] | None,
         device: str = "cpu",
         expert_fmt: str | None = None,
+        packed: dict | None = None,
     ):
         self.ckpt = ckpt
         self.device = torch.device(device)
+        self.packed = packed or {}  # a converted checkpoint's pre-quantized matrices (its manifest)
         self.fmt = fmt
         self.expert_fmt = expert_fmt or fmt  # routed experts' format (--expert-dtype)
-        self.dtype = DTYPES.get(fmt, torch.float32)  # the embedding table's
+        self.dtype = DTYPES.get(fmt, torch.bfloat16)  # the embedding table's
         self.block_size = block_size
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
-        return name in self.ckpt
+        return name in self.ckpt or name in self.packed
 
     def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self.ckpt.get(name)
@@ -91,7 +95,22 @@ class _Reader:
 
     def matrix(self, name: str, shape: tuple[int, ...]) -> Linear:
         """A checkpoint matrix used in a matmul, in the chosen weight format."""
-        return self.linear(self.raw(name, shape))
+        return self.prequantized([name], self.fmt) or self.linear(self.raw(name, shape))
+
+    def prequantized(self, names: list[str], fmt: str) -> Linear | None:
+        """The matrices `names` fused by rows, from a converted checkpoint that stores them all
+        in `fmt` (piece by piece, output rows first); None otherwise."""
+        entries = [self.packed.get(n) for n in names]
+        if not all(e is not None and e["format"] == fmt for e in entries):
+            return None
+        cls = format_class(fmt)
+        state = {}
+        for piece in cls.pieces:
+            keys = [f"{name}.{fmt}.{piece}" for name in names]
+            self.used.update(keys)
+            parts = [self.ckpt.get(k) for k in keys]
+            state[piece] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return cls.from_state(state, entries[0]["shape"][1])
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Norm weights, biases, router: always float32."""
@@ -116,10 +135,32 @@ def load_model(
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
+    manifest = read_manifest(directory)
+    if manifest is not None:
+        _check_converted(directory, manifest, weight_dtype, expert_dtype or weight_dtype)
     ckpt = Checkpoint(directory, progress=progress)
+    packed = manifest["tensors"] if manifest else None
     return build_model(
-        cfg, ckpt, weight_dtype, tuple(block) if block else None, progress, device, moe_factory, expert_dtype
+        cfg,
+        ckpt,
+        weight_dtype,
+        tuple(block) if block else None,
+        progress,
+        device,
+        moe_factory,
+        expert_dtype,
+        packed,
     )
+
+
+def _check_converted(directory: Path, manifest: dict, weights: str, experts: str) -> None:
+    """A converted checkpoint loads in the formats it was converted to, and no other."""
+    have = (manifest["weight_dtype"], manifest["expert_dtype"])
+    if (weights, experts) != have:
+        raise CheckpointError(
+            f"{directory} was converted to {have[0]} weights and {have[1]} experts; load it with "
+            f"--weight-dtype {have[0]} --expert-dtype {have[1]}, or convert the original again"
+        )
 
 
 def build_model(
@@ -131,13 +172,14 @@ def build_model(
     device: str = "cpu",
     moe_factory: MoEFactory | None = None,
     expert_dtype: str | None = None,
+    packed: dict | None = None,
 ) -> Model:
     """`moe_factory(layer, router, shared)`, when given, builds each MoE layer instead of the
     resident experts: their tensors are then never read (experts streamed from disk)."""
     for name in (weight_dtype, expert_dtype or weight_dtype):
         if name not in FORMATS:
             raise ValueError(f"weight dtype {name!r} not in {sorted(FORMATS)}")
-    rd = _Reader(ckpt, weight_dtype, block_size, device, expert_dtype)
+    rd = _Reader(ckpt, weight_dtype, block_size, device, expert_dtype, packed)
     D, V = cfg.hidden_size, cfg.vocab_size
     embed = rd.table("model.embed_tokens.weight", (V, D))
     layers = range(cfg.num_layers)
@@ -166,9 +208,6 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int, moe_factory: MoEFactory | None
     if cfg.dsa is not None and cfg.dsa.indexer_types[i] == "full":
         parts.append((a + "indexer.wk", cfg.dsa.index_head_dim))
         indexer = Indexer(cfg.dsa, _indexer_weights(cfg, rd, a + "indexer."))
-    mats = [rd.raw(name + ".weight", (rows, D)).float() for name, rows in parts]
-    if not cfg.q_lora_rank:  # q comes straight from the fused projection: fold the softmax scale here
-        mats[0] = mats[0] * softmax_scale(cfg.rope, cfg.qk_head_dim)
     biases = [rd.optional_vector(name + ".bias", (rows,)) for name, rows in parts]
     b_in = None
     if any(b is not None for b in biases):
@@ -178,13 +217,19 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int, moe_factory: MoEFactory | None
                 for b, (_, rows) in zip(biases, parts, strict=False)
             ]
         )
+    w_in = rd.prequantized([name + ".weight" for name, _ in parts], rd.fmt) if b_in is None else None
+    if w_in is None:
+        mats = [rd.raw(name + ".weight", (rows, D)).float() for name, rows in parts]
+        if not cfg.q_lora_rank:  # q comes straight from the fused projection: fold the softmax scale here
+            mats[0] = mats[0] * softmax_scale(cfg.rope, cfg.qk_head_dim)
+        w_in = rd.linear(torch.cat(mats), b_in)
     if cfg.mlp_layer_types[i] == "sparse":
         mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.", i, moe_factory)
     else:
         mlp = _swiglu(rd, p + "mlp.", D, cfg.intermediate_size)
     return Block(
         attn_norm=RMSNorm(rd.vector(p + "input_layernorm.weight", (D,)), cfg.rms_norm_eps),
-        w_in=rd.linear(torch.cat(mats), b_in),
+        w_in=w_in,
         split=tuple(rows for _, rows in parts),
         attn=MLA(cfg, _mla_weights(cfg, rd, a)),
         indexer=indexer,
@@ -209,8 +254,15 @@ def _mla_weights(cfg: ModelConfig, rd: _Reader, p: str) -> MLAWeights:
         kv_a_norm=RMSNorm(rd.vector(p + "kv_a_layernorm.weight", (Lkv,)), LORA_NORM_EPS),
         w_uk_t=HeadLinears.from_float(kv_b[:, :P, :].transpose(1, 2), rd.fmt),  # [H, Lkv, P]
         w_uv=HeadLinears.from_float(kv_b[:, P:, :], rd.fmt),  # [H, V, Lkv]
-        o=rd.linear(rd.raw(p + "o_proj.weight", (D, H * V)), rd.optional_vector(p + "o_proj.bias", (D,))),
+        o=_output(rd, p, D, H * V),
     )
+
+
+def _output(rd: _Reader, p: str, D: int, width: int) -> Linear:
+    bias = rd.optional_vector(p + "o_proj.bias", (D,))
+    if bias is None and (o := rd.prequantized([p + "o_proj.weight"], rd.fmt)) is not None:
+        return o
+    return rd.linear(rd.raw(p + "o_proj.weight", (D, width)), bias)
 
 
 def _indexer_weights(cfg: ModelConfig, rd: _Reader, p: str) -> IndexerWeights:
@@ -229,6 +281,9 @@ def _indexer_weights(cfg: ModelConfig, rd: _Reader, p: str) -> IndexerWeights:
 
 
 def _swiglu(rd: _Reader, p: str, D: int, inter: int) -> SwiGLU:
+    names = [p + "gate_proj.weight", p + "up_proj.weight"]
+    if (gate_up := rd.prequantized(names, rd.fmt)) is not None:
+        return SwiGLU(gate_up, rd.matrix(p + "down_proj.weight", (D, inter)))
     gate = rd.raw(p + "gate_proj.weight", (inter, D))
     up = rd.raw(p + "up_proj.weight", (inter, D))
     gate_up = torch.cat([gate, up], dim=0)  # [2I, D]
@@ -274,6 +329,10 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str, layer: int = 0, moe_factory: MoE
 
 def _expert(rd: _Reader, q: str, D: int, I: int) -> Expert:
     """One routed expert read from its own tensors into the experts' format."""
+    fmt = rd.expert_fmt
+    gate_up = rd.prequantized([q + "gate_proj.weight", q + "up_proj.weight"], fmt)
+    if gate_up is not None and (down := rd.prequantized([q + "down_proj.weight"], fmt)) is not None:
+        return Expert(gate_up, down)
     gate_up = torch.cat([rd.raw(q + "gate_proj.weight", (I, D)), rd.raw(q + "up_proj.weight", (I, D))])
     down = rd.raw(q + "down_proj.weight", (D, I))
     return Expert(make_linear(gate_up, rd.expert_fmt), make_linear(down, rd.expert_fmt))

@@ -72,6 +72,7 @@ def _padded(n: int, multiple: int) -> int:
 @register
 class Int4Linear(Linear):
     format = "int4"
+    pieces = ("nibbles", "scale", "zero")  # the portable state a file stores (`quantize_state`, `from_state`)
 
     def __init__(
         self,
@@ -107,9 +108,16 @@ class Int4Linear(Linear):
         self._bias = None if bias is None else bias.float().contiguous()
 
     @classmethod
-    def from_float(
-        cls, w: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = DEFAULT_GROUP_SIZE, **params
-    ) -> Int4Linear:
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **params) -> Int4Linear:
+        return cls.from_state(cls.quantize_state(w, **params), w.shape[1], bias)
+
+    @staticmethod
+    def quantize_state(
+        w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, **params
+    ) -> dict[str, torch.Tensor]:
+        """The portable tensors of w float [out, in] in this format (what a file stores): nibbles
+        [out, in_padded / 2], scale and zero [out, groups]; output rows first in every piece, so
+        matrices fused by rows concatenate piece by piece."""
         if params:
             raise ValueError(f"weight format int4 takes only group_size, got {sorted(params)}")
         if group_size not in GROUP_SIZES:
@@ -117,7 +125,13 @@ class Int4Linear(Linear):
         if w.dim() != 2:
             raise ValueError(f"int4 needs a matrix [out, in], got shape {tuple(w.shape)}")
         q, scale, zero = quantize_int4(pad_columns(w, group_size), group_size)
-        return cls(pack_nibbles(q), scale, zero, w.shape[1], bias)
+        return {"nibbles": pack_nibbles(q), "scale": scale, "zero": zero}
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None = None
+    ) -> Int4Linear:
+        return cls(state["nibbles"], state["scale"], state["zero"], in_features, bias)
 
     @property
     def bias(self) -> torch.Tensor | None:

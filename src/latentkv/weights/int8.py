@@ -24,6 +24,9 @@ from latentkv.weights.base import Linear, register
 from latentkv.weights.kernels import matmul_dtype
 
 QMAX = 127
+# torch 2.13's bfloat16 `_weight_int8pack_mm` reads past the end of x when in % 16 != 0 and
+# there is more than one row (a segfault): such matrices get zero columns up to a multiple of 16.
+IN_MULTIPLE = 16
 # Products with more rows than this take the dequantized-tile path (docs/weights.md).
 PREFILL_MIN_ROWS = 16
 # Output rows dequantized at a time on the tile path: bounds the temporary to TILE_ROWS x in.
@@ -49,6 +52,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @register
 class Int8Linear(Linear):
     format = "int8"
+    pieces = ("q", "scale")  # the portable state a file stores (`quantize_state`, `from_state`)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         if q.dim() != 2 or q.dtype != torch.int8:
@@ -57,20 +61,33 @@ class Int8Linear(Linear):
             raise ValueError(
                 f"int8 scale must be bfloat16 [{q.shape[0]}], got {scale.dtype} {tuple(scale.shape)}"
             )
-        self.q = q.contiguous()  # [out, in]
+        self.out_features, self.in_features = q.shape
+        self._pad = -self.in_features % IN_MULTIPLE
+        self.q = F.pad(q, (0, self._pad)).contiguous()  # [out, in + pad]: padded columns are 0
         self.scale = scale.contiguous()  # [out] bfloat16, the op's
         self._scale_f32 = scale.float()  # [out], for the tile path
         self._bias = None if bias is None else bias.float().contiguous()
-        self.out_features, self.in_features = q.shape
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **params) -> Int8Linear:
+        return cls.from_state(cls.quantize_state(w, **params), w.shape[1], bias)
+
+    @staticmethod
+    def quantize_state(w: torch.Tensor, **params) -> dict[str, torch.Tensor]:
+        """The portable tensors of w float [out, in] in this format (what a file stores); every
+        piece has the output rows first, so matrices fused by rows concatenate piece by piece."""
         if params:
             raise ValueError(f"weight format int8 takes no parameters, got {sorted(params)}")
         if w.dim() != 2:
             raise ValueError(f"int8 needs a matrix [out, in], got shape {tuple(w.shape)}")
         q, scale = quantize_int8(w)
-        return cls(q, scale, bias)
+        return {"q": q, "scale": scale}
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None = None
+    ) -> Int8Linear:
+        return cls(state["q"], state["scale"], bias)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -81,7 +98,8 @@ class Int8Linear(Linear):
         if x2.shape[0] > PREFILL_MIN_ROWS:
             y = self._tiled(x2)
         else:
-            xb = x2.to(torch.bfloat16).contiguous()
+            xb = x2.to(torch.bfloat16)
+            xb = F.pad(xb, (0, self._pad)) if self._pad else xb.contiguous()
             y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale).float()
         if self._bias is not None:
             y = y + self._bias
@@ -91,15 +109,16 @@ class Int8Linear(Linear):
         """x [M, in] float32 -> [M, out]: (x @ q_tile^T) * scale_tile, tile by tile of output rows."""
         dtype = matmul_dtype()
         xd = x.to(dtype)
+        q = self.q[:, : self.in_features] if self._pad else self.q
         out = torch.empty(x.shape[0], self.out_features)
         for r0 in range(0, self.out_features, TILE_ROWS):
             r1 = min(r0 + TILE_ROWS, self.out_features)
-            part = F.linear(xd, self.q[r0:r1].to(dtype))  # [M, r1-r0]
+            part = F.linear(xd, q[r0:r1].to(dtype))  # [M, r1-r0]
             torch.mul(part, self._scale_f32[r0:r1], out=out[:, r0:r1])
         return out
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self._scale_f32[:, None]
+        return self.q[:, : self.in_features].float() * self._scale_f32[:, None]
 
     @property
     def nbytes(self) -> int:

@@ -6,6 +6,7 @@ import argparse
 
 from latentkv.cli import UserError
 from latentkv.commands.bench import common
+from latentkv.commands.common import add_weight_arguments
 
 
 def add(sub) -> None:
@@ -25,9 +26,7 @@ def add(sub) -> None:
         "--steps", type=int, default=64, help="timed rounds: decode steps per batch size (default: 64)"
     )
     b.add_argument("--kv-cache-dtype", default="f32", help="comma-separated KV tiers, or all (default: f32)")
-    b.add_argument(
-        "--weight-dtype", default="f32", choices=["f32", "bf16"], help="weights in memory (default: f32)"
-    )
+    add_weight_arguments(b)
     common.add_output(b)
 
 
@@ -43,7 +42,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.context < 1 or args.steps < 1:
         raise UserError("--context and --steps must be at least 1")
     common.set_threads(args.threads)
-    loaded = load(args.model, EngineConfig(weight_dtype=args.weight_dtype), quiet=args.json)
+    loaded = load(
+        args.model,
+        EngineConfig(weight_dtype=args.weight_dtype, expert_dtype=args.expert_dtype),
+        quiet=args.json,
+    )
     model = loaded.model
     if args.context + args.steps + 1 > model.cfg.max_position_embeddings:
         raise UserError(

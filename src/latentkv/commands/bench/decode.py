@@ -8,7 +8,8 @@ from functools import partial
 
 from latentkv.cli import UserError
 from latentkv.commands.bench import common
-from latentkv.commands.common import add_streaming_arguments
+from latentkv.commands.common import add_streaming_arguments, add_weight_arguments
+from latentkv.commands.common import weight_dtypes as weight_list
 
 RANDOM_FILL_NOTE = (
     "fill random: the context is random rows appended straight to every layer's cache (no prompt "
@@ -36,7 +37,7 @@ def add(sub) -> None:
         help="measure every row this many times and keep the fastest, for both engines alike "
         "(default: 1; use 3+ on a shared machine)",
     )
-    d.add_argument("--weight-dtype", default="f32", help="comma-separated: f32, bf16 (default: f32)")
+    add_weight_arguments(d, multiple=True)
     add_streaming_arguments(d)
     d.add_argument(
         "--kv-cache-dtype",
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> dict:
     from latentkv.eval import bench
 
     contexts = common.ints(args.context, "--context")
-    weight_dtypes = [d.strip() for d in args.weight_dtype.split(",") if d.strip()]
+    weight_dtypes = weight_list(args.weight_dtype)
     tiers = common.tiers(args.kv_cache_dtype)
     if args.decode_tokens < 2:
         raise UserError("--decode-tokens must be at least 2")
@@ -94,7 +95,10 @@ def run(args: argparse.Namespace) -> dict:
     for dtype in weight_dtypes:
         try:
             engine = EngineConfig(
-                weight_dtype=dtype, ram_gb=args.ram_gb, expert_policy=args.expert_cache_policy
+                weight_dtype=dtype,
+                expert_dtype=args.expert_dtype,
+                ram_gb=args.ram_gb,
+                expert_policy=args.expert_cache_policy,
             )
         except ConfigError as exc:
             raise UserError(str(exc)) from None
@@ -139,7 +143,9 @@ def run(args: argparse.Namespace) -> dict:
         directory = loaded.directory
         del loaded, model
         gc.collect()
-        if args.vs_transformers:
+        if args.vs_transformers and dtype not in ("f32", "bf16"):
+            notes.append(f"transformers runs f32 and bf16 weights only: no transformers row for {dtype}")
+        elif args.vs_transformers:
             hf = bench.load_transformers(directory, dtype)
             for ctx in contexts:
                 rows.append(

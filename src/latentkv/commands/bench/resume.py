@@ -7,6 +7,7 @@ from pathlib import Path
 
 from latentkv.cli import UserError
 from latentkv.commands.bench import common
+from latentkv.commands.common import add_weight_arguments
 
 
 def add(sub) -> None:
@@ -23,9 +24,7 @@ def add(sub) -> None:
     r.add_argument(
         "--kv-cache-dtype", default="f32,tq4", help="comma-separated KV tiers, or all (default: f32,tq4)"
     )
-    r.add_argument(
-        "--weight-dtype", default="f32", choices=["f32", "bf16"], help="weights in memory (default: f32)"
-    )
+    add_weight_arguments(r)
     r.add_argument(
         "--repeats",
         type=int,
@@ -49,7 +48,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.tokens < 1 or args.repeats < 1:
         raise UserError("--tokens and --repeats must be at least 1")
     common.set_threads(args.threads)
-    loaded = load(args.model, EngineConfig(weight_dtype=args.weight_dtype), quiet=args.json)
+    loaded = load(
+        args.model,
+        EngineConfig(weight_dtype=args.weight_dtype, expert_dtype=args.expert_dtype),
+        quiet=args.json,
+    )
     model = loaded.model
     if args.tokens + 1 > model.cfg.max_position_embeddings:
         raise UserError(
