@@ -127,6 +127,11 @@ class _ExpertSource:
         return torch.cat([gate, up]), self._get(q + "down_proj.weight", (D, I)), False
 
     def _get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.ckpt:
+            raise CheckpointError(
+                f"{name} is not in the checkpoint: it holds no float experts to convert (a checkpoint "
+                "written by `latentkv convert` keeps them quantized); convert the original checkpoint"
+            )
         t = self.ckpt.get(name)
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale = name.removesuffix("weight") + "weight_scale_inv"
