@@ -19,6 +19,14 @@ COMMANDS = {
         "rewrite a checkpoint with int8/int4 weights (quantized once, loaded as is)",
     ),
     "eval": ("latentkv.commands.eval", "quality per KV tier: held-out perplexity, multiple choice"),
+    "experts": (
+        "latentkv.commands.experts",
+        "expert stores for --ram-gb: convert a model's experts, verify one",
+    ),
+    "plan": (
+        "latentkv.commands.plan",
+        "split a RAM budget: dense weights, KV pool, activations, expert cache",
+    ),
 }
 
 

@@ -541,6 +541,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     compile: bool = False  # decode one token per step through torch.compile (models/compiled.py)
     expert_dtype: str | None = None  # routed experts' format; None: the same as weight_dtype
+    ram_gb: float | None = None  # stream routed experts from disk within this RAM budget (GiB)
+    expert_policy: str = "lru"  # the expert cache's eviction policy when streaming
 
     def __post_init__(self) -> None:
         for flag, name in (("weight", self.weight_dtype), ("expert", self.expert_dtype or self.weight_dtype)):
@@ -548,6 +550,10 @@ class EngineConfig:
                 raise ConfigError(f"unknown {flag} dtype {name!r}; choose from {', '.join(WEIGHT_DTYPES)}")
         if self.threads is not None:
             check_threads(self.threads)
+        if self.ram_gb is not None and not self.ram_gb > 0:
+            raise ConfigError(f"--ram-gb must be positive (got {self.ram_gb})")
+        if self.ram_gb is not None and self.compile:
+            raise ConfigError("--compile does not apply to streamed experts (--ram-gb): drop one of them")
 
     @property
     def experts(self) -> str:

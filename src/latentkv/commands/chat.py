@@ -206,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         chat.loop(sys.stdin, sys.stdout)
     finally:
         conv.close()
+        loaded.close()  # streamed experts: saves the usage history
     return 0
 
 
@@ -222,6 +223,7 @@ def _open(args: argparse.Namespace, loaded, cache_config):
 class Chat:
     def __init__(self, loaded, fmt, conv, sampling, args: argparse.Namespace):
         self.model = loaded.model
+        self.streamer = loaded.streamer  # experts streamed from disk (--ram-gb), or None
         self.tokenizer = loaded.tokenizer
         self.fmt = fmt
         self.conv = conv
@@ -306,6 +308,10 @@ class Chat:
             f"({stats.prompt_tps:.1f} tok/s), generated {stats.generated_tokens} ({stats.decode_tps:.1f} tok/s), "
             f"{len(self.conv.tokens)} tokens in the conversation]"
         )
+        if self.streamer is not None:
+            from latentkv.commands.common import experts_line
+
+            say(f"[{experts_line(self.streamer)}]")
 
     def _reply(self, todo: list[int], stdout):
         """Generate the reply (streamed to `stdout` unless None) -> (its ids, its text, stats).

@@ -29,8 +29,27 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, com
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
     add_cache_arguments(p)
+    add_streaming_arguments(p)
     if compile:
         add_compile_argument(p)
+
+
+def add_streaming_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ram-gb",
+        type=float,
+        default=None,
+        metavar="G",
+        help="stream the routed experts from disk, keeping the process within G GiB: `latentkv plan` "
+        "splits G into dense weights, KV pool, activations and the expert cache (the experts are "
+        "converted into an expert store on first use; see docs/experts.md)",
+    )
+    p.add_argument(
+        "--expert-cache-policy",
+        default="lru",
+        choices=["lru", "lfu", "least-stale"],
+        help="eviction policy of the expert cache with --ram-gb (default: lru)",
+    )
 
 
 def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> None:
@@ -217,6 +236,8 @@ def engine_config(args: argparse.Namespace):
             threads=args.threads if args.threads is not None else env_threads(),
             cache=cache,
             compile=getattr(args, "compile", False),
+            ram_gb=getattr(args, "ram_gb", None),
+            expert_policy=getattr(args, "expert_cache_policy", "lru"),
         )
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None
@@ -240,11 +261,21 @@ class Loaded:
     tokenizer: object | None
     directory: object
     seconds: float
+    streamer: object | None = None  # ExpertStreamer when the experts stream from disk (--ram-gb)
+
+    def close(self) -> None:
+        """Stop expert reads and save the usage history (streamed runs)."""
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
 
 
-def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
+def load(
+    model_arg: str, engine, quiet: bool = False, max_model_len: int | None = None, max_num_seqs: int = 1
+) -> Loaded:
     """Resolve MODEL, check the KV tier against its config.json, then load the weights (progress
-    on stderr) and the tokenizer if there is one."""
+    on stderr) and the tokenizer if there is one. With `engine.ram_gb` the routed experts stream
+    from disk, planned for `max_model_len` (default: 4096) x `max_num_seqs` tokens of KV."""
     import torch
 
     from latentkv.config import ConfigError, ModelConfig
@@ -263,10 +294,14 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
         check_tier(ModelConfig.from_hf(directory), engine.cache)
         if engine.compile:
             check_compilable(engine.cache)
-        model = load_model(
-            directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
-        )
-    except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable) as exc:
+        streamer = None
+        if engine.ram_gb is not None:
+            model, streamer = _load_streamed(directory, engine, quiet, max_model_len, max_num_seqs)
+        else:
+            model = load_model(
+                directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
+            )
+    except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
     seconds = time.perf_counter() - t0
     tokenizer = Tokenizer.of_model(directory)
@@ -286,7 +321,53 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
                 print(describe(fmt), file=sys.stderr)
     if engine.compile:
         model.compile_decode(engine.cache, progress=not quiet)
-    return Loaded(model, tokenizer, directory, seconds)
+    return Loaded(model, tokenizer, directory, seconds, streamer)
+
+
+def _load_streamed(directory, engine, quiet: bool, max_model_len: int | None, max_num_seqs: int):
+    """Plan --ram-gb, convert the experts if needed, load the dense weights: (model, streamer)."""
+    from latentkv.config import ModelConfig
+    from latentkv.experts.attach import ensure_store, load_streamed
+    from latentkv.experts.planner import GIB, make_plan
+    from latentkv.experts.streamed import StreamConfig
+
+    cfg = ModelConfig.from_hf(directory)
+    length = max_model_len or min(cfg.max_position_embeddings, 4096)
+    store = ensure_store(directory, engine.experts, progress=not quiet)
+    plan = make_plan(
+        cfg,
+        directory,
+        int(engine.ram_gb * GIB),
+        engine.weight_dtype,
+        engine.cache,
+        length,
+        max_num_seqs,
+        store_dir=store,
+    )
+    if not plan.fits:
+        raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")
+    config = StreamConfig(budget=plan.expert_cache_bytes, policy=engine.expert_policy)
+    model, streamer = load_streamed(directory, store, config, engine.weight_dtype, progress=not quiet)
+    if not quiet:
+        _note(
+            f"streaming experts from {store}: cache {plan.expert_cache_bytes / GIB:.2f} GiB "
+            f"({plan.cached_experts} of {plan.experts_total} experts, {engine.expert_policy}); "
+            f"KV pool {plan.kv_bytes / GIB:.2f} GiB for {length} tokens x {max_num_seqs}"
+        )
+        for note in streamer.notes:
+            _note(note)
+    return model, streamer
+
+
+def experts_line(streamer) -> str:
+    """One line of expert-streaming telemetry."""
+    t = streamer.snapshot()
+    per_pass = t["bytes_read"] / max(1, t["passes"]) / 2**20
+    return (
+        f"experts: hit rate {t['hit_rate']:.1%}, prefetch recall {t['recall']:.1%}, "
+        f"{per_pass:.1f} MiB read per pass, {t['read_gbps']:.2f} GB/s, "
+        f"resident {t['resident_bytes'] / 2**30:.3f} of {t['budget'] / 2**30:.3f} GiB"
+    )
 
 
 def _peak_rss_mib() -> float:

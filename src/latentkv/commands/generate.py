@@ -19,6 +19,7 @@ from latentkv.commands.common import (
     check_text,
     describe_tier,
     engine_config,
+    experts_line,
     load,
     parse_ids,
     sampling_params,
@@ -57,10 +58,11 @@ def run(args: argparse.Namespace) -> int:
         prompt = parse_ids(args.prompt_ids)
     conv = _open_session(args, loaded, engine.cache)
     try:
-        return _generate(args, model, tokenizer, prompt, sampling, engine.cache, conv)
+        return _generate(args, model, tokenizer, prompt, sampling, engine.cache, conv, loaded.streamer)
     finally:
         if conv is not None:
             conv.close()
+        loaded.close()
 
 
 def _open_session(args: argparse.Namespace, loaded, cache_config):
@@ -73,7 +75,7 @@ def _open_session(args: argparse.Namespace, loaded, cache_config):
     return conv
 
 
-def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config, conv) -> int:
+def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config, conv, streamer=None) -> int:
     from latentkv.engine.generate import GenerationStats, stream_generate
 
     cache = conv.cache if conv is not None else model.make_cache(cache_config)
@@ -108,6 +110,8 @@ def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config,
                 resumed_tokens=conv.resumed_tokens, resume_seconds=round(conv.resume_seconds, 6)
             )
             out["session"] = conv.report()
+        if streamer is not None:
+            out["experts"] = streamer.snapshot()
         print(json.dumps(out, indent=1))
     else:
         print()
@@ -116,6 +120,8 @@ def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config,
             line = f"{conv.resume_line()} | {line} | saved: {conv.saved_tokens} tokens to {conv.path}"
         print(line, file=sys.stderr)
         print(f"KV tier: {describe_tier(cache)}", file=sys.stderr)
+        if streamer is not None:
+            print(experts_line(streamer), file=sys.stderr)
     return 0
 
 

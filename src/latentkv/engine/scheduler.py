@@ -190,6 +190,7 @@ class SchedulerStats:
     kv_bytes_in_use: int  # latent rows + indexer keys of the running sequences' caches
     kv_bytes_capacity: int  # what max_num_seqs caches of max_model_len tokens hold
     kv_cache_dtype: str
+    experts: dict | None = None  # ExpertStreamer.snapshot() when the experts stream from disk
 
 
 class RequestHandle:
@@ -338,9 +339,11 @@ class Scheduler:
         kv_dir: Path | None = None,
         model_dir: Path | None = None,
         sink=None,
+        streamer=None,
     ):
         """`sink`: deliver every step's events to this callable as [(handle, event), ...] instead
-        of to the handles' iterators (see `_Outbox`)."""
+        of to the handles' iterators (see `_Outbox`). `streamer`: the ExpertStreamer serving
+        the model's experts from disk, whose telemetry `stats` reports."""
         limit = model.cfg.max_position_embeddings
         if max_num_seqs < 1 or max_queue < 0:
             raise ValueError(
@@ -355,6 +358,7 @@ class Scheduler:
         self.max_model_len = max_model_len or limit
         self.kv_dir = Path(kv_dir) if kv_dir is not None else None
         self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.streamer = streamer
         probe = model.make_cache(cache_config)  # fails here, not per request, if the tier cannot fit
         per_token = probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
         self._capacity = per_token * self.max_model_len * max_num_seqs
@@ -388,6 +392,7 @@ class Scheduler:
             kv_dir=config.kv_dir if config.kv_dir is not None else sessions_dir(),
             model_dir=loaded.directory,
             sink=sink,
+            streamer=loaded.streamer,
         )
 
     # --- the client side --------------------------------------------------------------
@@ -447,6 +452,7 @@ class Scheduler:
                 kv_bytes_in_use=self._kv_in_use,
                 kv_bytes_capacity=self._capacity,
                 kv_cache_dtype=self.cache_config.kv_cache_dtype,
+                experts=self.streamer.snapshot() if self.streamer is not None else None,
             )
 
     def _validate(self, request: Request) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -115,12 +115,17 @@ def _init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor
 
 
 def write_random_checkpoint(
-    cfg: dict, directory: Path, seed: int = 0, max_shard_bytes: int = 2 << 30
+    cfg: dict,
+    directory: Path,
+    seed: int = 0,
+    max_shard_bytes: int = 2 << 30,
+    exclude: Callable[[str], bool] | None = None,
 ) -> Path:
-    """Write config.json + sharded safetensors (with an index) of random weights."""
+    """Write config.json + sharded safetensors (with an index) of random weights; tensors whose
+    name `exclude` accepts are left out (e.g. routed experts written to an expert store instead)."""
     directory.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
-    shapes = list(_shapes(cfg))
+    shapes = [(name, shape) for name, shape in _shapes(cfg) if exclude is None or not exclude(name)]
     total = sum(torch.Size(s).numel() for _, s in shapes)
     print(
         f"building a random {cfg['model_type']} checkpoint ({total / 1e9:.2f}B parameters) in {directory}",

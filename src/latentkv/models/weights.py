@@ -13,6 +13,7 @@ Layer indices come from the config; the MTP layers past `num_hidden_layers` are 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ from latentkv.weights.heads import HeadLinears
 # The table a token id reads (the embedding) in each format; bfloat16 for packed formats (a
 # gather reads one row per token: its bytes are resident, not streamed, so 16 bits suffice).
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+# (layer index, router, shared expert or None) -> the layer's MoE, for experts kept elsewhere
+MoEFactory = Callable[[int, Router, SwiGLU | None], object]
 # transformers builds the q-LoRA and kv-a norms without the config's eps: they use 1e-6.
 LORA_NORM_EPS = 1e-6
 
@@ -122,11 +125,12 @@ def load_model(
     weight_dtype: str = "f32",
     progress: bool = False,
     device: str = "cpu",
+    moe_factory: MoEFactory | None = None,
     expert_dtype: str | None = None,
 ) -> Model:
-    """The model in `directory` with its matrices in `weight_dtype` and its routed experts in
+    """The model in `directory`, its matrices in `weight_dtype` and its routed experts in
     `expert_dtype` (default: the same), every tensor on `device` (the one device the model, its
-    caches and its passes then use)."""
+    caches and its passes then use). `moe_factory`: see `build_model`."""
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
@@ -137,7 +141,15 @@ def load_model(
     ckpt = Checkpoint(directory, progress=progress)
     packed = manifest["tensors"] if manifest else None
     return build_model(
-        cfg, ckpt, weight_dtype, tuple(block) if block else None, progress, device, expert_dtype, packed
+        cfg,
+        ckpt,
+        weight_dtype,
+        tuple(block) if block else None,
+        progress,
+        device,
+        moe_factory,
+        expert_dtype,
+        packed,
     )
 
 
@@ -158,9 +170,12 @@ def build_model(
     block_size: tuple[int, int] | None = None,
     progress: bool = False,
     device: str = "cpu",
+    moe_factory: MoEFactory | None = None,
     expert_dtype: str | None = None,
     packed: dict | None = None,
 ) -> Model:
+    """`moe_factory(layer, router, shared)`, when given, builds each MoE layer instead of the
+    resident experts: their tensors are then never read (experts streamed from disk)."""
     for name in (weight_dtype, expert_dtype or weight_dtype):
         if name not in FORMATS:
             raise ValueError(f"weight dtype {name!r} not in {sorted(FORMATS)}")
@@ -172,7 +187,7 @@ def build_model(
         from latentkv.progress import progress as show_progress
 
         layers = show_progress(layers, "loading layers", "layer", leave=False)
-    blocks = [_block(cfg, rd, i) for i in layers]
+    blocks = [_block(cfg, rd, i, moe_factory) for i in layers]
     norm = RMSNorm(rd.vector("model.norm.weight", (D,)), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings or not rd.has("lm_head.weight"):
         lm_head = rd.linear(embed)  # tied: f32 and bf16 share the embedding's tensor
@@ -181,7 +196,7 @@ def build_model(
     return Model(cfg, embed, blocks, norm, lm_head)
 
 
-def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
+def _block(cfg: ModelConfig, rd: _Reader, i: int, moe_factory: MoEFactory | None = None) -> Block:
     p = f"model.layers.{i}."
     a = p + "self_attn."
     D, H = cfg.hidden_size, cfg.num_heads
@@ -209,7 +224,7 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int) -> Block:
             mats[0] = mats[0] * softmax_scale(cfg.rope, cfg.qk_head_dim)
         w_in = rd.linear(torch.cat(mats), b_in)
     if cfg.mlp_layer_types[i] == "sparse":
-        mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.")
+        mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.", i, moe_factory)
     else:
         mlp = _swiglu(rd, p + "mlp.", D, cfg.intermediate_size)
     return Block(
@@ -275,7 +290,7 @@ def _swiglu(rd: _Reader, p: str, D: int, inter: int) -> SwiGLU:
     return SwiGLU(rd.linear(gate_up), rd.matrix(p + "down_proj.weight", (D, inter)))
 
 
-def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
+def _moe(cfg: ModelConfig, rd: _Reader, p: str, layer: int = 0, moe_factory: MoEFactory | None = None) -> MoE:
     D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     router = Router(
         cfg,
@@ -291,6 +306,8 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
     shared = None
     if cfg.n_shared_experts:
         shared = _swiglu(rd, p + "shared_experts.", D, I * cfg.n_shared_experts)
+    if moe_factory is not None:  # experts served from elsewhere (streamed): never read here
+        return moe_factory(layer, router, shared)
     if rd.has(p + "experts.gate_up_proj"):  # transformers' fused in-memory layout
         gate_up = rd.raw(p + "experts.gate_up_proj", (E, 2 * I, D))
         down = rd.raw(p + "experts.down_proj", (E, D, I))

@@ -70,6 +70,8 @@ def render(model: str, loaded: bool, stats, rates: tuple[float, float], registry
             stats.kv_bytes_capacity,
             tier,
         )
+        if stats.experts is not None:
+            _experts(out, stats.experts)
     out.header("latentkv_http_requests_total", "counter", "HTTP requests answered, by route and status")
     for (route, status), n in sorted(registry.requests.items()):
         out.sample("latentkv_http_requests_total", n, {"route": route, "status": str(status)})
@@ -95,6 +97,31 @@ class _Writer:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+# (metric, kind, help, key in ExpertStreamer.snapshot())
+EXPERT_METRICS = (
+    (
+        "latentkv_expert_requests_total",
+        "counter",
+        "Experts asked for by MoE layers (once per pass each)",
+        "asked",
+    ),
+    ("latentkv_expert_hits_total", "counter", "Experts found in the expert cache", "hits"),
+    ("latentkv_expert_misses_total", "counter", "Experts read from disk on demand", "misses"),
+    ("latentkv_expert_prefetched_total", "counter", "Experts read ahead by prefetch and used", "prefetched"),
+    ("latentkv_expert_read_bytes_total", "counter", "Bytes of experts read from disk", "bytes_read"),
+    ("latentkv_expert_hit_rate", "gauge", "Expert cache hits over experts asked for", "hit_rate"),
+    ("latentkv_expert_prefetch_recall", "gauge", "Experts asked for that the prefetch predicted", "recall"),
+    ("latentkv_expert_read_gbps", "gauge", "Expert read speed in GB/s (inside pread)", "read_gbps"),
+    ("latentkv_expert_cache_bytes", "gauge", "Bytes the expert cache holds", "resident_bytes"),
+    ("latentkv_expert_cache_budget_bytes", "gauge", "The expert cache's byte budget", "budget"),
+)
+
+
+def _experts(out, snapshot: dict) -> None:
+    for name, kind, help_text, key in EXPERT_METRICS:
+        out.metric(name, kind, help_text, snapshot[key])
 
 
 def _escape(value: str) -> str:

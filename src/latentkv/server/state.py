@@ -122,7 +122,10 @@ def _local_scheduler(config: ServerConfig, max_model_len: int):
     from latentkv.commands.common import load as load_model
     from latentkv.engine.scheduler import Scheduler
 
-    scheduler = Scheduler.for_server(config, load_model(config.model, config.engine), max_model_len)
+    loaded = load_model(
+        config.model, config.engine, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs
+    )
+    scheduler = Scheduler.for_server(config, loaded, max_model_len)
     scheduler.start()
     return scheduler
 

@@ -8,7 +8,7 @@ from functools import partial
 
 from latentkv.cli import UserError
 from latentkv.commands.bench import common
-from latentkv.commands.common import add_weight_arguments
+from latentkv.commands.common import add_streaming_arguments, add_weight_arguments
 from latentkv.commands.common import weight_dtypes as weight_list
 
 RANDOM_FILL_NOTE = (
@@ -38,6 +38,7 @@ def add(sub) -> None:
         "(default: 1; use 3+ on a shared machine)",
     )
     add_weight_arguments(d, multiple=True)
+    add_streaming_arguments(d)
     d.add_argument(
         "--kv-cache-dtype",
         default="f32",
@@ -93,10 +94,15 @@ def run(args: argparse.Namespace) -> dict:
     notes: list[str] = [RANDOM_FILL_NOTE] if args.fill == "random" else []
     for dtype in weight_dtypes:
         try:
-            engine = EngineConfig(weight_dtype=dtype, expert_dtype=args.expert_dtype)
+            engine = EngineConfig(
+                weight_dtype=dtype,
+                expert_dtype=args.expert_dtype,
+                ram_gb=args.ram_gb,
+                expert_policy=args.expert_cache_policy,
+            )
         except ConfigError as exc:
             raise UserError(str(exc)) from None
-        loaded = load(args.model, engine, quiet=args.json)
+        loaded = load(args.model, engine, quiet=args.json, max_model_len=max(contexts) + args.decode_tokens)
         model = loaded.model
         cache_configs = common.cache_configs(model, tiers)
         if max(contexts) + args.decode_tokens > model.cfg.max_position_embeddings:

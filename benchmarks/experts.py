@@ -1,0 +1,308 @@
+"""Experts streamed from disk under a real memory limit (issue 16): tok/s, hit rate, prefetch
+recall and read speed per expert-cache budget, against the disk-bound limit.
+
+    # the model (once): benchmarks/build_expert_model.py
+    .venv/bin/python benchmarks/experts.py ~/.cache/latentkv/experts-bench \\
+        --fractions 0.125,0.25,0.5 --tokens 32 --out benchmarks/results/experts-bench.json
+
+    # the thesis table: one RAM budget, a long context, the KV tier moves RAM to the experts
+    .venv/bin/python benchmarks/experts.py ~/.cache/latentkv/experts-bench --ram-gb 9 \\
+        --tiers f32,fp8,tq4-r8 --context 32768 --tokens 16 --out benchmarks/results/experts-thesis.json
+
+Each run is a child process in its own memory cgroup (v2 memory.max or v1 limit_in_bytes, which
+count page cache; root), limited to the plan's RAM plus --margin-mib, after the page cache is
+dropped. First the store's O_DIRECT read speed is measured (every extent once, 4 threads): the
+disk-bound limit of a budget is that speed / the expert bytes it missed per token, and a run's
+efficiency is its tok/s over that limit. Run on an idle machine (check `uptime`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+def measure_disk(store: Path, drop: bool, threads: int = 4, max_bytes: int = 4 * GIB) -> dict:
+    """O_DIRECT read speed over the store's extents (cold: the page cache is dropped first)."""
+    from latentkv.experts import memlimit
+    from latentkv.experts.reader import ExpertReader
+
+    if drop:
+        _drop(memlimit)
+    with ExpertReader(store, direct=None, threads=threads) as r:
+        keys = [
+            (layer, e) for layer, entry in sorted(r.manifest.layers.items()) for e in range(entry.n_experts)
+        ]
+        stride = max(entry.layout.stride for entry in r.manifest.layers.values())
+        keys = keys[: max(1, max_bytes // stride)]
+        t0 = time.perf_counter()
+        for f in [r.submit(*k) for k in keys]:
+            f.result()
+        wall = time.perf_counter() - t0
+        direct = r.stats.direct_reads == r.stats.reads
+        return {
+            "bytes": r.stats.bytes_read,
+            "seconds": wall,
+            "gbps": r.stats.bytes_read / wall / 1e9,
+            "o_direct": direct,
+        }
+
+
+def _drop(memlimit) -> None:
+    try:
+        memlimit.drop_page_cache()
+    except OSError as exc:
+        print(f"experts.py: could not drop the page cache ({exc}); runs are not cold", file=sys.stderr)
+
+
+def _child_cmd(args, budget: int, tier: str, prompt_len: int) -> list[str]:
+    return [
+        sys.executable,
+        __file__,
+        args.model,
+        "--child",
+        "--budget",
+        str(budget),
+        "--kv-cache-dtype",
+        tier,
+        "--prompt-len",
+        str(prompt_len),
+        "--tokens",
+        str(args.tokens),
+        "--policy",
+        args.policy,
+        "--weight-dtype",
+        args.weight_dtype,
+    ] + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def run_child(args: argparse.Namespace) -> int:
+    """In the limited process: load streamed, prefill, decode greedily; print one JSON line."""
+    import torch
+
+    from latentkv.config import CacheConfig
+    from latentkv.experts.attach import ensure_store, load_streamed
+    from latentkv.experts.streamed import StreamConfig
+    from latentkv.models.registry import resolve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    directory = resolve(args.model)
+    store = ensure_store(directory, args.weight_dtype)
+    t0 = time.perf_counter()
+    model, streamer = load_streamed(directory, store, StreamConfig(budget=args.budget, policy=args.policy))
+    load_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g)
+    cache = model.make_cache(CacheConfig(args.kv_cache_dtype))
+    t0 = time.perf_counter()
+    logits = model.forward(prompt, cache)[-1]
+    prefill_s = time.perf_counter() - t0
+    before = streamer.snapshot()
+    t0 = time.perf_counter()
+    for _ in range(args.tokens):
+        logits = model.forward(logits.argmax().reshape(1), cache)[-1]
+    decode_s = time.perf_counter() - t0
+    after = streamer.snapshot()
+    streamer.close()
+    delta = {
+        k: after[k] - before[k]
+        for k in (
+            "asked",
+            "hits",
+            "prefetched",
+            "misses",
+            "predicted",
+            "recalled",
+            "bytes_read",
+            "read_seconds",
+            "wait_seconds",
+        )
+    }
+    print(
+        json.dumps(
+            {
+                "load_s": load_s,
+                "prefill_s": prefill_s,
+                "decode_s": decode_s,
+                "tok_s": args.tokens / decode_s,
+                "hit_rate": delta["hits"] / max(1, delta["asked"]),
+                "recall": delta["recalled"] / max(1, delta["predicted"]),
+                "bytes_per_token": delta["bytes_read"] / args.tokens,
+                "read_gbps": delta["bytes_read"] / delta["read_seconds"] / 1e9
+                if delta["read_seconds"]
+                else 0.0,
+                "wait_share": delta["wait_seconds"] / decode_s,
+                "resident_bytes": after["resident_bytes"],
+                "budget": after["budget"],
+                "decode": delta,
+            }
+        )
+    )
+    return 0
+
+
+def _plan(args, tier: str, context: int, ram: int | None):
+    from latentkv.config import CacheConfig, ModelConfig
+    from latentkv.experts.planner import make_plan
+    from latentkv.models.registry import resolve
+
+    directory = resolve(args.model)
+    cfg = ModelConfig.from_hf(directory)
+    return make_plan(cfg, directory, ram or 1 << 50, args.weight_dtype, CacheConfig(tier), context, 1)
+
+
+def one_run(args, label: str, budget: int, tier: str, context: int, disk_gbps: float) -> dict:
+    from latentkv.experts import memlimit
+
+    plan = _plan(args, tier, context, None)
+    fixed = plan.dense_bytes + plan.kv_bytes + plan.activation_bytes + plan.working_bytes
+    limit = fixed + budget + args.margin_mib * (1 << 20)
+    cmd = _child_cmd(args, budget, tier, max(1, context - args.tokens))
+    if not args.no_drop_caches:
+        _drop(memlimit)
+    if args.no_limit:
+        import subprocess
+
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        run = memlimit.LimitedRun(p.returncode, -1, 0, p.stdout, p.stderr, time.perf_counter() - t0)
+    else:
+        run = memlimit.run_limited(cmd, limit, timeout=args.timeout)
+    row = {"label": label, "tier": tier, "budget": budget, "limit": limit, "peak": run.peak_bytes}
+    row.update(returncode=run.returncode, oom_kills=run.oom_kills, seconds=run.seconds)
+    if run.returncode != 0:
+        row["error"] = run.stderr[-2000:]
+        return row
+    row.update(json.loads(run.stdout.strip().splitlines()[-1]))
+    missed = row["bytes_per_token"]
+    row["disk_bound_tok_s"] = disk_gbps * 1e9 / missed if missed else float("inf")
+    row["of_disk_bound"] = row["tok_s"] / row["disk_bound_tok_s"] if missed else None
+    return row
+
+
+def table(rows: list[dict], disk: dict) -> str:
+    head = "| run | KV | budget GiB | limit GiB | peak GiB | tok/s | hit rate | recall | MiB/token | read GB/s | disk-bound tok/s | % of bound |"
+    lines = [
+        f"O_DIRECT read speed: {disk['gbps']:.2f} GB/s ({disk['bytes'] / 1e9:.1f} GB, o_direct={disk['o_direct']})",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['label']} | {r['tier']} | {r['budget'] / GIB:.2f} | {r['limit'] / GIB:.2f} | failed (rc {r['returncode']}, oom kills {r['oom_kills']}) |"
+            )
+            continue
+        bound = r["of_disk_bound"]
+        lines.append(
+            f"| {r['label']} | {r['tier']} | {r['budget'] / GIB:.2f} | {r['limit'] / GIB:.2f} | {r['peak'] / GIB:.2f} | "
+            f"{r['tok_s']:.3f} | {r['hit_rate']:.1%} | {r['recall']:.1%} | {r['bytes_per_token'] / 2**20:.0f} | "
+            f"{r['read_gbps']:.2f} | {r['disk_bound_tok_s']:.3f} | {'-' if bound is None else f'{bound:.0%}'} |"
+        )
+    return "\n".join(lines)
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    from latentkv.experts import memlimit
+    from latentkv.experts.attach import ensure_store
+    from latentkv.experts.store_file import read_manifest
+    from latentkv.models.registry import resolve
+
+    if not args.no_limit and (why := memlimit.unavailable()):
+        print(
+            f"experts.py: {why}; run as root, or pass --no-limit (then nothing bounds memory)",
+            file=sys.stderr,
+        )
+        return 2
+    store = ensure_store(resolve(args.model), args.weight_dtype, progress=True)
+    experts = read_manifest(store).expert_bytes
+    disk = measure_disk(store, not args.no_drop_caches)
+    rows = []
+    if args.tiers:
+        for tier in args.tiers.split(","):
+            plan = _plan(args, tier, args.context, int(args.ram_gb * GIB))
+            rows.append(
+                one_run(
+                    args,
+                    f"ram {args.ram_gb} GiB, ctx {args.context}",
+                    plan.expert_cache_bytes,
+                    tier,
+                    args.context,
+                    disk["gbps"],
+                )
+            )
+    else:
+        for frac in (float(f) for f in args.fractions.split(",")):
+            rows.append(
+                one_run(
+                    args,
+                    f"{frac:g} of experts",
+                    int(frac * experts),
+                    args.kv_cache_dtype,
+                    args.context,
+                    disk["gbps"],
+                )
+            )
+    print(table(rows, disk))
+    if args.out:
+        out = {
+            "model": args.model,
+            "expert_bytes": experts,
+            "disk": disk,
+            "runs": rows,
+            "argv": sys.argv[1:],
+            "uname": " ".join(os.uname()),
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model folder (with experts/) or builtin:NAME")
+    p.add_argument(
+        "--fractions", default="0.125,0.25,0.5", help="expert-cache budgets as shares of all expert bytes"
+    )
+    p.add_argument(
+        "--tiers", default=None, help="thesis mode: KV tiers compared at one --ram-gb and --context"
+    )
+    p.add_argument(
+        "--ram-gb", type=float, default=None, help="thesis mode: the RAM budget the planner splits"
+    )
+    p.add_argument(
+        "--context", type=int, default=64, help="tokens of context: prompt + generated (default: 64)"
+    )
+    p.add_argument("--tokens", type=int, default=32, help="decode steps timed (default: 32)")
+    p.add_argument("--kv-cache-dtype", default="f32")
+    p.add_argument("--policy", default="lru", choices=["lru", "lfu", "least-stale"])
+    p.add_argument("--weight-dtype", default="f32", help="dense weight format (the experts keep the store's)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--margin-mib", type=int, default=256, help="limit = plan + this (default: 256)")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument(
+        "--no-limit", action="store_true", help="no cgroup (tests, non-root): memory is not bounded"
+    )
+    p.add_argument(
+        "--no-drop-caches", action="store_true", help="keep the page cache (tests on a shared machine)"
+    )
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--prompt-len", type=int, default=16, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tiers and args.ram_gb is None:
+        p.error("--tiers needs --ram-gb")
+    return run_child(args) if args.child else run_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

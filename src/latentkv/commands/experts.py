@@ -1,0 +1,99 @@
+"""`latentkv experts convert|verify`: write a model's expert store; check every expert of one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from latentkv.cli import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="experts", metavar="EXPERTS", required=True)
+    c = sub.add_parser(
+        "convert",
+        help="write the routed experts as an expert store (one aligned extent per expert)",
+        description="Write MODEL's routed experts as an expert store for --ram-gb runs: one 4 KiB-aligned "
+        "extent per expert, a manifest with a checksum per expert (docs/expert-file-format.md). One "
+        "expert is in memory at a time. Default folder: MODEL/experts when MODEL is a writable folder "
+        "(--ram-gb looks there first), else the user cache (where --ram-gb looks next).",
+    )
+    c.add_argument("model", metavar="MODEL", help="model directory or builtin:NAME")
+    c.add_argument("--out", type=Path, default=None, help="the store's folder (default: see above)")
+    c.add_argument("--weight-dtype", default="f32", help="the experts' weight format (default: f32)")
+    c.add_argument("--force", action="store_true", help="replace an existing store")
+    v = sub.add_parser(
+        "verify",
+        help="read every expert of a store and check it",
+        description="Read and check every expert extent; print the damaged ones by name. Exit 0 when "
+        "all verify, 1 when any is damaged, 2 when the store cannot be opened.",
+    )
+    v.add_argument("store", metavar="DIR", type=Path, help="an expert store folder (holds manifest.json)")
+    v.add_argument("--model", default=None, help="check the store belongs to this model too")
+    v.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    return _convert(args) if args.experts == "convert" else _verify(args)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import os
+
+    from latentkv.experts.attach import default_store_dir
+    from latentkv.experts.convert import convert_experts
+    from latentkv.experts.store_file import ExpertFileError
+    from latentkv.models.registry import ModelNotFound, resolve
+
+    try:
+        directory = resolve(args.model)
+        out = args.out
+        if out is None:
+            mine = not args.model.startswith("builtin:") and os.access(directory, os.W_OK)
+            out = directory / "experts" if mine else default_store_dir(directory, args.weight_dtype)
+        m = convert_experts(directory, out, args.weight_dtype, replace=args.force, progress=True)
+    except (ModelNotFound, ExpertFileError, ValueError, OSError) as exc:
+        raise UserError(str(exc)) from None
+    print(
+        f"wrote {out}: {len(m.layers)} MoE layers, {m.expert_bytes / 2**30:.3f} GiB of experts",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from latentkv.experts.reader import ExpertReader
+    from latentkv.experts.store_file import ExpertDamaged, ExpertFileError
+
+    fingerprint = None
+    try:
+        if args.model is not None:
+            from latentkv.models.loader import Checkpoint
+            from latentkv.models.registry import resolve
+
+            fingerprint = Checkpoint(resolve(args.model)).fingerprint()
+        reader = ExpertReader(args.store, fingerprint)
+    except (ExpertFileError, ValueError, OSError) as exc:
+        raise UserError(str(exc)) from None
+    damaged, checked = [], 0
+    with reader:
+        for layer, entry in sorted(reader.manifest.layers.items()):
+            futures = [(e, reader.submit(layer, e)) for e in range(entry.n_experts)]
+            for _e, f in futures:
+                try:
+                    f.result()
+                except ExpertFileError as exc:  # ExpertDamaged, or a foreign layer file
+                    damaged.append(str(exc))
+                    if not isinstance(exc, ExpertDamaged):
+                        break
+                checked += 1
+    report = {"store": str(args.store), "checked": checked, "damaged": damaged}
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"{checked} experts checked, {len(damaged)} damaged")
+        for line in damaged:
+            print(f"  {line}")
+    return 1 if damaged else 0

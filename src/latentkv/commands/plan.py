@@ -1,0 +1,51 @@
+"""`latentkv plan MODEL`: how a RAM budget splits between dense weights, the KV pool,
+activations and the expert cache, and what that means for reads per token."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from latentkv.cli import UserError
+from latentkv.commands.common import add_cache_arguments, cache_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", metavar="MODEL", help="model directory (config.json + safetensors) or builtin:NAME"
+    )
+    p.add_argument(
+        "--ram-gb",
+        type=float,
+        default=None,
+        help="RAM budget in GiB (default: 80%% of available memory, or of the cgroup limit when lower)",
+    )
+    p.add_argument(
+        "--weight-dtype", default="f32", help="weight format of the dense weights and experts (default: f32)"
+    )
+    add_cache_arguments(p)
+    p.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=1, help="sequences decoded together (default: 1)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from latentkv.config import ConfigError, ModelConfig
+    from latentkv.experts.planner import format_plan, make_plan
+    from latentkv.models.loader import CheckpointError
+    from latentkv.models.registry import ModelNotFound, resolve
+
+    if args.ram_gb is not None and not args.ram_gb > 0:
+        raise UserError(f"--ram-gb must be positive, got {args.ram_gb}")
+    if args.max_model_len < 1 or args.max_num_seqs < 1:
+        raise UserError("--max-model-len and --max-num-seqs must be at least 1")
+    try:
+        model_dir = resolve(args.model)
+        cfg = ModelConfig.from_hf(model_dir)
+        cache = cache_config(args)
+        ram = None if args.ram_gb is None else int(args.ram_gb * (1 << 30))
+        plan = make_plan(cfg, model_dir, ram, args.weight_dtype, cache, args.max_model_len, args.max_num_seqs)
+    except (ModelNotFound, ConfigError, CheckpointError, ValueError, OSError) as exc:
+        raise UserError(str(exc)) from None
+    print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
+    return 0 if plan.fits else 1

@@ -1,0 +1,138 @@
+"""A model's MoE layers served by an `ExpertStreamer`: the streamed MoE layer and its prefetch.
+
+    streamer = stream_model(model, "MODEL/experts", StreamConfig(budget=...))
+
+Each MoE layer becomes a `StreamedMoE`: the same router, shared expert and computation
+(`models.moe.MoE`), its routed experts asked from the streamed store once per pass (the batch's
+union, so batched decode reads each expert once). Before its own experts, layer L runs the next MoE layer's
+router on the current hidden state (the residual stream after L's attention, through the next
+layer's MLP norm) and starts reading the experts it predicts: the reads overlap layer L's
+compute. Prediction is advice only; what is computed never depends on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from latentkv.experts.base import Expert
+from latentkv.experts.streamed import ExpertStreamer, StreamConfig
+from latentkv.models.moe import MoE, Router
+
+Lookahead = Callable[[torch.Tensor], None]
+
+
+class StreamedMoE(MoE):
+    """The MoE layer over a streamed store (its `stacked` is None, so every pass asks the store
+    once for the experts it needs), plus the lookahead that prefetches the next layer's."""
+
+    def __init__(self, router: Router, store, shared: Expert | None, lookahead: Lookahead | None = None):
+        super().__init__(router, store, shared)
+        self.lookahead = lookahead
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
+    ) -> torch.Tensor:
+        """x [N, D] (the MLP-normed hidden state) -> [N, D] (+ residual [N, D], the hidden state
+        after this layer's attention, which the lookahead reads)."""
+        if self.lookahead is not None:
+            self.lookahead(residual if residual is not None else x)
+        return super().__call__(x, residual, decode)
+
+
+def _prefetcher(streamer: ExpertStreamer, layer: int, norm, router) -> Lookahead:
+    def lookahead(hidden: torch.Tensor) -> None:
+        idx, _ = router(norm(hidden))
+        streamer.prefetch(layer, idx.reshape(-1).unique().tolist())
+
+    return lookahead
+
+
+def moe_layers(model) -> list[int]:
+    """Indices of the blocks whose MLP is a mixture of experts."""
+    return [i for i, b in enumerate(model.blocks) if isinstance(b.mlp, MoE)]
+
+
+def stream_model(
+    model, directory: str | Path, config: StreamConfig, fingerprint: str | None = None, prefetch: bool = True
+) -> ExpertStreamer:
+    """Serve every MoE layer of an already loaded `model` from the expert store at `directory`
+    (its resident experts are dropped); the streamer. `load_streamed` never loads them at all."""
+    streamer = ExpertStreamer(directory, fingerprint, config)
+    try:
+        for i in moe_layers(model):
+            mlp = model.blocks[i].mlp
+            model.blocks[i].mlp = StreamedMoE(mlp.router, _layer_store(streamer, i), mlp.shared)
+    except BaseException:
+        streamer.close()
+        raise
+    _wire(model, streamer, prefetch)
+    return streamer
+
+
+def load_streamed(
+    model_dir: str | Path,
+    store_dir: str | Path,
+    config: StreamConfig,
+    weight_dtype: str = "f32",
+    prefetch: bool = True,
+    progress: bool = False,
+):
+    """Load the dense weights of the checkpoint at `model_dir` and serve its routed experts from
+    the expert store at `store_dir` (which must be this checkpoint's): (model, streamer)."""
+    from latentkv.models.loader import Checkpoint
+    from latentkv.models.weights import load_model
+
+    streamer = ExpertStreamer(store_dir, Checkpoint(model_dir).fingerprint(), config)
+    try:
+        model = load_model(
+            model_dir,
+            weight_dtype,
+            progress,
+            moe_factory=lambda i, router, shared: StreamedMoE(router, _layer_store(streamer, i), shared),
+        )
+    except BaseException:
+        streamer.close()
+        raise
+    _wire(model, streamer, prefetch)
+    return model, streamer
+
+
+def _layer_store(streamer: ExpertStreamer, layer: int):
+    if layer not in streamer.manifest.layers:
+        raise ValueError(f"the expert store at {streamer.directory} has no experts for MoE layer {layer}")
+    return streamer.layer(layer)
+
+
+def _wire(model, streamer: ExpertStreamer, prefetch: bool) -> None:
+    """Give each MoE layer its lookahead into the next one; pin the hot set."""
+    layers = moe_layers(model)
+    if prefetch:
+        for here, nxt in zip(layers, layers[1:], strict=False):
+            nb = model.blocks[nxt]
+            model.blocks[here].mlp.lookahead = _prefetcher(streamer, nxt, nb.mlp_norm, nb.mlp.router)
+    streamer.pin_hot_set()
+
+
+def default_store_dir(model_dir: str | Path, weight_format: str) -> Path:
+    """MODEL/experts when the model folder holds an expert store, else a folder under the user's
+    cache named by the checkpoint's fingerprint and the expert format."""
+    from latentkv.config import cache_root
+    from latentkv.models.loader import Checkpoint
+
+    local = Path(model_dir) / "experts"
+    if (local / "manifest.json").exists():
+        return local
+    return cache_root() / "experts" / f"{Checkpoint(model_dir).fingerprint()[:16]}-{weight_format}"
+
+
+def ensure_store(model_dir: str | Path, weight_format: str = "f32", progress: bool = False) -> Path:
+    """The expert store of `model_dir`, converted from its checkpoint first if there is none."""
+    from latentkv.experts.convert import convert_experts
+
+    store = default_store_dir(model_dir, weight_format)
+    if not (store / "manifest.json").exists():
+        convert_experts(model_dir, store, weight_format, replace=True, progress=progress)
+    return store

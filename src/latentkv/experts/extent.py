@@ -1,0 +1,165 @@
+"""An expert <-> the raw tensors of its on-disk extent (the torch side of `store_file`).
+
+An extent holds an expert's two Linear objects, gate_up [2I, D] and down [D, I], each as its
+format's raw tensors: `weight` (f32, bf16), `q` + `scale` (int8), `nibbles` + `scale` + `zero`
+(int4, the portable nibble layout; the CPU-specific packed layout is built when read).
+The layout's meta records each Linear's format and parameters, so the reader rebuilds exactly
+the objects the converter wrote: plain and int8 tensors are views of the read buffer (no copy).
+
+A format joins by registering how its raw tensors come and go (`register_codec`); f32, bf16,
+int8 and int4 are registered here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from latentkv.experts.base import Expert
+from latentkv.experts.reader import Extent
+from latentkv.experts.store_file import ExtentLayout
+from latentkv.weights.base import DenseLinear, Linear, format_class
+
+PARTS = ("gate_up", "down")
+
+
+@dataclass(frozen=True)
+class LinearCodec:
+    """How one weight format's Linear maps to raw tensors and back."""
+
+    to_raw: Callable[[Linear], tuple[dict, dict[str, torch.Tensor]]]  # -> (params, tensors in order)
+    from_raw: Callable[[str, dict, dict[str, torch.Tensor]], Linear]  # (format, params, tensors)
+
+
+CODECS: dict[str, LinearCodec] = {}
+
+
+def register_codec(fmt: str, codec: LinearCodec) -> None:
+    CODECS[fmt] = codec
+
+
+def codec_for(fmt: str) -> LinearCodec:
+    try:
+        return CODECS[fmt]
+    except KeyError:
+        raise ValueError(
+            f"weight format {fmt!r} cannot be streamed from disk yet; streamable: {', '.join(sorted(CODECS))}"
+        ) from None
+
+
+def _dense_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:
+    tensors = {"weight": lin.dense}
+    if lin.bias is not None:
+        tensors["bias"] = lin.bias
+    return {}, tensors
+
+
+def _dense_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> Linear:
+    cls = format_class(fmt)
+    return cls(tensors["weight"], tensors.get("bias"))
+
+
+DENSE = LinearCodec(_dense_to_raw, _dense_from_raw)
+for _name in ("f32", "bf16"):
+    register_codec(_name, DENSE)
+
+
+def _with_bias(lin: Linear, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if lin.bias is not None:
+        tensors["bias"] = lin.bias
+    return tensors
+
+
+def _int8_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:
+    return {}, _with_bias(lin, {"q": lin.q, "scale": lin.scale})  # int8 [out, in], bfloat16 [out]
+
+
+def _int8_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> Linear:
+    return format_class(fmt)(tensors["q"], tensors["scale"], tensors.get("bias"))
+
+
+def _int4_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:
+    # The portable nibbles (the op's packed layout depends on the CPU: built again when read).
+    nibbles, scale, zero = lin.nibbles()
+    return {"in_features": lin.in_features}, _with_bias(
+        lin, {"nibbles": nibbles, "scale": scale, "zero": zero}
+    )
+
+
+def _int4_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> Linear:
+    t = tensors
+    return format_class(fmt)(t["nibbles"], t["scale"], t["zero"], params["in_features"], t.get("bias"))
+
+
+register_codec("int8", LinearCodec(_int8_to_raw, _int8_from_raw))
+register_codec("int4", LinearCodec(_int4_to_raw, _int4_from_raw))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def expert_layout(expert: Expert) -> tuple[ExtentLayout, list[torch.Tensor]]:
+    """The extent layout of `expert` (the same for every expert of a layer) and its raw tensors
+    in the layout's order."""
+    specs, tensors, meta = [], [], {}
+    for part in PARTS:
+        lin: Linear = getattr(expert, part)
+        params, raw = codec_for(lin.format).to_raw(lin)
+        meta[part] = {
+            "format": lin.format,
+            "params": params,
+            "in_features": lin.in_features,
+            "out_features": lin.out_features,
+            "tensors": list(raw),
+        }
+        for name, t in raw.items():
+            specs.append((f"{part}.{name}", _dtype_name(t.dtype), tuple(t.shape)))
+            tensors.append(t.contiguous())
+    return ExtentLayout.pack(specs, meta), tensors
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes (no copy for a contiguous tensor)."""
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def expert_from_extent(extent: Extent) -> Expert:
+    """Rebuild the expert an extent holds; its tensors are views of the extent's buffer."""
+    meta = extent.layout.meta
+    parts = []
+    for part in PARTS:
+        m = meta[part]
+        tensors = {name: _view(extent, f"{part}.{name}") for name in m["tensors"]}
+        lin = codec_for(m["format"]).from_raw(m["format"], m["params"], tensors)
+        if (lin.in_features, lin.out_features) != (m["in_features"], m["out_features"]):
+            raise ValueError(
+                f"layer {extent.layer} expert {extent.expert}: {part} rebuilt with the wrong shape"
+            )
+        parts.append(lin)
+    return Expert(*parts)
+
+
+def _view(extent: Extent, name: str) -> torch.Tensor:
+    spec = extent.layout.spec(name)
+    dtype = getattr(torch, spec.dtype)
+    count = 1
+    for d in spec.shape:
+        count *= d
+    if count == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    return torch.frombuffer(extent.buffer, dtype=dtype, count=count, offset=spec.offset).view(spec.shape)
+
+
+__all__ = [
+    "CODECS",
+    "DenseLinear",
+    "LinearCodec",
+    "codec_for",
+    "expert_from_extent",
+    "expert_layout",
+    "register_codec",
+]

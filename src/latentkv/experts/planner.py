@@ -1,0 +1,231 @@
+"""Split a RAM budget between what must stay resident and the expert cache (`latentkv plan`).
+
+    RAM G = dense weights          every tensor but the routed experts, in the weight format
+          + KV pool                max_model_len x max_num_seqs x (latent rows of every layer at
+                                   the tier's real bytes + the DSA indexer keys, float32)
+          + activations            ACTIVATION_BASE + per sequence: logits, attention scores over
+                                   max_model_len per head, a few hidden states
+          + working set            one layer's experts read for a pass that did not fit
+                                   (min(E, k x max_num_seqs)) + the prefetch reads in flight (k)
+          + expert cache           the rest
+
+A smaller KV tier shrinks the KV pool and the expert cache gets the difference. Cold bytes per
+token = k x MoE layers x one expert's extent (every expert read); with a cache holding a share
+f of the experts and routing spread evenly, about (1 - f) of that is read per token.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from latentkv.config import CacheConfig, ModelConfig
+from latentkv.eval.kvstats import bytes_stats
+from latentkv.experts.store_file import ALIGN, ExpertFileError, read_manifest
+from latentkv.kv.cache import CacheLayout
+from latentkv.models.loader import Checkpoint
+from latentkv.weights.base import make_linear
+
+GIB = 1 << 30
+DEFAULT_RAM_SHARE = 0.8  # of available memory (MemAvailable, or the cgroup limit if lower)
+ACTIVATION_BASE = 512 << 20  # the interpreter, torch and allocator slack
+EXPERTS_DIR = "experts"
+
+
+@dataclass
+class Plan:
+    ram_bytes: int
+    ram_source: str
+    weight_dtype: str
+    kv_cache_dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    dense_bytes: int
+    kv_bytes: int
+    kv_bytes_per_token: int  # latent rows of every layer + indexer keys
+    activation_bytes: int
+    working_bytes: int
+    expert_cache_bytes: int
+    expert_bytes: int  # all routed experts
+    expert_extent_bytes: int  # one expert on disk (and in the cache)
+    moe_layers: int
+    top_k: int
+    cached_experts: int
+    experts_total: int  # routed experts over all MoE layers
+    cold_bytes_per_token: int
+    expected_bytes_per_token: int
+    fits: bool
+    all_experts_fit: bool
+    problems: list[str]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes, where from): MemAvailable, or this process's cgroup limit when lower."""
+    avail = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+    source = "MemAvailable"
+    limit = _cgroup_limit()
+    if limit is not None and limit < avail:
+        return limit, "the cgroup memory limit"
+    return avail or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), source
+
+
+def _cgroup_limit() -> int | None:
+    """This process's memory cgroup limit (v2 memory.max or v1 limit_in_bytes), if it has one."""
+    paths = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, controllers, rel = line.split(":", 2)
+        if hid == "0" and not controllers:
+            paths.append(Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.max")
+        elif "memory" in controllers.split(","):
+            paths.append(Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / "memory.limit_in_bytes")
+    limits = []
+    for path in paths:
+        try:
+            raw = path.read_text().strip()
+        except OSError:
+            continue
+        if raw != "max" and int(raw) < 1 << 60:
+            limits.append(int(raw))
+    return min(limits) if limits else None
+
+
+def bytes_per_element(fmt: str) -> float:
+    """Resident bytes per weight of a matrix in format `fmt` (scales included)."""
+    rows, cols = 256, 1024
+    return make_linear(torch.zeros(rows, cols), fmt).nbytes / (rows * cols)
+
+
+def _is_routed_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def dense_bytes(ckpt: Checkpoint, fmt: str) -> int:
+    """Every tensor but the routed experts: matrices in the format, vectors and routers float32."""
+    per = bytes_per_element(fmt)
+    total = 0.0
+    for name in ckpt.keys():  # noqa: SIM118 (a Checkpoint is not iterable)
+        if _is_routed_expert(name) or name.endswith("weight_scale_inv"):
+            continue
+        shape = ckpt.shape(name)
+        n = 1
+        for d in shape:
+            n *= d
+        matrix = len(shape) == 2 and ".mlp.gate.weight" not in name
+        total += n * (per if matrix else 4)
+    return int(total)
+
+
+def expert_extent_bytes(
+    cfg: ModelConfig, model_dir: Path, fmt: str, store_dir: Path | None = None
+) -> tuple[int, str]:
+    """One expert's bytes on disk: from the converted store when there is one, else computed."""
+    for d in (store_dir, model_dir / EXPERTS_DIR):
+        if d is None:
+            continue
+        try:
+            m = read_manifest(d)
+            return max(e.layout.stride for e in m.layers.values()), "the expert store"
+        except ExpertFileError:
+            pass
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    n = make_linear(torch.zeros(2 * I, D), fmt).nbytes + make_linear(torch.zeros(D, I), fmt).nbytes
+    return -(-n // ALIGN) * ALIGN, "computed"
+
+
+def make_plan(
+    cfg: ModelConfig,
+    model_dir: Path,
+    ram_bytes: int | None,
+    weight_dtype: str = "f32",
+    cache: CacheConfig | None = None,
+    max_model_len: int = 4096,
+    max_num_seqs: int = 1,
+    store_dir: Path | None = None,
+) -> Plan:
+    cache = cache or CacheConfig()
+    source = "--ram-gb"
+    if ram_bytes is None:
+        avail, where = available_memory()
+        ram_bytes = int(avail * DEFAULT_RAM_SHARE)
+        source = f"{DEFAULT_RAM_SHARE:.0%} of {where} ({avail / GIB:.1f} GiB)"
+    layout = CacheLayout.for_model(cfg)
+    stats = bytes_stats(layout, cache, ram_bytes)
+    per_token = stats.bytes_per_token + stats.index_bytes_per_token
+    kv = per_token * max_model_len * max_num_seqs
+    dense = dense_bytes(Checkpoint(model_dir), weight_dtype)
+    act = ACTIVATION_BASE + max_num_seqs * 4 * (
+        cfg.vocab_size + cfg.num_heads * max_model_len + 16 * cfg.hidden_size
+    )
+    moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    extent, _ = expert_extent_bytes(cfg, model_dir, weight_dtype, store_dir)
+    working = (min(E, k * max_num_seqs) + k) * extent if moe_layers else 0
+    all_experts = moe_layers * E * extent
+    cache_bytes = max(0, min(ram_bytes - dense - kv - act - working, all_experts))
+    problems = []
+    if dense + kv + act + working > ram_bytes:
+        problems.append(
+            f"dense weights, KV pool, activations and working set need "
+            f"{(dense + kv + act + working) / GIB:.2f} GiB, more than the {ram_bytes / GIB:.2f} GiB budget"
+        )
+    cached = cache_bytes // extent if extent else 0
+    cold = k * moe_layers * extent
+    share = cached / (moe_layers * E) if moe_layers else 1.0
+    return Plan(
+        ram_bytes=ram_bytes,
+        ram_source=source,
+        weight_dtype=weight_dtype,
+        kv_cache_dtype=cache.kv_cache_dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        dense_bytes=dense,
+        kv_bytes=kv,
+        kv_bytes_per_token=per_token,
+        activation_bytes=act,
+        working_bytes=working,
+        expert_cache_bytes=cache_bytes,
+        expert_bytes=all_experts,
+        expert_extent_bytes=extent,
+        moe_layers=moe_layers,
+        top_k=k,
+        cached_experts=int(cached),
+        experts_total=moe_layers * E,
+        cold_bytes_per_token=cold,
+        expected_bytes_per_token=int(cold * (1 - min(1.0, share))),
+        fits=not problems,
+        all_experts_fit=cache_bytes >= all_experts,
+        problems=problems,
+    )
+
+
+def format_plan(p: Plan) -> str:
+    def gib(n: int) -> str:
+        return f"{n / GIB:9.3f} GiB"
+
+    lines = [
+        f"RAM budget      {gib(p.ram_bytes)}   ({p.ram_source})",
+        f"dense weights   {gib(p.dense_bytes)}   ({p.weight_dtype})",
+        f"KV pool         {gib(p.kv_bytes)}   ({p.kv_cache_dtype}: {p.kv_bytes_per_token} B/token incl. "
+        f"indexer keys, x {p.max_model_len} tokens x {p.max_num_seqs} seqs)",
+        f"activations     {gib(p.activation_bytes)}",
+        f"working set     {gib(p.working_bytes)}   (one layer's uncached experts + prefetch)",
+        f"expert cache    {gib(p.expert_cache_bytes)}   ({p.cached_experts} of "
+        f"{p.experts_total} experts, "
+        f"{p.expert_extent_bytes / 2**20:.2f} MiB each)",
+        f"all experts     {gib(p.expert_bytes)}   ({p.moe_layers} MoE layers)",
+        f"cold read/token {p.cold_bytes_per_token / 2**20:9.1f} MiB   (top-{p.top_k} x {p.moe_layers} layers, "
+        f"nothing cached); ~{p.expected_bytes_per_token / 2**20:.1f} MiB with this cache if routing is even",
+    ]
+    if p.all_experts_fit:
+        lines.append("every expert fits: nothing will be read from disk after warm-up")
+    lines += [f"does not fit: {msg}" for msg in p.problems]
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""Reading experts from an expert store: one pread per expert, verified, on a small thread pool
+(stdlib only).
+
+O_DIRECT when the file system takes it (the read bypasses the page cache, so the bytes are
+counted once: in our buffer); otherwise a plain pread followed by posix_fadvise(DONTNEED) on the
+range, which drops the page-cache copy for the same reason. Buffers are anonymous mmaps: page
+aligned, as O_DIRECT needs, and freed when the last view of them goes.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from latentkv.experts.store_file import (
+    ALIGN,
+    ExpertFileError,
+    ExtentLayout,
+    LayerEntry,
+    Manifest,
+    check_layer_header,
+    expert_name,
+    read_manifest,
+    seed_for,
+    verify_extent,
+)
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
+
+
+@dataclass
+class Extent:
+    """One verified expert: its payload inside an aligned buffer, and where each tensor sits."""
+
+    layer: int
+    expert: int
+    buffer: mmap.mmap  # `layout.stride` bytes; the payload is the first `layout.length`
+    layout: ExtentLayout
+
+    def view(self, name: str) -> memoryview:
+        spec = self.layout.spec(name)
+        return memoryview(self.buffer)[spec.offset : spec.offset + spec.nbytes]
+
+
+@dataclass
+class ReadStats:
+    reads: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # summed over threads: time inside pread
+    verify_seconds: float = 0.0
+    direct_reads: int = 0
+
+
+class _LayerFile:
+    def __init__(self, path: Path, entry: LayerEntry, seed: bytes, direct: bool | None):
+        self.path, self.entry = path, entry
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            check_layer_header(os.pread(self.fd, ALIGN, 0), entry, seed, path)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.direct_fd: int | None = None
+        if direct is not False and O_DIRECT:
+            try:
+                self.direct_fd = os.open(path, os.O_RDONLY | O_DIRECT)
+            except OSError:
+                if direct:
+                    os.close(self.fd)
+                    raise ExpertFileError(
+                        f"{path}: O_DIRECT was asked for but this file system refuses it"
+                    ) from None
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self.direct_fd = None
+
+
+class ExpertReader:
+    """Verified reads of single experts from an expert store directory.
+
+    direct: True (O_DIRECT or refuse), False (plain pread + drop the page cache), None (O_DIRECT
+    where the file system takes it, else plain)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        fingerprint: str | None = None,
+        *,
+        direct: bool | None = None,
+        threads: int = 4,
+        drop_cache: bool = True,
+    ):
+        self.directory = Path(directory)
+        self.manifest: Manifest = read_manifest(self.directory, fingerprint)
+        self.seed = seed_for(self.manifest.fingerprint)
+        self.direct, self.drop_cache = direct, drop_cache
+        self.stats = ReadStats()
+        self.notes: list[str] = []
+        self._files: dict[int, _LayerFile] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="lkv-experts")
+
+    def entry(self, layer: int) -> LayerEntry:
+        try:
+            return self.manifest.layers[layer]
+        except KeyError:
+            raise ExpertFileError(
+                f"the expert store has no layer {layer} (it has {sorted(self.manifest.layers)})"
+            ) from None
+
+    def uses_direct(self, layer: int) -> bool:
+        return self._file(layer).direct_fd is not None
+
+    def submit(self, layer: int, expert: int) -> Future[Extent]:
+        """Start reading one expert on the pool; the future raises ExpertDamaged if it fails its check."""
+        return self._pool.submit(self.read, layer, expert)
+
+    def read(self, layer: int, expert: int) -> Extent:
+        """One expert, read and verified now (on the calling thread)."""
+        entry = self.entry(layer)
+        if not 0 <= expert < entry.n_experts:
+            raise ExpertFileError(
+                f"{expert_name(layer, expert)}: layer {layer} has {entry.n_experts} experts"
+            )
+        f = self._file(layer)
+        stride, offset = entry.layout.stride, entry.offset(expert)
+        buf = mmap.mmap(-1, stride)
+        t0 = time.perf_counter()
+        got, direct = self._pread(f, buf, offset)
+        t1 = time.perf_counter()
+        verify_extent(self.seed, entry, expert, memoryview(buf)[: min(got, entry.layout.length)], f.path)
+        t2 = time.perf_counter()
+        with self._lock:
+            s = self.stats
+            s.reads += 1
+            s.bytes_read += got
+            s.read_seconds += t1 - t0
+            s.verify_seconds += t2 - t1
+            s.direct_reads += direct
+        return Extent(layer, expert, buf, entry.layout)
+
+    def _pread(self, f: _LayerFile, buf: mmap.mmap, offset: int) -> tuple[int, bool]:
+        if f.direct_fd is not None:
+            try:
+                return _preadv_all(f.direct_fd, buf, offset), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or self.direct:
+                    raise
+                with self._lock:  # this file system took the open but not the read: stop trying
+                    if f.direct_fd is not None:
+                        os.close(f.direct_fd)
+                        f.direct_fd = None
+                        self.notes.append(f"{f.path}: O_DIRECT reads refused (EINVAL); using pread")
+        got = _preadv_all(f.fd, buf, offset)
+        if self.drop_cache and FADV_DONTNEED is not None:
+            os.posix_fadvise(f.fd, offset, len(buf), FADV_DONTNEED)
+        return got, False
+
+    def _file(self, layer: int) -> _LayerFile:
+        f = self._files.get(layer)
+        if f is None:
+            with self._lock:
+                f = self._files.get(layer)
+                if f is None:
+                    entry = self.entry(layer)
+                    f = _LayerFile(self.directory / entry.file, entry, self.seed, self.direct)
+                    self._files[layer] = f
+        return f
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> ExpertReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _preadv_all(fd: int, buf: mmap.mmap, offset: int) -> int:
+    """Fill buf from offset (fewer bytes only at the end of the file); the byte count.
+
+    A short read that stops off a 4 KiB boundary is the end of the file (and O_DIRECT could not
+    continue from there anyway)."""
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        got += n
+        if n == 0 or got % ALIGN:
+            break
+    return got

@@ -1,0 +1,483 @@
+"""The expert store on disk at the byte level: layer files of aligned extents and a manifest
+(stdlib only; the spec is docs/expert-file-format.md).
+
+    DIR/manifest.json       what every extent holds and where (written last, atomically)
+    DIR/layer-LLLL.lkx      4 KiB header block, then one extent per expert of layer L:
+                            expert e at 4096 + e * stride, `length` payload bytes, zero-padded
+                            to `stride` (a 4 KiB multiple)
+
+An extent is one expert: its gate, up and down weights (and their scales) as raw tensors, each
+at a 64-byte aligned offset inside it. One pread (O_DIRECT-able) brings one expert. Each
+extent's check is SHA-256(seed, "expert", u32 layer, u32 expert, payload)[:16] where the seed
+binds it to the model fingerprint, so a flipped bit, a truncated file, an extent of another
+layer or of another model is refused with the expert's name and never computed on.
+
+The writer holds one expert at a time; the manifest is published last (temp file, fsync,
+rename, fsync the folder), so an interrupted conversion leaves no manifest and is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAGIC = b"\x89LKX\r\n\x1a\n"  # PNG-style, like the KV file: catches text-mode damage
+FORMAT = "latentkv-experts"
+FORMAT_MAJOR = 1  # a reader refuses any other major version
+FORMAT_MINOR = 0  # minor versions only add manifest keys
+ALIGN = 4096  # extents start and end on 4 KiB boundaries (O_DIRECT-able on every common disk)
+TENSOR_ALIGN = 64  # tensors inside an extent start on 64-byte boundaries (SIMD loads)
+CHECK_BYTES = 16
+MANIFEST = "manifest.json"
+LAYER_HEADER = struct.Struct("<8sHHII32s")  # magic, major, minor, layer, experts, seed
+# Element sizes of the dtypes a tensor may have (numpy-style names, so any reader can map them).
+DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+}
+
+
+class ExpertFileError(ValueError):
+    """The expert store cannot be used: a damaged or foreign manifest or layer file."""
+
+
+class ExpertDamaged(ExpertFileError):
+    """One expert's extent fails its check (bit flip, truncation, another model's bytes)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One raw tensor inside an extent: bytes [offset, offset + nbytes) of the payload."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ExtentLayout:
+    """Where each tensor sits inside one expert's extent (the same for every expert of a layer).
+
+    `meta` is opaque here: the torch side records how the tensors make Linear objects."""
+
+    tensors: tuple[TensorSpec, ...]
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def pack(cls, tensors: list[tuple[str, str, tuple[int, ...]]], meta: dict | None = None) -> ExtentLayout:
+        """(name, dtype, shape) in order -> a layout with 64-byte aligned offsets."""
+        specs, offset = [], 0
+        for name, dtype, shape in tensors:
+            if dtype not in DTYPE_BYTES:
+                raise ValueError(f"tensor {name}: dtype {dtype!r} not in {sorted(DTYPE_BYTES)}")
+            spec = TensorSpec(name, dtype, tuple(int(d) for d in shape), offset)
+            specs.append(spec)
+            offset = _round_up(offset + spec.nbytes, TENSOR_ALIGN)
+        return cls(tuple(specs), dict(meta or {}))
+
+    @property
+    def length(self) -> int:
+        """Payload bytes of one extent (the last tensor's end)."""
+        last = self.tensors[-1]
+        return last.offset + last.nbytes if self.tensors else 0
+
+    @property
+    def stride(self) -> int:
+        """Bytes one extent takes in the file (the payload padded to a 4 KiB multiple)."""
+        return max(ALIGN, _round_up(self.length, ALIGN))
+
+    def spec(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tensor {name!r} in this extent; it holds {[t.name for t in self.tensors]}")
+
+    def to_json(self) -> dict:
+        return {
+            "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset}
+                for t in self.tensors
+            ],
+            "length": self.length,
+            "stride": self.stride,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> ExtentLayout:
+        specs = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["offset"]) for t in d["tensors"])
+        layout = cls(specs, d.get("meta", {}))
+        layout.validate(d.get("length"), d.get("stride"))
+        return layout
+
+    def validate(self, length: int | None = None, stride: int | None = None) -> None:
+        end = 0
+        for t in self.tensors:
+            if t.dtype not in DTYPE_BYTES or t.offset % TENSOR_ALIGN or t.offset < end:
+                raise ExpertFileError(f"tensor {t.name}: bad dtype or offset ({t.dtype}, {t.offset})")
+            if any(not isinstance(d, int) or d < 0 for d in t.shape):
+                raise ExpertFileError(f"tensor {t.name}: bad shape {t.shape}")
+            end = t.offset + t.nbytes
+        if (length, stride) != (None, None) and (length, stride) != (self.length, self.stride):
+            raise ExpertFileError(
+                f"layout says {length}/{stride} bytes, its tensors make {self.length}/{self.stride}"
+            )
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """One layer file: its experts' layout and one check per expert (expert e at offset(e))."""
+
+    layer: int
+    file: str
+    layout: ExtentLayout
+    checks: tuple[str, ...]  # hex, one per expert
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.checks)
+
+    def offset(self, expert: int) -> int:
+        return ALIGN + expert * self.layout.stride
+
+    @property
+    def file_bytes(self) -> int:
+        return ALIGN + self.n_experts * self.layout.stride
+
+    def to_json(self) -> dict:
+        return {
+            "layer": self.layer,
+            "file": self.file,
+            "experts": self.n_experts,
+            "offsets": [self.offset(e) for e in range(self.n_experts)],
+            "checks": list(self.checks),
+            "layout": self.layout.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> LayerEntry:
+        entry = cls(int(d["layer"]), str(d["file"]), ExtentLayout.from_json(d["layout"]), tuple(d["checks"]))
+        if Path(entry.file).name != entry.file or not entry.file.endswith(".lkx"):
+            raise ExpertFileError(f"layer {entry.layer}: file name {entry.file!r} is not a plain .lkx name")
+        expected = [entry.offset(e) for e in range(entry.n_experts)]
+        if d.get("experts") != entry.n_experts or d.get("offsets") != expected:
+            raise ExpertFileError(f"layer {entry.layer}: expert count or offsets disagree with the layout")
+        return entry
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The expert store of one model: its fingerprint and every MoE layer's file."""
+
+    fingerprint: str
+    layers: dict[int, LayerEntry]
+    meta: dict = field(default_factory=dict)
+    minor: int = FORMAT_MINOR
+
+    @property
+    def expert_bytes(self) -> int:
+        """Payload bytes of every expert of every layer."""
+        return sum(e.layout.length * e.n_experts for e in self.layers.values())
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": [FORMAT_MAJOR, self.minor],
+            "fingerprint": self.fingerprint,
+            "checksum": "sha256-128",
+            "alignment": ALIGN,
+            "meta": self.meta,
+            "layers": [self.layers[i].to_json() for i in sorted(self.layers)],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Manifest:
+        if d.get("format") != FORMAT:
+            raise ExpertFileError(f"not a latentkv expert store (format {d.get('format')!r})")
+        major, minor = d.get("version", [0, 0])
+        if major != FORMAT_MAJOR:
+            raise ExpertFileError(
+                f"expert store format version {major}.{minor}; this latentkv reads {FORMAT_MAJOR}.x: "
+                "convert the model again or upgrade latentkv"
+            )
+        if d.get("checksum") != "sha256-128" or d.get("alignment") != ALIGN:
+            raise ExpertFileError("unknown checksum or alignment in the manifest")
+        layers = {}
+        for raw in d["layers"]:
+            entry = LayerEntry.from_json(raw)
+            if entry.layer in layers:
+                raise ExpertFileError(f"layer {entry.layer} appears twice in the manifest")
+            layers[entry.layer] = entry
+        return cls(str(d["fingerprint"]), layers, dict(d.get("meta", {})), int(minor))
+
+
+def expert_name(layer: int, expert: int) -> str:
+    """The checkpoint's name for an expert (what errors say)."""
+    return f"model.layers.{layer}.mlp.experts.{expert}"
+
+
+def seed_for(fingerprint: str) -> bytes:
+    return hashlib.sha256(b"latentkv experts\0" + fingerprint.encode()).digest()
+
+
+def extent_check(seed: bytes, layer: int, expert: int, payload: bytes | memoryview) -> str:
+    h = hashlib.sha256(seed)
+    h.update(b"expert")
+    h.update(struct.pack("<II", layer, expert))
+    h.update(payload)
+    return h.digest()[:CHECK_BYTES].hex()
+
+
+def layer_file_name(layer: int) -> str:
+    return f"layer-{layer:04d}.lkx"
+
+
+# --- manifest bytes ----------------------------------------------------------------------------
+
+
+def _canonical(obj: dict) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    body = manifest.to_json()
+    check = hashlib.sha256(_canonical(body)).hexdigest()
+    return json.dumps({"manifest": body, "sha256": check}, sort_keys=True, indent=1).encode() + b"\n"
+
+
+def read_manifest(directory: str | Path, fingerprint: str | None = None) -> Manifest:
+    """Parse and verify DIR/manifest.json; a fingerprint that differs from `fingerprint` is refused."""
+    path = Path(directory) / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ExpertFileError(
+            f"{path} is missing: no expert store here (or its conversion did not finish)"
+        ) from None
+    try:
+        outer = json.loads(raw)
+        body = outer["manifest"]
+        ok = hashlib.sha256(_canonical(body)).hexdigest() == outer["sha256"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExpertFileError(f"{path} is not a readable manifest ({exc})") from None
+    if not ok:
+        raise ExpertFileError(f"{path} fails its checksum: the manifest is damaged")
+    try:
+        manifest = Manifest.from_json(body)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ExpertFileError):
+            raise
+        raise ExpertFileError(f"{path}: malformed manifest ({exc!r})") from None
+    if fingerprint is not None and manifest.fingerprint != fingerprint:
+        raise ExpertFileError(
+            f"{path} belongs to another model (fingerprint {manifest.fingerprint[:16]}..., "
+            f"this model is {fingerprint[:16]}...): convert this model's experts again"
+        )
+    return manifest
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+class ExpertStoreWriter:
+    """Writes an expert store layer by layer, expert by expert; `finish` publishes the manifest.
+
+    with ExpertStoreWriter(dir, fingerprint) as w:
+        for layer in moe_layers:
+            with w.layer(layer, n_experts, layout) as lw:
+                for e in range(n_experts):
+                    lw.write(e, [gate_bytes, gate_scale_bytes, ...])  # the layout's order
+        w.finish()
+    """
+
+    def __init__(
+        self, directory: str | Path, fingerprint: str, meta: dict | None = None, replace: bool = False
+    ):
+        _require_little_endian()
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        manifest = self.directory / MANIFEST
+        if manifest.exists():
+            if not replace:
+                raise ExpertFileError(f"{manifest} exists: refusing to overwrite an expert store")
+            manifest.unlink()  # from here on a crash leaves no manifest: refused, never misread
+            _sync_dir(self.directory)
+        self.fingerprint = fingerprint
+        self.seed = seed_for(fingerprint)
+        self.meta = dict(meta or {})
+        self.layers: dict[int, LayerEntry] = {}
+        self.bytes_written = 0
+
+    def layer(self, layer: int, n_experts: int, layout: ExtentLayout) -> LayerWriter:
+        if layer in self.layers:
+            raise ValueError(f"layer {layer} was already written")
+        return LayerWriter(self, layer, n_experts, layout)
+
+    def finish(self) -> Manifest:
+        """Publish the manifest atomically (temp, fsync, rename, fsync the folder)."""
+        manifest = Manifest(self.fingerprint, dict(self.layers), self.meta)
+        path = self.directory / MANIFEST
+        tmp = path.with_name(f".{MANIFEST}.{secrets.token_hex(4)}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(manifest_bytes(manifest))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _sync_dir(self.directory)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return manifest
+
+    def __enter__(self) -> ExpertStoreWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class LayerWriter:
+    """One layer file, written expert by expert in order 0..E-1 and fsynced on close."""
+
+    def __init__(self, parent: ExpertStoreWriter, layer: int, n_experts: int, layout: ExtentLayout):
+        layout.validate()
+        self.parent, self.layer, self.n_experts, self.layout = parent, layer, n_experts, layout
+        self.file = layer_file_name(layer)
+        self.path = parent.directory / self.file
+        self.checks: list[str] = []
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        head = LAYER_HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, layer, n_experts, parent.seed)
+        _pwrite_all(self._fd, head + bytes(ALIGN - len(head)), 0)
+
+    def write(self, expert: int, tensors: list[bytes | bytearray | memoryview]) -> None:
+        """Expert `expert`'s raw tensors, in the layout's order, as bytes."""
+        if expert != len(self.checks):
+            raise ValueError(
+                f"layer {self.layer}: experts are written in order; expected {len(self.checks)}, got {expert}"
+            )
+        if len(tensors) != len(self.layout.tensors):
+            raise ValueError(
+                f"layer {self.layer}: the layout has {len(self.layout.tensors)} tensors, got {len(tensors)}"
+            )
+        extent = bytearray(self.layout.stride)
+        for spec, data in zip(self.layout.tensors, tensors, strict=True):
+            view = memoryview(data).cast("B")
+            if len(view) != spec.nbytes:
+                raise ValueError(
+                    f"{expert_name(self.layer, expert)}.{spec.name}: {len(view)} bytes, layout says {spec.nbytes}"
+                )
+            extent[spec.offset : spec.offset + spec.nbytes] = view
+        payload = memoryview(extent)[: self.layout.length]
+        self.checks.append(extent_check(self.parent.seed, self.layer, expert, payload))
+        _pwrite_all(self._fd, extent, ALIGN + expert * self.layout.stride)
+        self.parent.bytes_written += len(extent)
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            if len(self.checks) != self.n_experts:
+                raise ValueError(
+                    f"layer {self.layer}: {len(self.checks)} of {self.n_experts} experts written"
+                )
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        self.parent.layers[self.layer] = LayerEntry(self.layer, self.file, self.layout, tuple(self.checks))
+
+    def __enter__(self) -> LayerWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# --- verifying one extent (the reader in `experts.reader` preads, this judges) ------------------
+
+
+def check_layer_header(head: bytes, entry: LayerEntry, seed: bytes, path: Path) -> None:
+    """The first bytes of a layer file against its manifest entry; ExpertFileError if foreign."""
+    if len(head) < LAYER_HEADER.size:
+        raise ExpertFileError(f"{path} is too short to be a layer file (truncated?)")
+    magic, major, _minor, layer, experts, file_seed = LAYER_HEADER.unpack_from(head)
+    if magic != MAGIC or major != FORMAT_MAJOR:
+        raise ExpertFileError(f"{path} is not a version {FORMAT_MAJOR} latentkv expert layer file")
+    if layer != entry.layer or experts != entry.n_experts:
+        raise ExpertFileError(
+            f"{path} holds layer {layer} ({experts} experts), the manifest says {entry.layer}"
+        )
+    if file_seed != seed:
+        raise ExpertFileError(f"{path} was written for another model (its fingerprint differs)")
+
+
+def verify_extent(
+    seed: bytes, entry: LayerEntry, expert: int, payload: bytes | memoryview, path: Path
+) -> None:
+    """Raise ExpertDamaged (naming the expert) unless `payload` is exactly what was written."""
+    name = expert_name(entry.layer, expert)
+    length = entry.layout.length
+    if len(payload) < length:
+        raise ExpertDamaged(
+            f"{name}: {path} ends inside this expert ({len(payload)} of {length} bytes; truncated file): refusing it"
+        )
+    if extent_check(seed, entry.layer, expert, memoryview(payload)[:length]) != entry.checks[expert]:
+        raise ExpertDamaged(
+            f"{name}: fails its checksum in {path} at offset {entry.offset(expert)}: refusing it"
+        )
+
+
+# --- OS helpers --------------------------------------------------------------------------------
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _require_little_endian() -> None:
+    if sys.byteorder != "little":  # pragma: no cover
+        raise ExpertFileError("expert stores are little-endian and this host is not")
+
+
+def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _sync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

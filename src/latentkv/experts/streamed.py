@@ -1,0 +1,276 @@
+"""Experts streamed from disk under a RAM budget: the `ExpertStore` of a model bigger than RAM.
+
+One `ExpertStreamer` per model owns the reader (pread / O_DIRECT on a thread pool), one cache
+of decoded-ready experts for all layers (a byte budget it never exceeds, a policy, a pinned hot
+set from the usage history) and the telemetry; each MoE layer gets a `StreamedExperts` view.
+
+    get(ids)       the experts one forward pass of a layer needs (the batch's union, distinct):
+                   hits from the cache, prefetched reads collected, misses read in parallel;
+                   each read expert is kept if the cache can make room, else used once and dropped
+    prefetch(ids)  the next layer's router, run early on the current hidden state, predicts ids:
+                   their reads start now (bounded by `prefetch_bytes` in flight)
+
+Memory: resident = cache (<= budget) + the experts of the current `get` that did not fit
+(at most the batch's union for one layer) + prefetch reads in flight (<= prefetch_bytes).
+The planner (`latentkv plan`) reserves the last two beside the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from latentkv.experts.base import Expert, StackedExperts
+from latentkv.experts.cache import ExpertCache
+from latentkv.experts.extent import expert_from_extent
+from latentkv.experts.history import FILE_NAME as HISTORY_FILE
+from latentkv.experts.history import UsageHistory
+from latentkv.experts.reader import ExpertReader, Extent
+
+HISTORY_SAVE_EVERY = 256  # forward passes between usage-history saves
+
+
+@dataclass
+class StreamConfig:
+    budget: int  # bytes of experts kept resident (the cache)
+    policy: str = "lru"
+    threads: int = 4
+    direct: bool | None = None  # O_DIRECT: None = where the file system takes it
+    pin_fraction: float = 0.5  # at most this share of the budget pinned from the usage history
+    prefetch_bytes: int | None = None  # bytes of prefetch reads in flight (None: 8 experts' worth)
+    history: bool = True  # keep and use DIR/usage.json
+
+
+@dataclass
+class Telemetry:
+    """Counters since the store opened (or the last `reset`)."""
+
+    asked: int = 0  # experts asked for by get (each pass counts each distinct expert once)
+    hits: int = 0  # found in the cache
+    prefetched: int = 0  # read ahead by prefetch, arrived or in flight when asked
+    misses: int = 0  # read on demand
+    predicted: int = 0  # experts asked for in layers that had a prediction
+    recalled: int = 0  # of those, how many the prediction named
+    prefetch_reads: int = 0
+    wasted_prefetch: int = 0  # prefetched but not asked for
+    bytes_read: int = 0  # every read: on demand, prefetch, hot set
+    read_seconds: float = 0.0  # time inside pread, summed over reader threads
+    wait_seconds: float = 0.0  # time the forward pass waited for reads
+    resident_bytes: int = 0
+    budget: int = 0
+    passes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.asked if self.asked else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.recalled / self.predicted if self.predicted else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(hit_rate=self.hit_rate, recall=self.recall, read_gbps=self.read_gbps)
+        return d
+
+
+class ExpertStreamer:
+    """The expert store directory of one model, streamed into a budgeted cache."""
+
+    def __init__(self, directory: str | Path, fingerprint: str | None, config: StreamConfig):
+        self.directory = Path(directory)
+        self.config = config
+        self.reader = ExpertReader(directory, fingerprint, direct=config.direct, threads=config.threads)
+        self.manifest = self.reader.manifest
+        self.cache = ExpertCache(config.budget, config.policy)
+        self.telemetry = Telemetry(budget=config.budget)
+        self.notes: list[str] = []
+        layers = self.manifest.layers
+        self.expert_bytes = {i: e.layout.stride for i, e in layers.items()}
+        self.first_layer = min(layers) if layers else 0
+        largest = max(self.expert_bytes.values(), default=0)
+        self.prefetch_bytes = config.prefetch_bytes if config.prefetch_bytes is not None else 8 * largest
+        self._inflight: dict[tuple[int, int], Future[Extent]] = {}
+        self._inflight_bytes = 0
+        self._predicted: dict[int, set[int]] = {}
+        self._lock = threading.Lock()
+        self.history: UsageHistory | None = None
+        if config.history:
+            self._load_history()
+
+    def layer(self, layer: int) -> StreamedExperts:
+        return StreamedExperts(self, layer)
+
+    # --- the hot set ------------------------------------------------------------------------
+
+    def _load_history(self) -> None:
+        counts = {i: e.n_experts for i, e in self.manifest.layers.items()}
+        self.history, note = UsageHistory.load(
+            self.directory / HISTORY_FILE, self.manifest.fingerprint, counts
+        )
+        if note:
+            self.notes.append(note)
+
+    def pin_hot_set(self) -> list[tuple[int, int]]:
+        """Read and pin the most used experts, up to pin_fraction of the budget."""
+        if self.history is None:
+            return []
+        hot = self.history.hot_set(int(self.config.budget * self.config.pin_fraction), self.expert_bytes)
+        futures = [(key, self.reader.submit(*key)) for key in hot]
+        for key, f in futures:
+            ext = f.result()
+            expert = expert_from_extent(ext)
+            self.cache.put(key, expert, _charge(ext, expert), pin=True)
+        return hot
+
+    def save_history(self) -> None:
+        if self.history is not None:
+            self.history.save(self.directory / HISTORY_FILE)
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def get(self, layer: int, ids: Sequence[int]) -> dict[int, Expert]:
+        """The experts `ids` of `layer` (distinct ids): cached, prefetched or read now."""
+        if layer == self.first_layer:
+            self._next_pass()
+        t = self.telemetry
+        t.asked += len(ids)
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            t.predicted += len(ids)
+            t.recalled += len(predicted.intersection(ids))
+        out: dict[int, Expert] = {}
+        pending: list[tuple[int, Future[Extent]]] = []
+        for e in ids:
+            cached = self.cache.get((layer, e))
+            if cached is not None:
+                t.hits += 1
+                out[e] = cached
+                continue
+            future = self._take_inflight(layer, e)
+            if future is not None:
+                t.prefetched += 1
+            else:
+                t.misses += 1
+                future = self.reader.submit(layer, e)
+            pending.append((e, future))
+        self._discard_unused_prefetch(layer)
+        self.cache.protect((layer, e) for e in ids)
+        try:
+            self._collect(layer, pending, out)
+        finally:
+            self.cache.release()
+        if self.history is not None:
+            self.history.record(layer, ids)
+        t.resident_bytes = self.cache.resident_bytes
+        return out
+
+    def _collect(self, layer: int, pending: list[tuple[int, Future[Extent]]], out: dict[int, Expert]) -> None:
+        t0 = time.perf_counter()
+        try:
+            for e, future in pending:
+                ext = future.result()  # ExpertDamaged propagates: never computed on
+                expert = expert_from_extent(ext)
+                self.cache.put((layer, e), expert, _charge(ext, expert))
+                out[e] = expert
+        finally:
+            for _e, future in pending:
+                future.cancel()
+            self.telemetry.wait_seconds += time.perf_counter() - t0
+
+    def prefetch(self, layer: int, ids: Sequence[int]) -> None:
+        """Start reading the experts of `layer` that are neither cached nor in flight."""
+        if layer not in self.manifest.layers:
+            return
+        self._predicted[layer] = set(ids)
+        size = self.expert_bytes[layer]
+        with self._lock:
+            for e in ids:
+                key = (layer, e)
+                if key in self.cache or key in self._inflight:
+                    continue
+                if self._inflight_bytes + size > self.prefetch_bytes:
+                    break
+                self._inflight[key] = self.reader.submit(layer, e)
+                self._inflight_bytes += size
+                self.telemetry.prefetch_reads += 1
+
+    def _take_inflight(self, layer: int, e: int) -> Future[Extent] | None:
+        with self._lock:
+            future = self._inflight.pop((layer, e), None)
+            if future is not None:
+                self._inflight_bytes -= self.expert_bytes[layer]
+            return future
+
+    def _discard_unused_prefetch(self, layer: int) -> None:
+        """Predictions for this layer that the pass did not ask for: let them go."""
+        with self._lock:
+            for key in [k for k in self._inflight if k[0] == layer]:
+                future = self._inflight.pop(key)
+                self._inflight_bytes -= self.expert_bytes[layer]
+                self.telemetry.wasted_prefetch += 1
+                future.cancel()
+
+    def _next_pass(self) -> None:
+        self.cache.next_step()
+        t = self.telemetry
+        t.passes += 1
+        if self.history is not None:
+            self.history.tokens += 1
+            if t.passes % HISTORY_SAVE_EVERY == 0:
+                self.save_history()
+
+    def snapshot(self) -> dict:
+        t = self.telemetry
+        t.read_seconds = self.reader.stats.read_seconds
+        t.bytes_read = self.reader.stats.bytes_read
+        t.resident_bytes = self.cache.resident_bytes
+        return t.as_dict()
+
+    def close(self) -> None:
+        with self._lock:
+            for future in self._inflight.values():
+                future.cancel()
+            self._inflight.clear()
+        self.reader.close()
+        self.save_history()
+
+
+class StreamedExperts:
+    """One MoE layer's experts, streamed (the `ExpertStore` contract of `latentkv.experts.base`)."""
+
+    def __init__(self, streamer: ExpertStreamer, layer: int):
+        self.streamer = streamer
+        self.layer = layer
+        self.num_experts = streamer.reader.entry(layer).n_experts
+
+    @property
+    def stacked(self) -> StackedExperts | None:
+        return None  # never all resident: the MoE layer takes its per-expert path
+
+    def get(self, ids: Sequence[int]) -> Mapping[int, Expert]:
+        return self.streamer.get(self.layer, ids)
+
+    def prefetch(self, ids: Sequence[int]) -> None:
+        self.streamer.prefetch(self.layer, ids)
+
+    @property
+    def nbytes(self) -> int:
+        cache = self.streamer.cache
+        return sum(
+            self.streamer.expert_bytes[self.layer] for key in cache.cached_keys() if key[0] == self.layer
+        )
+
+
+def _charge(ext: Extent, expert: Expert) -> int:
+    """Bytes an expert holds in the cache: its read buffer (plain and int8 formats keep views of
+    it), or what the format built from it (int4 repacks), whichever is more."""
+    return max(ext.layout.stride, expert.nbytes)

@@ -1,0 +1,57 @@
+"""The planner: the KV pool at the tier's real bytes (indexer keys included), a tier change moves
+exactly its bytes between the KV pool and the expert cache, and the CLI's verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from latentkv.cli import main
+from latentkv.config import CacheConfig, ModelConfig
+from latentkv.experts.planner import make_plan
+from latentkv.models.registry import resolve
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def fixture_model():
+    d = resolve("builtin:fixture")
+    return ModelConfig.from_hf(d), d
+
+
+def test_kv_pool_counts_f32_rows_and_indexer_keys(fixture_model):
+    cfg, d = fixture_model
+    p = make_plan(cfg, d, 8 << 30, cache=CacheConfig("f32"), max_model_len=1000, max_num_seqs=3)
+    index_layers = sum(t == "full" for t in cfg.dsa.indexer_types) if cfg.dsa else 0
+    index_dim = cfg.dsa.index_head_dim if cfg.dsa else 0
+    per_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 + index_layers * index_dim * 4
+    assert p.kv_bytes_per_token == per_token
+    assert p.kv_bytes == per_token * 1000 * 3
+
+
+def test_a_smaller_kv_tier_gives_its_bytes_to_the_expert_cache(fixture_model):
+    cfg, d = fixture_model
+    probe = make_plan(cfg, d, 8 << 30, cache=CacheConfig("f32"), max_model_len=2000)
+    fixed = probe.dense_bytes + probe.kv_bytes + probe.activation_bytes + probe.working_bytes
+    ram = fixed + 2 * MIB  # f32 leaves 2 MiB for experts
+    f32 = make_plan(cfg, d, ram, cache=CacheConfig("f32"), max_model_len=2000)
+    tq4 = make_plan(cfg, d, ram, cache=CacheConfig("tq4-r8"), max_model_len=2000)
+    assert f32.expert_cache_bytes == 2 * MIB
+    assert tq4.kv_bytes < f32.kv_bytes
+    assert tq4.expert_cache_bytes - f32.expert_cache_bytes == f32.kv_bytes - tq4.kv_bytes
+    assert tq4.cached_experts > f32.cached_experts
+    assert f32.cold_bytes_per_token == cfg.num_experts_per_tok * f32.moe_layers * f32.expert_extent_bytes
+    assert tq4.expected_bytes_per_token < f32.expected_bytes_per_token < f32.cold_bytes_per_token
+
+
+def test_plan_cli_json_and_verdicts(capsys):
+    assert main(["plan", "builtin:tiny", "--ram-gb", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["all_experts_fit"] and plan["ram_bytes"] == 2 << 30
+    assert main(["plan", "builtin:tiny", "--ram-gb", "0.01"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert main(["plan", "builtin:tiny", "--ram-gb", "-1"]) == 2
+    assert main(["plan", "no/such/model"]) == 2
+    assert "error" in capsys.readouterr().err

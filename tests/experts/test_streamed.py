@@ -1,0 +1,135 @@
+"""The streamed expert store: experts come back exactly as written (every format that streams),
+the budget holds from one expert up, prefetch is collected and counted, the hot set is pinned,
+and a damaged expert stops the pass with its name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from latentkv.experts.base import Expert
+from latentkv.experts.convert import write_store
+from latentkv.experts.extent import CODECS
+from latentkv.experts.store_file import ExpertDamaged, read_manifest
+from latentkv.experts.streamed import ExpertStreamer, StreamConfig
+from latentkv.weights.base import make_linear
+
+D, I, E = 64, 32, 6  # int8 needs in_features % 32 == 0 (see the report on i15)
+LAYERS = (1, 2)
+FP = "f" * 64
+
+
+def _experts(fmt: str, seed: int = 0) -> dict[tuple[int, int], Expert]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        (layer, e): Expert(
+            make_linear(torch.randn(2 * I, D, generator=g), fmt),
+            make_linear(torch.randn(D, I, generator=g), fmt),
+        )
+        for layer in LAYERS
+        for e in range(E)
+    }
+
+
+def _store(tmp_path, fmt: str = "f32") -> tuple[os.PathLike, dict]:
+    truth = _experts(fmt)
+    d = tmp_path / "experts"
+    write_store(d, FP, [(layer, E, lambda e, layer=layer: truth[layer, e]) for layer in LAYERS])
+    return d, truth
+
+
+def _streamer(d, budget_experts: float, **kw) -> ExpertStreamer:
+    stride = read_manifest(d).layers[LAYERS[0]].layout.stride
+    return ExpertStreamer(d, FP, StreamConfig(budget=int(budget_experts * stride), **kw))
+
+
+@pytest.mark.parametrize("fmt", sorted(CODECS))
+def test_streamed_experts_compute_exactly_as_the_written_ones(tmp_path, fmt):
+    d, truth = _store(tmp_path, fmt)
+    s = _streamer(d, 2)
+    x = torch.randn(3, D)
+    for layer in LAYERS:
+        got = s.layer(layer).get(list(range(E)))
+        for e in range(E):
+            want = truth[layer, e]
+            assert got[e].gate_up.format == want.gate_up.format == fmt
+            assert torch.equal(got[e].gate_up.dequantize(), want.gate_up.dequantize())
+            assert torch.equal(got[e].down.dequantize(), want.down.dequantize())
+            assert torch.equal(got[e](x), want(x))
+    s.close()
+
+
+@pytest.mark.parametrize("budget_experts", [0, 1, 2.5, 12])
+def test_the_budget_holds_and_hits_follow_it(tmp_path, budget_experts):
+    d, truth = _store(tmp_path)
+    s = _streamer(d, budget_experts, history=False)
+    stride = s.expert_bytes[1]
+    ids = [0, 3, 5]
+    for _ in range(3):
+        for layer in LAYERS:
+            got = s.layer(layer).get(ids)
+            assert sorted(got) == ids
+            assert s.cache.resident_bytes <= s.config.budget
+    t = s.snapshot()
+    assert t["asked"] == 3 * len(LAYERS) * len(ids) == t["hits"] + t["misses"]
+    if budget_experts >= 6:
+        assert t["misses"] == 6 and t["bytes_read"] == 6 * stride  # read once, then all hits
+    if budget_experts == 0:
+        assert t["hits"] == 0 and t["resident_bytes"] == 0
+    assert t["passes"] == 3
+    s.close()
+
+
+def test_prefetched_reads_are_collected_and_recall_counted(tmp_path):
+    d, truth = _store(tmp_path)
+    s = _streamer(d, 0, history=False)
+    s.layer(2).prefetch([1, 2, 4])
+    got = s.layer(2).get([2, 4, 5])
+    assert torch.equal(got[2].down.dequantize(), truth[2, 2].down.dequantize())
+    t = s.telemetry
+    assert (t.prefetched, t.misses, t.wasted_prefetch) == (2, 1, 1)
+    assert (t.recalled, t.predicted) == (2, 3) and t.recall == pytest.approx(2 / 3)
+    s.close()
+
+
+def test_prefetch_stays_within_its_bytes(tmp_path):
+    d, _ = _store(tmp_path)
+    stride = read_manifest(d).layers[1].layout.stride
+    s = ExpertStreamer(d, FP, StreamConfig(budget=0, prefetch_bytes=2 * stride, history=False))
+    s.layer(1).prefetch(list(range(E)))
+    assert s.telemetry.prefetch_reads == 2 and s._inflight_bytes == 2 * stride
+    s.close()
+
+
+def test_the_usage_history_pins_the_hot_set_across_runs(tmp_path):
+    d, _ = _store(tmp_path)
+    s = _streamer(d, 4)
+    for _ in range(5):
+        s.layer(1).get([4])
+        s.layer(2).get([0, 1])
+    s.layer(1).get([3])
+    s.close()  # saves the history
+    s2 = _streamer(d, 4, pin_fraction=0.5)  # 2 experts pinned: the two used most (ties: lower layer)
+    assert s2.pin_hot_set() == [(1, 4), (2, 0)]
+    for _ in range(3):
+        s2.layer(1).get([0, 1, 2, 3, 5])  # churn: the pins stay
+    assert (1, 4) in s2.cache and (2, 0) in s2.cache
+    assert s2.cache.resident_bytes <= s2.config.budget
+    s2.close()
+
+
+def test_a_damaged_expert_stops_the_pass_with_its_name(tmp_path):
+    d, _ = _store(tmp_path)
+    entry = read_manifest(d).layers[2]
+    path = d / entry.file
+    data = bytearray(path.read_bytes())
+    data[entry.offset(3) + 100] ^= 0x10
+    path.write_bytes(bytes(data))
+    s = _streamer(d, 2, history=False)
+    assert sorted(s.layer(2).get([1, 2])) == [1, 2]
+    with pytest.raises(ExpertDamaged, match=r"model\.layers\.2\.mlp\.experts\.3"):
+        s.layer(2).get([1, 3])
+    assert (2, 3) not in s.cache
+    s.close()
