@@ -6,6 +6,9 @@ import argparse
 import importlib
 import sys
 
+from latentkv import version
+from latentkv.errors import UserError
+
 COMMANDS = {
     "demo": ("latentkv.commands.demo", "run the bundled model end to end"),
     "generate": ("latentkv.commands.generate", "generate text from a prompt"),
@@ -23,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="latentkv",
         description="Run MLA mixture-of-experts models (GLM-5, DeepSeek-V3) with a compressed latent KV cache.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -50,19 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-class UserError(Exception):
-    """An error the user can fix; printed without a traceback."""
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("latentkv")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Arguments and loading shared by the commands that run a model.
+"""Arguments shared by the commands that run a model, and the configs they become.
 
 The KV tier is chosen here, once: `--kv-cache-dtype` (or the seed system's environment
 aliases, read by `config.kv_cache_dtype_from_env`) plus `--kv-group-size`, `--kv-seed` and
-`--kv-recent-window` become a `CacheConfig` that the command passes down. A tier that cannot store the model's
-latent rows is refused from config.json alone, before any weight is read.
+`--kv-recent-window` become a `CacheConfig` that the command passes down. Loading the model is
+`latentkv.runtime.load`, shared with the server.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from dataclasses import dataclass
 
-from latentkv.cli import UserError
+from latentkv.errors import UserError
 
 ENV_ALIASES = "KV8 / KV_TQ / KV_TQ_POLAR"
 
@@ -188,63 +186,6 @@ def engine_config(args: argparse.Namespace):
         )
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None
-
-
-def check_tier(model_cfg, cache) -> None:
-    """Refuse a tier that cannot store this model's latent rows (e.g. tq4 on a 24-wide latent)."""
-    from latentkv.kv.cache import CacheLayout, codecs_for
-
-    if cache.kv_cache_dtype == "f32":
-        return
-    try:
-        codecs_for(CacheLayout.for_model(model_cfg), cache)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-
-
-@dataclass
-class Loaded:
-    model: object
-    tokenizer: object | None
-    directory: object
-    seconds: float
-
-
-def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
-    """Resolve MODEL, check the KV tier against its config.json, then load the weights (progress
-    on stderr) and the tokenizer if there is one."""
-    import torch
-
-    from latentkv.config import ConfigError, ModelConfig
-    from latentkv.models.compiled import CompileUnavailable, check_compilable
-    from latentkv.models.loader import CheckpointError
-    from latentkv.models.registry import ModelNotFound, resolve
-    from latentkv.models.weights import load_model
-    from latentkv.tokenizer import Tokenizer
-
-    if engine.threads:
-        torch.set_num_threads(engine.threads)
-    t0 = time.perf_counter()
-    try:
-        directory = resolve(model_arg)
-        check_tier(ModelConfig.from_hf(directory), engine.cache)
-        if engine.compile:
-            check_compilable(engine.cache)
-        model = load_model(directory, engine.weight_dtype, progress=not quiet)
-    except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable) as exc:
-        raise UserError(str(exc)) from None
-    seconds = time.perf_counter() - t0
-    tokenizer = Tokenizer.of_model(directory)
-    if not quiet:
-        params = model.num_parameters()
-        print(
-            f"loaded {model_arg} ({model.cfg.model_type}, {params / 1e6:.1f}M parameters, "
-            f"{engine.weight_dtype} weights) in {seconds:.2f} s",
-            file=sys.stderr,
-        )
-    if engine.compile:
-        model.compile_decode(engine.cache, progress=not quiet)
-    return Loaded(model, tokenizer, directory, seconds)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

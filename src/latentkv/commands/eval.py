@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from latentkv.cli import UserError
 from latentkv.commands.common import add_cache_arguments, emit
+from latentkv.errors import UserError
 
 PPL_TIERS = "f32,bf16,fp8,tq6,tq4,tq3,polar4"
 MC_TIERS = "f32,fp8,tq4,tq3"
@@ -107,9 +107,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace, default_tiers: str):
     """(loaded model, tier CacheConfigs with f32 first) after every check that needs no weights."""
-    from latentkv.commands.common import cache_configs, check_tier, load
+    from latentkv.commands.common import cache_configs
     from latentkv.config import ConfigError, EngineConfig, ModelConfig, env_threads
     from latentkv.models.registry import ModelNotFound, resolve
+    from latentkv.runtime import check_tier, load
 
     tiers = cache_configs(args, default=default_tiers)
     try:

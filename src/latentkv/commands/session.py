@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from latentkv.cli import UserError
+from latentkv.errors import UserError
 
 NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SUFFIX = ".kv"

@@ -58,6 +58,8 @@ from latentkv.engine.scheduler import (
     _Outbox,
     validate_request,
 )
+from latentkv.errors import user_message
+from latentkv.runtime import load
 
 SHUTDOWN_TIMEOUT_S = 60  # for the child to finish its requests and save their sessions
 
@@ -281,8 +283,6 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
         send(("events", out, scheduler.stats()))
 
     try:
-        from latentkv.commands.common import load
-
         engine = config.engine
         if engine.threads is None:  # leave a core to the HTTP process (torch would take them all)
             engine = replace(engine, threads=len(cpus) if cpus else default_engine_threads())
@@ -290,14 +290,7 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
         scheduler = Scheduler.for_server(config, loaded, max_model_len, sink=sink)
         scheduler.start()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which reports it to the user
-        from latentkv.cli import UserError
-
-        send(
-            (
-                "failed",
-                str(exc) if isinstance(exc, (UserError, ValueError)) else f"{type(exc).__name__}: {exc}",
-            )
-        )
+        send(("failed", user_message(exc)))
         return
     send(("ready", scheduler.stats()))
     while True:

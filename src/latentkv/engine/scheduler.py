@@ -350,7 +350,7 @@ class Scheduler:
     @classmethod
     def for_server(cls, config, loaded, max_model_len: int, sink=None) -> Scheduler:
         """The scheduler `latentkv serve` runs: config a ServerConfig, loaded the
-        `commands.common.Loaded` model."""
+        `runtime.Loaded` model."""
         from latentkv.config import sessions_dir
 
         return cls(

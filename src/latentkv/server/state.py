@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from latentkv.config import ServerConfig
+from latentkv.errors import user_message
 from latentkv.server.metrics import Registry, Throughput
 
 log = logging.getLogger("latentkv.server")
@@ -68,7 +69,7 @@ class ServerState:
             self.ready = load(self.config)
             log.info("ready: serving %s as %r", self.config.model, self.config.served_model_name)
         except Exception as exc:  # noqa: BLE001 - reported, then the server shuts down
-            self.error = f"{type(exc).__name__}: {exc}" if not _user_error(exc) else str(exc)
+            self.error = user_message(exc)
             print(f"latentkv serve: error: loading {self.config.model} failed: {self.error}", file=sys.stderr)
             if self._on_failure is not None:
                 self._on_failure()
@@ -86,9 +87,9 @@ class ServerState:
 def load(config: ServerConfig) -> Ready:
     """Load the tokenizer and start the scheduler: in the engine process (which loads the
     weights there, `latentkv.engine.remote`), or here on a worker thread."""
-    from latentkv.commands.chat import stop_ids
     from latentkv.config import ModelConfig
     from latentkv.models.registry import resolve
+    from latentkv.runtime import stop_ids
     from latentkv.server.prompts import ChatRenderer
     from latentkv.tokenizer import Tokenizer
 
@@ -119,15 +120,9 @@ def load(config: ServerConfig) -> Ready:
 
 def _local_scheduler(config: ServerConfig, max_model_len: int):
     """The weights and the scheduler's worker thread in this process (`--no-engine-process`)."""
-    from latentkv.commands.common import load as load_model
     from latentkv.engine.scheduler import Scheduler
+    from latentkv.runtime import load as load_model
 
     scheduler = Scheduler.for_server(config, load_model(config.model, config.engine), max_model_len)
     scheduler.start()
     return scheduler
-
-
-def _user_error(exc: Exception) -> bool:
-    from latentkv.cli import UserError
-
-    return isinstance(exc, (UserError, ValueError))
