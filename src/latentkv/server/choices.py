@@ -5,7 +5,7 @@
         ...
 
 A choice is one scheduler request (n choices of a prompt are n requests with derived seeds).
-Its events become text through the Detokenizer and StopStrings of `server.text`; reaching a
+Its events become text through `tokenizer.Detokenizer` and `server.text.StopStrings`; reaching a
 stop string cancels the handle, trims the text and reports finish_reason "stop". A Piece carries
 the tokens consumed since the previous piece, so streamed logprobs line up with streamed text.
 
@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from latentkv.server.errors import APIError, bad_request
-from latentkv.server.text import Detokenizer, StopStrings
+from latentkv.server.text import StopStrings
+from latentkv.tokenizer import Detokenizer
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
