@@ -12,6 +12,29 @@ class TokenizerError(ValueError):
     pass
 
 
+def unicode_problem(text: str, from_bytes: bool = True) -> str | None:
+    """Why `text` is not valid Unicode text, or None. The rule on every surface (server fields,
+    --prompt, chat's stdin): such text is refused, naming where, never replaced. A character in
+    U+DC80..U+DCFF is how Python carries an undecodable byte (argv, stdin with surrogateescape);
+    any other surrogate is a lone one (JSON's "\\ud800"); with `from_bytes` False all are."""
+    for i, char in enumerate(text):
+        code = ord(char)
+        if from_bytes and 0xDC80 <= code <= 0xDCFF:
+            return f"byte 0x{code - 0xDC00:02x} at character {i} is not valid UTF-8"
+        if 0xD800 <= code <= 0xDFFF:
+            return f"character {i} is a lone surrogate U+{code:04X}, not a Unicode character"
+    return None
+
+
+def is_valid_text(text: str) -> bool:
+    """Fast path of `unicode_problem`: no surrogate anywhere."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -32,6 +55,9 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """ValueError for text that is not valid Unicode (see `unicode_problem`)."""
+        if not is_valid_text(text):
+            raise TokenizerError(f"the text is not valid Unicode: {unicode_problem(text)}")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -129,3 +129,111 @@ def test_sampling_never_picks_a_masked_token():
 def test_invalid_parameters_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+# --- extreme values: one validation, a sampler that never produces nan ---------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from latentkv.engine.sampling import SamplingError, check_sampling, weights  # noqa: E402
+
+_LOGIT = st.one_of(
+    st.floats(-1e4, 1e4, allow_nan=False, width=32),
+    st.just(float("-inf")),
+    st.sampled_from([0.0, 1e-30, -1e-30, 3.0]),  # ties and near-ties
+)
+_TEMPERATURE = st.one_of(
+    st.floats(0, 1e6, allow_subnormal=True),
+    st.sampled_from([5e-324, 1e-308, 1e-39, 1e-300, 1e-46, 1e-7]),
+)
+_TOP_P = st.one_of(
+    st.floats(0, 1, exclude_min=True, allow_subnormal=True),
+    st.sampled_from([5e-324, 1e-46, 1e-300, 1.0]),
+)
+
+
+def _above(v: float, w: float, temperature: float) -> bool:
+    """v more likely than w beyond float64 rounding of exp((v - w) / temperature)."""
+    return (v - w) / temperature > 1e-12
+
+
+def _reference_top(logits: list[float], temperature: float, top_k: int) -> tuple[float, float]:
+    """(the largest logit, its probability among what top-k keeps), in plain Python floats."""
+    finite = [x for x in logits if x != float("-inf")]
+    best = max(finite)
+    kept = sorted(finite, reverse=True)[: top_k or None]
+    kept = [x for x in finite if not _above(kept[-1], x, temperature)]  # ties at the k-th are kept
+    total = 0.0
+    for x in kept:
+        gap = (best - x) / temperature
+        total += 0.0 if gap > 1000 else math.exp(-gap)
+    return best, 1.0 / total
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(_LOGIT, min_size=1, max_size=12).filter(lambda xs: any(x != float("-inf") for x in xs)),
+    _TEMPERATURE,
+    _TOP_P,
+    st.integers(0, 14),
+    st.integers(0, 2**32),
+)
+def test_extreme_values_sample_a_token_the_reference_allows(logits, temperature, top_p, top_k, seed):
+    """Any valid temperature / top_p / top_k, subnormals included: finite weights, and the token
+    drawn is one the plain-Python reference allows (a finite logit, within top-k, the most
+    likely one when top_p is below its mass or the temperature is far below every gap)."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    tensor = torch.tensor(logits, dtype=torch.float32)
+    w = weights(tensor, params) if not params.greedy else None
+    if w is not None:
+        assert torch.isfinite(w).all() and (w >= 0).all() and float(w.max()) == 1.0
+    token = sample(tensor, params, params.generator())
+    values = tensor.tolist()
+    assert 0 <= token < len(values) and values[token] != float("-inf")
+    if params.greedy:
+        assert values[token] == max(values)
+        return
+    best, p_best = _reference_top(values, temperature, top_k)
+
+    def above(v: float, w: float) -> bool:
+        return _above(v, w, temperature)
+
+    if top_k:
+        assert sum(above(v, values[token]) for v in values) < top_k  # within the k most likely
+    gaps = [best - v for v in values if v != best and v != float("-inf")]
+    if top_p < p_best * (1 - 1e-9) or all(g / temperature > 1000 for g in gaps):
+        assert not above(best, values[token])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": -math.inf}, "temperature"),
+        ({"temperature": -5e-324}, "temperature"),
+        ({"top_p": math.inf}, "top_p"),
+        ({"top_p": -0.0}, "top_p"),
+        ({"top_p": 1.0000000000000002}, "top_p"),
+        ({"top_k": True}, "top_k"),
+        ({"temperature": "1"}, "temperature"),
+    ],
+)
+def test_the_shared_check_names_the_parameter(kwargs, param):
+    with pytest.raises(SamplingError) as info:
+        check_sampling(**kwargs)
+    assert info.value.param == param
+    with pytest.raises(SamplingError):  # the engine's params and the scheduler's use the same check
+        SamplingParams(**kwargs)
+    from latentkv.engine.scheduler import SamplingParams as RequestParams
+
+    if "top_k" not in kwargs:
+        with pytest.raises(SamplingError):
+            RequestParams(max_tokens=1, **kwargs)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True])
+def test_seeds_outside_what_torch_takes_are_refused(seed):
+    with pytest.raises(SamplingError, match="seed"):
+        SamplingParams(temperature=1.0, seed=seed)

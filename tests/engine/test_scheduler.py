@@ -125,14 +125,32 @@ def test_cancel_while_waiting(make):
 
 
 def test_queue_full_and_closed(make):
-    scheduler = make(start=False, max_queue=2)
-    handles = [scheduler.submit(Request([5, 6], SamplingParams(max_tokens=3))) for _ in range(2)]
+    """max_num_seqs + max_queue open requests fit (running or not); one more is QueueFull."""
+    scheduler = make(start=False, max_num_seqs=1, max_queue=2)
+    handles = [scheduler.submit(Request([5, 6], SamplingParams(max_tokens=3))) for _ in range(3)]
     with pytest.raises(QueueFull):
         scheduler.submit(Request([5, 6], SamplingParams(max_tokens=3)))
     scheduler.shutdown()
-    assert [list(h)[-1].reason for h in handles] == ["cancelled", "cancelled"]
+    assert [list(h)[-1].reason for h in handles] == ["cancelled"] * 3
     with pytest.raises(SchedulerClosed):
         scheduler.submit(Request([5, 6], SamplingParams(max_tokens=3)))
+
+
+def test_submit_all_is_all_or_none_and_counts_until_finished(make):
+    """A group that fits is queued whole; one that does not fit now is QueueFull with nothing
+    queued; one that can never fit is ValueError. Finished requests free their places."""
+    scheduler = make(start=False, max_num_seqs=2, max_queue=2)
+    request = Request([5, 6], SamplingParams(max_tokens=2, temperature=0.0))
+    first = scheduler.submit_all([request] * 3)
+    with pytest.raises(QueueFull):
+        scheduler.submit_all([request] * 2)
+    assert scheduler.stats().waiting == 3  # the refused group left nothing behind
+    with pytest.raises(ValueError, match="n x prompts"):
+        scheduler.submit_all([request] * 5)
+    scheduler.start()
+    assert [_collect(h)[2].reason for h in first] == ["length"] * 3
+    again = scheduler.submit_all([request] * 4)  # all four places are free again
+    assert [_collect(h)[2].reason for h in again] == ["length"] * 4
 
 
 def test_shutdown_cancels_running_requests(make):

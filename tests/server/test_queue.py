@@ -44,3 +44,57 @@ def test_a_request_beyond_the_queue_is_429_with_retry_after(one_slot_server):
         f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=server.headers
     )
     assert again.status_code == 200
+
+
+def test_n_counts_each_choice_against_seqs_plus_queue(one_slot_server):
+    """One slot + one waiting place: n=2 fits an idle server (200), n=3 never can (400, param n)."""
+    with one_slot_server.http() as http:
+        ok = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "n": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+        never = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "n": 3})
+        assert never.status_code == 400 and never.json()["error"]["param"] == "n", never.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "one-process"])
+def test_n_choices_that_fit_are_served_and_floods_get_only_200_or_429(tmp_path, serve, engine_process):
+    """--max-num-seqs 4 --max-queue 4: n=8 fits (200), n=9 never can (400 naming n), and
+    concurrent floods of n=1 and n=8 requests get only 200 or 429 (never a 500); the server
+    serves afterwards. The HTTP process and the engine count open sequences alike."""
+    import concurrent.futures
+
+    flags = ["--max-num-seqs", "4", "--max-queue", "4"]
+    if not engine_process:
+        flags.append("--no-engine-process")
+    server = serve("builtin:tiny", tmp_path / "server.log", *flags)
+    try:
+        with server.http() as http:
+            body = {"prompt": [1, 2, 3], "max_tokens": 4, "n": 8}
+            ok = http.post("/v1/completions", json=body)
+            assert ok.status_code == 200, ok.text
+            assert len(ok.json()["choices"]) == 8
+            never = http.post("/v1/completions", json=body | {"n": 9})
+            assert never.status_code == 400 and never.json()["error"]["param"] == "n", never.text
+
+        def one(i: int) -> httpx.Response:
+            body = {"prompt": [1, 2, 3], "max_tokens": 4, "n": 8 if i % 5 == 0 else 1}
+            with server.http() as http:
+                return http.post("/v1/completions", json=body | {"stream": i % 3 == 0})
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(one, range(50)))
+        codes = [a.status_code for a in answers]
+        assert set(codes) <= {200, 429}, [a.text for a in answers if a.status_code not in (200, 429)]
+        assert 200 in codes
+        for a in answers:
+            if a.status_code == 429:
+                assert int(a.headers["retry-after"]) >= 1
+            elif a.headers["content-type"].startswith("text/event-stream"):
+                assert '"error"' not in a.text, a.text  # no in-band failure either
+        with server.http() as http:
+            assert (
+                http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "n": 8}).status_code
+                == 200
+            )
+    finally:
+        server.stop()

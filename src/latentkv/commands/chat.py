@@ -117,7 +117,14 @@ class Chat:
                 say("--system applies to new conversations; the resumed one keeps its own (/reset to use it)")
 
     def loop(self, stdin, stdout) -> None:
+        """Read turns from stdin. A line that is not valid UTF-8 is refused (one line on stderr,
+        nothing sent to the model, the chat goes on), as the server refuses such text."""
+        from latentkv.tokenizer import is_valid_text, unicode_problem
+
         interactive = stdin.isatty()
+        reconfigure = getattr(stdin, "reconfigure", None)
+        if reconfigure is not None:  # undecodable bytes arrive as surrogates, not as an exception
+            reconfigure(errors="surrogateescape")
         while True:
             if interactive:
                 stdout.write("> ")
@@ -126,6 +133,9 @@ class Chat:
             if not line:
                 break
             text = line.rstrip("\r\n")
+            if not is_valid_text(text):
+                say(f"error: the line is not valid UTF-8 text ({unicode_problem(text)}); nothing was sent")
+                continue
             if text.strip() == "/exit":
                 break
             if text.strip() == "/reset":

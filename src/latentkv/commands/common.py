@@ -203,8 +203,19 @@ def sampling_params(args: argparse.Namespace):
 
     try:
         return SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    except ValueError as exc:  # the shared check (engine.sampling.check_sampling), named as a flag
+        flag = "--" + getattr(exc, "param", "sampling").replace("_", "-")
+        raise UserError(f"{flag}: {exc}") from None
+
+
+def check_text(text: str, flag: str) -> str:
+    """`text` unchanged, or UserError naming the flag when it is not valid Unicode (an argument
+    with bytes that are not UTF-8 reaches Python as surrogates)."""
+    from latentkv.tokenizer import is_valid_text, unicode_problem
+
+    if not is_valid_text(text):
+        raise UserError(f"{flag} is not valid UTF-8 text: {unicode_problem(text)}")
+    return text
 
 
 def parse_ids(text: str) -> list[int]:

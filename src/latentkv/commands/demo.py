@@ -29,7 +29,7 @@ COMPARE_TIERS = ("f32", "bf16", "fp8", "tq6", "tq4-r8", "tq4", "tq3", "polar4")
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.commands.common import cache_config, describe_tier
+    from latentkv.commands.common import cache_config, check_text, describe_tier
     from latentkv.commands.generate import kv_report
     from latentkv.config import ConfigError, EngineConfig
     from latentkv.engine.generate import generate
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             "note: builtin:tiny has random weights (it is the oracle model), so the text is noise;"
             " what the demo shows is the engine and its cache."
         )
-    prompt = tok.encode(args.prompt) if tok else [0]
+    prompt = tok.encode(check_text(args.prompt, "--prompt")) if tok else [0]
     cache = model.make_cache(engine.cache)
     result = generate(model, prompt, args.max_tokens, SamplingParams(), tok, cache=cache, stop_ids=())
     print(f"\nprompt: {args.prompt!r}")

@@ -15,6 +15,7 @@ import sys
 from latentkv.commands.common import (
     add_model_arguments,
     add_sampling_arguments,
+    check_text,
     describe_tier,
     engine_config,
     parse_ids,
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 0:
         raise UserError("--max-tokens must be >= 0")
     sampling = sampling_params(args)
+    if args.prompt is not None:
+        check_text(args.prompt, "--prompt")  # before the weights load
     engine = engine_config(args)
     loaded = load(args.model, engine, quiet=args.json)
     model, tokenizer = loaded.model, loaded.tokenizer

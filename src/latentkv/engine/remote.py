@@ -20,7 +20,9 @@ Messages over one multiprocessing Pipe (pickled tuples):
                       ("events", [(id, TokenEvent | Finished), ...], SchedulerStats)
                                              once per scheduler step, in order
                       ("stats", SchedulerStats)    after each command
-                      ("refused", id, message)     a submit the child's scheduler refused
+                      ("refused", id, message, kind)    a submit the child's scheduler refused
+                                             (kind: "invalid" | "queue_full" | "closed", so the
+                                             server answers 400 / 429 / 503, never 500)
 
 Without --threads the engine process uses one torch thread fewer than the machine has cores:
 the HTTP process needs one, and torch's intra-op threads spin on the cores they share with it.
@@ -31,8 +33,12 @@ the load generator kept off the engine's CPU: 4.2-5.1x one client's tok/s pinned
 not; docs/performance.md), and two pinned servers would share the same CPUs, so it is opt-in.
 
 The parent validates requests and applies the queue bound itself, so a 400 or a 429 never
-waits for the child. If the child dies, every open request ends with an error and later
-submits raise SchedulerClosed; the child exits when the parent's end of the pipe closes.
+waits for the child. Both count open requests (submitted, Finished not yet seen) against
+max_num_seqs + max_queue; the parent sees a Finished only after the child, so its count is
+never below the child's and the child does not refuse what the parent accepted. Should it
+refuse anyway, the Finished says why (`refused`) and the client still gets 400/429/503.
+If the child dies, every open request ends with an error and later submits raise
+SchedulerClosed; the child exits when the parent's end of the pipe closes.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ from latentkv.engine.scheduler import (
     SchedulerClosed,
     SchedulerStats,
     _Outbox,
+    check_group_size,
+    check_room,
     validate_request,
 )
 from latentkv.errors import user_message
@@ -135,22 +143,31 @@ class EngineProcess:
         """The child's worker is already running (it starts once the model is loaded)."""
 
     def submit(self, request: Request) -> RequestHandle:
-        """As `Scheduler.submit`: ValueError, QueueFull (running + waiting at their bounds),
-        SchedulerClosed."""
-        validate_request(request, self._vocab, self.max_model_len, sessions=True)
+        """As `Scheduler.submit`."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[RequestHandle]:
+        """As `Scheduler.submit_all`: every request or none; ValueError, QueueFull (the open
+        requests, counted as the child counts them, at max_num_seqs + max_queue),
+        SchedulerClosed. An open request is one whose Finished has not reached this process,
+        so this count is never below the child's and the child never refuses on its queue."""
+        for request in requests:
+            validate_request(request, self._vocab, self.max_model_len, sessions=True)
+        check_group_size(len(requests), self.max_num_seqs, self.max_queue)
         with self._lock:
             if self._closing or self.failure is not None:
                 raise SchedulerClosed(self.failure or "the scheduler is shut down")
-            waiting = len(self._handles) - self.max_num_seqs
-            if waiting >= self.max_queue:
-                raise QueueFull(f"{waiting} requests are already waiting (max_queue {self.max_queue})")
-            request = replace(request, id=next(self._ids))
-            handle = _RemoteHandle(request, self)
-            self._handles[request.id] = handle
-        if not self._send(("submit", request)):
-            self._end(request.id, "error", "the engine process stopped")
-            self._outbox.flush()
-        return handle
+            check_room(len(self._handles), len(requests), self.max_num_seqs, self.max_queue)
+            handles = []
+            for request in requests:
+                request = replace(request, id=next(self._ids))
+                handles.append(_RemoteHandle(request, self))
+                self._handles[request.id] = handles[-1]
+        for handle in handles:
+            if not self._send(("submit", handle.request)):
+                self._end(handle.request.id, "error", "the engine process stopped")
+        self._outbox.flush()
+        return handles
 
     def stats(self) -> SchedulerStats:
         return self._stats
@@ -203,7 +220,7 @@ class EngineProcess:
                 elif kind == "stats":
                     self._stats = message[1]
                 elif kind == "refused":
-                    self._end(message[1], "error", message[2])
+                    self._end(message[1], "error", message[2], refused=message[3])
                 elif kind == "bye":
                     break
                 self._outbox.flush()
@@ -220,12 +237,19 @@ class EngineProcess:
             )
         self._outbox.flush()
 
-    def _end(self, rid: int, reason: str, error: str | None) -> None:
+    def _end(self, rid: int, reason: str, error: str | None, refused: str | None = None) -> None:
         with self._lock:
             handle = self._handles.pop(rid, None)
         if handle is not None:
             prompt = len(handle.request.prompt)
-            handle._emit(Finished(reason, prompt, 0, 0, None, error=error))
+            handle._emit(Finished(reason, prompt, 0, 0, None, error=error, refused=refused))
+
+
+def refusal_kind(exc: Exception) -> str:
+    """What a refused submit maps to: "queue_full" (429), "closed" (503), "invalid" (400)."""
+    if isinstance(exc, QueueFull):
+        return "queue_full"
+    return "closed" if isinstance(exc, SchedulerClosed) else "invalid"
 
 
 def cpu_split(threads: int | None) -> tuple[list[int], list[int]] | None:
@@ -304,7 +328,7 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
             try:
                 handle = scheduler.submit(request)
             except (ValueError, QueueFull, SchedulerClosed) as exc:
-                send(("refused", request.id, str(exc)))
+                send(("refused", request.id, str(exc), refusal_kind(exc)))
             else:
                 with handles_lock:
                     if request.id in finished:

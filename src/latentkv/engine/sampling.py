@@ -1,10 +1,56 @@
-"""Sampling as pure functions of (logits, parameters, generator)."""
+"""Sampling as pure functions of (logits, parameters, generator).
+
+One validation (`check_sampling`) for every surface: the CLI's flags, the server's request
+fields and the scheduler's parameters all go through it, so nan, inf and negative values are
+refused alike, naming the parameter.
+
+`sample` is numerically safe for every value that passes: the logits are shifted so their
+maximum is 0 and divided by the temperature in float64, so any positive temperature, down to
+the smallest subnormal, gives finite weights in [0, 1] with the most likely token at exactly 1
+(a temperature far below the logits' gaps is greedy, ties shared); top-p compares float64
+cumulative mass with top_p, and the most likely token is always kept, so a top_p of 1e-300 is
+greedy rather than an empty distribution.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+class SamplingError(ValueError):
+    """An invalid sampling parameter; `param` names it (the server's `param`, the CLI's flag)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_sampling(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> None:
+    """SamplingError unless temperature is finite >= 0, top_p finite in (0, 1], top_k an int >= 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise SamplingError("temperature", f"temperature must be a number (got {temperature!r})")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise SamplingError("temperature", f"temperature must be a finite number >= 0 (got {temperature})")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+        raise SamplingError("top_p", f"top_p must be a number (got {top_p!r})")
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise SamplingError("top_p", f"top_p must be in (0, 1] (got {top_p})")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise SamplingError("top_k", f"top_k must be an integer >= 0 (got {top_k!r})")
+
+
+SEED_SPACE = 1 << 64  # what torch.Generator.manual_seed takes
+
+
+def check_seed(seed: int | None) -> None:
+    """SamplingError unless seed is None or an int in [0, 2**64)."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_SPACE:
+        raise SamplingError("seed", f"seed must be an integer in [0, 2**64) (got {seed!r})")
 
 
 @dataclass(frozen=True)
@@ -15,12 +61,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
+        check_sampling(self.temperature, self.top_p, self.top_k)
+        check_seed(self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -39,16 +81,29 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick the next token from logits [vocab]."""
     if params.greedy:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    return int(torch.multinomial(weights(logits, params), 1, generator=generator))
+
+
+def weights(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The unnormalised float32 distribution `sample` draws from (temperature, then top-k, then
+    top-p over what top-k kept); the most likely token always has weight 1."""
+    scores = logits.double()
+    scores = torch.where(scores.isnan(), -math.inf, scores)  # a nan logit is never drawn
+    top = scores.max()
+    if not torch.isfinite(top):  # +inf logits share the draw; all -inf: every token alike
+        return (scores == top).float() if top > 0 else torch.ones_like(scores, dtype=torch.float32)
+    shifted = (scores - top) / params.temperature  # in [-inf, 0], finite t > 0: no nan
+    probs = torch.exp(shifted)  # the maximum is exactly 1
     if params.top_k:
         kth = probs.topk(min(params.top_k, probs.shape[-1])).values[-1]
         probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
-        probs = probs / probs.sum()  # top_p then measures mass among the top-k, as other engines do
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = cumulative - sorted_probs >= params.top_p
-        sorted_probs[drop] = 0.0
+        mass = sorted_probs / sorted_probs.sum()  # top_p measures mass among what top-k kept
+        before = mass.cumsum(-1) - mass
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+        drop = before >= params.top_p
+        drop[0] = False
+        sorted_probs = torch.where(drop, torch.zeros_like(sorted_probs), sorted_probs)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return probs.float()

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import queue
 import re
 import threading
@@ -79,10 +78,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        sampling.check_sampling(self.temperature, self.top_p)
+        sampling.check_seed(self.seed)
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 (got {self.logprobs})")
 
@@ -117,6 +114,7 @@ class Finished:
     error: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    refused: str | None = None  # never admitted: "invalid" | "queue_full" | "closed" (400/429/503)
 
 
 class QueueFull(Exception):
@@ -149,6 +147,27 @@ def validate_request(request: Request, vocab: int, max_model_len: int, sessions:
             )
         if not sessions:
             raise ValueError("sessions need the scheduler's model_dir (the KV file records the weights)")
+
+
+def check_group_size(count: int, max_num_seqs: int, max_queue: int) -> None:
+    """ValueError when `count` sequences (one request's choices) can never be open at once."""
+    if count > max_num_seqs + max_queue:
+        raise ValueError(
+            f"the request needs {count} sequences (n x prompts) but the server holds at most "
+            f"{max_num_seqs + max_queue} ({max_num_seqs} running + {max_queue} waiting): lower n "
+            "or send fewer prompts"
+        )
+
+
+def check_room(open_now: int, count: int, max_num_seqs: int, max_queue: int) -> None:
+    """QueueFull unless `count` more sequences fit beside the `open_now` ones (running, being
+    admitted or waiting): max_num_seqs run and max_queue wait."""
+    if open_now + count > max_num_seqs + max_queue:
+        waiting = max(0, open_now - max_num_seqs)
+        raise QueueFull(
+            f"{open_now} sequences are open ({waiting} waiting, max_queue {max_queue}) and this "
+            f"request needs {count} more"
+        )
 
 
 def valid_session_name(name: str) -> bool:
@@ -346,6 +365,7 @@ class Scheduler:
         self._prompt_total = 0
         self._generation_total = 0
         self._kv_in_use = 0
+        self._open_count = 0  # submitted and not finished: waiting, being admitted or running
 
     @classmethod
     def for_server(cls, config, loaded, max_model_len: int, sink=None) -> Scheduler:
@@ -389,19 +409,27 @@ class Scheduler:
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request; never blocks. ValueError for an invalid request, QueueFull when the
         queue is full, SchedulerClosed after shutdown."""
-        self._validate(request)
-        handle = RequestHandle(request, self._cond, self._outbox)
-        seq = _Sequence(handle, request.params, list(request.prompt), generated=[])
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[RequestHandle]:
+        """Queue every request or none (a request's n choices); never blocks. The bound is on
+        open requests (running, being admitted or waiting): `capacity` = max_num_seqs +
+        max_queue. QueueFull when they do not fit now, ValueError when they never can."""
+        for request in requests:
+            self._validate(request)
+        check_group_size(len(requests), self.max_num_seqs, self.max_queue)
+        seqs = [
+            _Sequence(RequestHandle(r, self._cond, self._outbox), r.params, list(r.prompt), generated=[])
+            for r in requests
+        ]
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the scheduler is shut down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(
-                    f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})"
-                )
-            self._waiting.append(seq)
+            check_room(self._open_count, len(seqs), self.max_num_seqs, self.max_queue)
+            self._open_count += len(seqs)
+            self._waiting.extend(seqs)
             self._cond.notify_all()
-        return handle
+        return [seq.handle for seq in seqs]
 
     def stats(self) -> SchedulerStats:
         with self._cond:
@@ -632,6 +660,7 @@ class Scheduler:
         name = seq.handle.request.session
         with self._cond:
             self._busy_sessions.discard(name)
+            self._open_count -= 1
             self._cond.notify_all()
         seq.handle._emit(
             Finished(

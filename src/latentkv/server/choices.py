@@ -1,6 +1,6 @@
 """One request's choices: scheduler handles -> text pieces with their tokens, merged across choices.
 
-    runs = submit_all(scheduler, specs)                  # QueueFull -> 429, invalid -> 400
+    runs = submit_all(scheduler, specs)                  # all or none: QueueFull -> 429, invalid -> 400
     async for piece in merged(runs):                     # Piece(index, text, tokens, finish...)
         ...
 
@@ -111,26 +111,41 @@ def submit_all(scheduler, specs: list[Spec], tokenizer, stop_ids: frozenset[int]
     """Submit every choice, or none: a refusal cancels what was already submitted."""
     from latentkv.engine.scheduler import QueueFull, Request, SchedulerClosed
 
-    runs: list[ChoiceRun] = []
+    requests = [Request(spec.prompt, spec.params, session=spec.session) for spec in specs]
     try:
-        for spec in specs:
-            handle = scheduler.submit(Request(spec.prompt, spec.params, session=spec.session))
-            runs.append(ChoiceRun(spec, handle, tokenizer, stop_ids))
+        handles = scheduler.submit_all(requests)
     except QueueFull as exc:
-        cancel_all(runs)
-        raise APIError(
-            429,
-            f"the server is busy: {exc or 'the request queue is full'}; retry shortly",
-            code="queue_full",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        ) from None
+        raise queue_full(str(exc)) from None
     except SchedulerClosed:
-        cancel_all(runs)
-        raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"}) from None
+        raise closed() from None
     except ValueError as exc:
-        cancel_all(runs)
-        raise bad_request(str(exc)) from None
-    return runs
+        raise bad_request(str(exc), param="n" if "sequences (n x prompts)" in str(exc) else None) from None
+    return [ChoiceRun(spec, handle, tokenizer, stop_ids) for spec, handle in zip(specs, handles, strict=True)]
+
+
+def queue_full(message: str) -> APIError:
+    return APIError(
+        429,
+        f"the server is busy: {message or 'the request queue is full'}; retry shortly",
+        code="queue_full",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def closed() -> APIError:
+    return APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+
+
+def refusal_error(finished) -> APIError | None:
+    """The answer for a request the engine refused before running it (None: it was not refused)."""
+    refused = getattr(finished, "refused", None)
+    if refused == "queue_full":
+        return queue_full(finished.error or "")
+    if refused == "closed":
+        return closed()
+    if refused == "invalid":
+        return bad_request(finished.error or "invalid request")
+    return None
 
 
 def cancel_all(runs: list[ChoiceRun]) -> None:

@@ -91,7 +91,9 @@ def describe_validation(errors) -> tuple[str, str | None]:
     """The first validation error as one readable line, and the field it names (OpenAI's `param`)."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # A value's own check (e.g. invalid Unicode in one alternative of a union) says more than
+    # the other alternatives' type mismatches.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     raw_loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # A union field (prompt, content, stop) reports each alternative's type name in loc: drop them.
     loc = [part for part in raw_loc if not _is_type_name(part)]

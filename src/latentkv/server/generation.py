@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from latentkv.server import sse
-from latentkv.server.choices import ChoiceRun, Piece, Spec, cancel_all, merged
+from latentkv.server.choices import ChoiceRun, Piece, Spec, cancel_all, merged, refusal_error
 from latentkv.server.errors import APIError, bad_request, error_body
 from latentkv.server.protocol import PromptTokensDetails, Usage
 
@@ -109,7 +109,7 @@ def sampling_params(body, ready, max_tokens: int, choice: int, logprobs: int | N
             prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), param=getattr(exc, "param", None)) from None
 
 
 def stop_ids_of(body, ready) -> frozenset[int]:
@@ -169,6 +169,8 @@ async def _gather(runs: list[ChoiceRun]) -> list[ChoiceResult]:
     results = []
     for index, pieces in sorted(parts.items()):
         last = pieces[-1]
+        if (refused := refusal_error(last.finished)) is not None:
+            raise refused
         if last.error is not None or last.finish_reason == "error":
             raise APIError(
                 500, f"generation failed: {last.error or 'unknown error'}", code="generation_failed"
@@ -207,6 +209,10 @@ async def _events(runs, head, chunks, tail) -> AsyncIterator[str]:
         for chunk in head:
             yield sse.event(chunk)
         async for piece in merged(runs):
+            if (refused := refusal_error(piece.finished)) is not None:
+                yield sse.event(refused.body())
+                yield sse.DONE
+                return
             if piece.finish_reason == "error" or piece.error is not None:
                 message = f"generation failed: {piece.error or 'unknown error'}"
                 yield sse.event(error_body(message, "server_error", code="generation_failed"))

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_N = 16  # choices per prompt
 MAX_LOGPROBS = 20  # OpenAI's bound for logprobs / top_logprobs
@@ -20,6 +28,15 @@ MAX_STOP = 16  # stop strings per request
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value):
+        """Text must be valid Unicode: a lone surrogate ("\\ud800" in the JSON) is refused, 400
+        naming the field, on every request field (prompt, content, stop, session...)."""
+        if (problem := _unicode_problem_in(value)) is not None:
+            raise ValueError(f"not valid Unicode text: {problem}")
+        return value
 
 
 class StreamOptions(_Request):
@@ -72,6 +89,21 @@ class _Sampling(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def _unicode_problem_in(value) -> str | None:
+    """The first text in `value` (a str, or lists / dicts of them) that is not valid Unicode."""
+    from latentkv.tokenizer import is_valid_text, unicode_problem
+
+    if isinstance(value, str):
+        return None if is_valid_text(value) else unicode_problem(value, from_bytes=False)
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, list):
+        for item in value:
+            if (problem := _unicode_problem_in(item)) is not None:
+                return problem
+    return None
 
 
 Prompt = str | list[str] | list[StrictInt] | list[list[StrictInt]]
