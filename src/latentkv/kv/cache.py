@@ -30,7 +30,7 @@ and the logits that follow are not bit-identical to an uninterrupted run's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -49,15 +49,16 @@ class CacheLayout:
     kv_lora_rank: int
     index_layers: tuple[int, ...]  # layers with their own indexer key cache
     index_head_dim: int
+    device: str = field(default="cpu", compare=False)  # where the rows live (not part of the identity)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig) -> CacheLayout:
+    def for_model(cls, cfg: ModelConfig, device: str = "cpu") -> CacheLayout:
         index_layers: tuple[int, ...] = ()
         index_dim = 0
         if cfg.dsa is not None:
             index_layers = tuple(i for i, t in enumerate(cfg.dsa.indexer_types) if t == "full")
             index_dim = cfg.dsa.index_head_dim
-        return cls(cfg.num_layers, cfg.kv_row_width, cfg.kv_lora_rank, index_layers, index_dim)
+        return cls(cfg.num_layers, cfg.kv_row_width, cfg.kv_lora_rank, index_layers, index_dim, str(device))
 
 
 class _Buffer:
@@ -71,9 +72,11 @@ class _Buffer:
     # kind of tensor for the compiled step's guards. Writes happen in inference mode (a
     # compiled step is traced in it already and must not enter it again).
 
-    def __init__(self, width: int, dtype: torch.dtype = torch.float32, capacity: int = 64):
+    def __init__(
+        self, width: int, dtype: torch.dtype = torch.float32, capacity: int = 64, device: str = "cpu"
+    ):
         with torch.inference_mode():
-            self.data = _dynamic_rows(torch.empty(capacity, width, dtype=dtype))
+            self.data = _dynamic_rows(torch.empty(capacity, width, dtype=dtype, device=device))
         self.pool = None  # a `latentkv.kv.slots.SlotPool` whose slot `data` is, if any
 
     def bind(self, data: torch.Tensor, pool=None) -> None:
@@ -89,7 +92,10 @@ class _Buffer:
         if end > self.data.shape[0]:
             with torch.inference_mode():
                 grown = torch.empty(
-                    max(end, 2 * self.data.shape[0]), self.data.shape[1], dtype=self.data.dtype
+                    max(end, 2 * self.data.shape[0]),
+                    self.data.shape[1],
+                    dtype=self.data.dtype,
+                    device=self.data.device,
                 )
                 grown[:keep] = self.data[:keep]
             self.data = _dynamic_rows(grown)
@@ -261,7 +267,7 @@ class WindowedRows:
                 f"a cache with a recent window needs the positions of these {count} queries (its "
                 f"reader was made for the {self.query_count} tokens from position {self.query_start})"
             )
-        return torch.arange(self.query_start, self.query_start + count)
+        return torch.arange(self.query_start, self.query_start + count, device=self.recent.device)
 
     def _split(self, qpos: torch.Tensor) -> _Split:
         """Which rows the queries at positions qpos [S] read from the tier, which in float32."""
@@ -270,8 +276,8 @@ class WindowedRows:
             old_end = min(max(int(qpos.max()) - self.window + 1, 0), T)
             new_start = min(max(int(first_exact.min()), 0), T)
             old_cols, new_cols = slice(0, old_end), slice(new_start, T)
-            old, old_pos = self.packed.rows(0, old_end), torch.arange(old_end)
-            new_pos = torch.arange(new_start, T)
+            old, old_pos = self.packed.rows(0, old_end), torch.arange(old_end, device=qpos.device)
+            new_pos = torch.arange(new_start, T, device=qpos.device)
         else:  # DSA's selection, in its own order
             is_old = self.positions[None, :] < first_exact[:, None]  # [S, T]
             old_cols = is_old.any(dim=0).nonzero().squeeze(1)
@@ -363,7 +369,9 @@ class _SequenceCache:
     def __init__(self, layout: CacheLayout):
         self.layout = layout
         self.length = 0
-        self._index = {layer: _Buffer(layout.index_head_dim) for layer in layout.index_layers}
+        self._index = {
+            layer: _Buffer(layout.index_head_dim, device=layout.device) for layer in layout.index_layers
+        }
 
     def append_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Store indexer keys [S, D] for this pass; return all keys so far [T, D]."""
@@ -419,7 +427,7 @@ class LatentCache(_SequenceCache):
 
     def __init__(self, layout: CacheLayout):
         super().__init__(layout)
-        self._rows = [_Buffer(layout.row_width) for _ in range(layout.num_layers)]
+        self._rows = [_Buffer(layout.row_width, device=layout.device) for _ in range(layout.num_layers)]
 
     def _buffers_in_use(self) -> list[_Buffer]:
         return [*self._rows, *super()._buffers_in_use()]
@@ -483,11 +491,13 @@ class PackedLatentCache(_SequenceCache):
         self.codec_c, self.codec_r = codec_c, codec_r
         self.recent_window = recent_window
         # the exact rows of the last <= W committed tokens, per layer: positions length - len .. length - 1
-        self._recent = [torch.empty(0, layout.row_width) for _ in range(layout.num_layers)]
+        self._recent = [
+            torch.empty(0, layout.row_width, device=layout.device) for _ in range(layout.num_layers)
+        ]
         self._pending: list[torch.Tensor | None] = [None] * layout.num_layers  # held + this pass's rows
         self._buffers = [
             tuple(
-                _Buffer(width, dtype)
+                _Buffer(width, dtype, device=layout.device)
                 for width, dtype in (
                     (codec_c.code_bytes, torch.uint8),
                     (codec_c.scale_count, torch.float32),
