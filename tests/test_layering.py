@@ -6,14 +6,15 @@ top-level module or package of latentkv; docs/architecture.md draws them):
 
     0  __init__ (version), errors, config        what everything may use
     1  tokenizer, chat_template                  text in and out; no model
-    2  kv                                        codecs, caches, the KV file
-    3  models                                    weights -> forward passes over caches
-    4  runtime                                   load a model + tokenizer for running
-    5  engine                                    generation, sampling, the scheduler, its process
-    6  eval, server                              leaves that use the engine (siblings: neither imports the other)
-    7  commands                                  the CLI's subcommands (serve starts the server)
-    8  cli                                       argparse -> commands
-    9  __main__                                  `python -m latentkv`
+    2  kv, weights                               KV codecs, caches, the KV file; weight formats (Linear)
+    3  attention, experts                        attention backends over kv; expert stores over weights
+    4  models                                    a forward pass over a Batch, through the seams above
+    5  runtime                                   load a model + tokenizer for running
+    6  engine                                    generation, sampling, the scheduler, its process
+    7  eval, server                              leaves that use the engine (siblings: neither imports the other)
+    8  commands                                  the CLI's subcommands (serve starts the server)
+    9  cli                                       argparse -> commands
+    10 __main__                                  `python -m latentkv`
 
 A unit may import its own modules and units of lower layers, never a unit of its own layer or
 above. Circles are checked between units and between modules (a package's `__init__` is the
@@ -35,7 +36,8 @@ SRC = Path(latentkv.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "errors", "config"),
     ("tokenizer", "chat_template"),
-    ("kv",),
+    ("kv", "weights"),
+    ("attention", "experts"),
     ("models",),
     ("runtime",),
     ("engine",),
@@ -45,15 +47,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("__main__",),
 ]
 LAYER = {unit: level for level, units in enumerate(LAYERS) for unit in units}
-
-# Module circles that exist today and are being removed elsewhere; each entry must still be a
-# circle (a stale entry fails), so the list only shrinks.
-KNOWN_MODULE_CIRCLES: list[frozenset[str]] = [
-    # Model.forward and the batched/compiled paths call each other; the one-forward work of the
-    # runtime issue (branch i14) removes it.
-    frozenset({"latentkv.models." + m for m in ("batch", "compiled", "model", "prefill")}),
-]
-
 
 def module_name(root: Path, path: Path) -> str:
     parts = [root.name, *path.relative_to(root).with_suffix("").parts]
@@ -202,10 +195,7 @@ def test_no_circle_between_units(src):
 
 
 def test_no_circle_between_modules(src):
-    found = circles(module_edges(src))
-    stale = [c for c in KNOWN_MODULE_CIRCLES if c not in found]
-    assert not stale, f"fixed circles still listed in KNOWN_MODULE_CIRCLES: {stale}"
-    assert [sorted(c) for c in found if c not in KNOWN_MODULE_CIRCLES] == []
+    assert [sorted(c) for c in circles(module_edges(src))] == []
 
 
 # --- the checker itself, on a made-up package ------------------------------------------------
