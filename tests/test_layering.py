@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 LAYER = {unit: level for level, units in enumerate(LAYERS) for unit in units}
 
+
 def module_name(root: Path, path: Path) -> str:
     parts = [root.name, *path.relative_to(root).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

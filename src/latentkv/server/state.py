@@ -16,10 +16,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from latentkv.config import ServerConfig
 from latentkv.errors import user_message
 from latentkv.server.metrics import Registry, Throughput
+
+if TYPE_CHECKING:
+    from latentkv.config import ModelConfig
+    from latentkv.engine.client import EngineClient
+    from latentkv.engine.scheduler import Scheduler
+    from latentkv.server.prompts import ChatRenderer
+    from latentkv.tokenizer import Tokenizer
 
 log = logging.getLogger("latentkv.server")
 
@@ -28,13 +36,13 @@ log = logging.getLogger("latentkv.server")
 class Ready:
     """Everything a request needs once loading is done."""
 
-    cfg: object  # latentkv.config.ModelConfig
-    tokenizer: object | None  # latentkv.tokenizer.Tokenizer
+    cfg: ModelConfig
+    tokenizer: Tokenizer | None  # None: the model folder has no tokenizer.json (token ids only)
     directory: Path
-    scheduler: object  # latentkv.engine.scheduler.Scheduler, or remote.EngineProcess (same interface)
+    scheduler: EngineClient  # engine.scheduler.Scheduler here, or engine.remote.EngineProcess
     max_model_len: int
     stop_ids: tuple[int, ...]  # the model's end-of-sequence ids
-    chat: object  # latentkv.server.prompts.ChatRenderer
+    chat: ChatRenderer
     created: int  # unix time the model came up (for /v1/models)
 
 
@@ -118,7 +126,7 @@ def load(config: ServerConfig) -> Ready:
     )
 
 
-def _local_scheduler(config: ServerConfig, max_model_len: int):
+def _local_scheduler(config: ServerConfig, max_model_len: int) -> Scheduler:
     """The weights and the scheduler's worker thread in this process (`--no-engine-process`)."""
     from latentkv.engine.scheduler import Scheduler
     from latentkv.runtime import load as load_model
