@@ -467,7 +467,7 @@ def test_a_disconnected_json_request_is_cancelled(server):
 
 def test_a_failure_after_the_stream_started_is_an_error_event_then_done(server, ref, tiny_dir):
     """A session file held by another process fails the request inside the worker, after the
-    stream's first chunk went out."""
+    stream's first chunk went out: an in-band 409-shaped error (a JSON request gets the 409)."""
     from types import SimpleNamespace
 
     from latentkv.commands.session import Conversation
@@ -483,7 +483,8 @@ def test_a_failure_after_the_stream_started_is_an_error_event_then_done(server, 
             events = [e for e in response.read().decode().split("\n\n") if e]
         assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         error = json.loads(events[-2][6:])["error"]
-        assert "in use by another process" in error["message"] and error["type"] == "server_error"
+        assert "in use by another process" in error["message"] and error["type"] == "conflict_error"
+        assert error["code"] == "session_busy"
         assert events[-1] == "data: [DONE]"
         with pytest.raises(openai.APIError, match="in use by another process"):
             list(
@@ -495,7 +496,7 @@ def test_a_failure_after_the_stream_started_is_an_error_event_then_done(server, 
                 )
             )
         with server.http() as http:
-            failed = error_of(http.post("/v1/completions", json={"prompt": "x", "session": "held"}), 500)
-        assert failed["code"] == "generation_failed"
+            failed = error_of(http.post("/v1/completions", json={"prompt": "x", "session": "held"}), 409)
+        assert failed["code"] == "session_busy"
     finally:
         held.close()

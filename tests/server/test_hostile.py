@@ -104,3 +104,106 @@ def test_detokenize_of_a_partial_character_answers_valid_text(server):
     response.content.decode("utf-8")  # the raw body is valid UTF-8
     assert "\\ud" not in response.text.lower()  # and no escaped surrogate inside the JSON
     assert _post(server, "/v1/completions", json={"prompt": "caf\u00e9", "max_tokens": 1}).status_code == 200
+
+
+# --- class 8: the contract: strict types, a truthful OpenAPI document, 413, 409 -------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": [5], "max_tokens": "5"}, "max_tokens"),
+        ("/v1/completions", {"prompt": [5], "max_tokens": True}, "max_tokens"),
+        ("/v1/completions", {"prompt": [5], "max_tokens": 2.0}, "max_tokens"),
+        ("/v1/completions", {"prompt": [5], "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": [5], "n": "2"}, "n"),
+        ("/v1/completions", {"prompt": [5], "temperature": "0.5"}, "temperature"),
+        ("/v1/completions", {"prompt": [5], "temperature": False}, "temperature"),
+        ("/v1/completions", {"prompt": [5], "echo": 1}, "echo"),
+        ("/v1/completions", {"prompt": [5], "logprobs": True}, "logprobs"),
+        ("/v1/completions", {"prompt": [5], "seed": "1"}, "seed"),
+        ("/v1/completions", {"prompt": [5], "stop_token_ids": [True]}, "stop_token_ids.0"),
+        ("/v1/completions", {"prompt": [5], "ignore_eos": "false"}, "ignore_eos"),
+        (
+            "/v1/completions",
+            {"prompt": [5], "stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"},
+            "logprobs",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+        ("/detokenize", {"tokens": ["5"]}, "tokens.0"),
+    ],
+)
+def test_wrong_json_types_are_400_naming_the_field_never_coerced(server, path, body, param):
+    error = error_of(_post(server, path, json=body), 400)
+    assert error["param"] == param, error
+
+
+def test_integers_are_still_numbers_where_floats_are_expected(server):
+    body = {"prompt": [5], "max_tokens": 1, "temperature": 0, "top_p": 1}
+    assert _post(server, "/v1/completions", json=body).status_code == 200
+
+
+def test_the_openapi_document_lists_the_errors_actually_sent_and_no_422(server):
+    with server.http() as http:
+        doc = http.get("/openapi.json").json()
+    assert '"422"' not in json.dumps(doc)
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    error = doc["components"]["schemas"]["ErrorResponse"]
+    assert error["properties"]["error"]["required"] == ["message", "type", "param", "code"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "409", "413", "429", "500", "503"} <= set(responses)
+        assert "Retry-After" in responses["429"]["headers"]
+    for path in ("/tokenize", "/detokenize"):
+        assert {"400", "401", "413", "503"} <= set(doc["paths"][path]["post"]["responses"])
+
+
+def test_a_body_over_the_limit_is_413_declared_or_chunked(server):
+    from latentkv.server.app import MAX_BODY_BYTES
+
+    big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    headers = {"content-type": "application/json"}
+    error = error_of(_post(server, "/v1/completions", content=big, headers=headers), 413)
+    assert error["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the server counts as it reads
+        for i in range(0, len(big), 1 << 20):
+            yield big[i : i + (1 << 20)]
+
+    assert _post(server, "/tokenize", content=chunks(), headers=headers).status_code == 413
+    assert _post(server, "/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
+
+
+def test_a_session_locked_by_another_process_is_409_and_is_left_alone(server):
+    import fcntl
+
+    server.kv_dir.mkdir(parents=True, exist_ok=True)
+    held = server.kv_dir / "held.kv"
+    held.write_bytes(b"not even a KV file")
+    body = {"prompt": [5, 6], "max_tokens": 1, "session": "held"}
+    with open(held, "rb+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # as a `latentkv chat --session held` would hold it
+        error = error_of(_post(server, "/v1/completions", json=body), 409)
+        assert error["code"] == "session_busy" and error["param"] == "session"
+        streamed = _post(server, "/v1/completions", json=body | {"stream": True})
+        assert streamed.status_code == 200 and '"session_busy"' in streamed.text  # in-band, then [DONE]
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+    assert held.read_bytes() == b"not even a KV file"
+    assert (
+        _post(server, "/v1/completions", json=body).status_code == 200
+    )  # free now: refused file moved aside
+
+
+def test_a_session_path_that_is_a_directory_is_409_and_stays(server):
+    (server.kv_dir / "adir.kv").mkdir(parents=True)
+    (server.kv_dir / "adir.kv" / "keep").write_text("mine")
+    body = {"prompt": [5, 6], "max_tokens": 1, "session": "adir"}
+    error = error_of(_post(server, "/v1/completions", json=body), 409)
+    assert error["code"] == "session_unavailable" and "directory" in error["message"]
+    assert (server.kv_dir / "adir.kv" / "keep").read_text() == "mine"

@@ -74,6 +74,8 @@ class Conversation:
             session, cache = files.open(name)
         except sessions.SessionBusy:
             raise UserError(f"session {name!r} is in use by another latentkv process ({path})") from None
+        except sessions.SessionUnavailable as exc:
+            raise UserError(str(exc)) from None
         except (KVFileError, OSError, ValueError) as exc:
             raise UserError(f"session {name!r}: {exc}") from None
         return cls(name, session, cache, time.perf_counter() - t0)

@@ -46,7 +46,8 @@ class Finished:
     error: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    refused: str | None = None  # never admitted: "invalid" | "queue_full" | "closed" (400/429/503)
+    # never run: "invalid" | "queue_full" | "closed" | "session" (the server's 400/429/503/409)
+    refused: str | None = None
 
 
 class QueueFull(Exception):

@@ -40,7 +40,8 @@ with (`cached_tokens`: not prefilled again), and saves the cache's rows when it 
 when cancelled; not after an error), so a finished turn survives a crash or restart. Two
 requests on one session never run together: the later one waits in the queue (requests behind
 it are admitted meanwhile) and then resumes what the earlier one saved. A file held by another
-process finishes the request with "error". prompt_logprobs needs every prompt position's logits,
+process finishes the request with "error" and `refused` "session" (so does a session path that is a
+directory or not readable): the server answers 409. prompt_logprobs needs every prompt position's logits,
 so such a request prefills its whole prompt (cached_tokens 0) and still saves the session.
 
 Errors inside the worker finish the request that raised with reason "error" (a failing batched
@@ -289,6 +290,9 @@ class Scheduler:
         request with reason "error" (and returns None)."""
         try:
             return step(seq, *args)
+        except sessions.SessionUnavailable as exc:  # not a failure of the model: the client is told 409
+            self._finish(seq, "error", str(exc), refused="session")
+            return None
         except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             traceback.print_exc()
@@ -402,7 +406,9 @@ class Scheduler:
         else:
             seq.pending = token
 
-    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(
+        self, seq: _Sequence, reason: str, error: str | None = None, refused: str | None = None
+    ) -> None:
         """The request leaves: save its session (unless it failed), free its slot, tell the client."""
         if seq.finished:
             return
@@ -428,6 +434,7 @@ class Scheduler:
                 error=error,
                 prefill_seconds=seq.prefill_seconds,
                 decode_seconds=seq.decode_seconds,
+                refused=refused,
             )
         )
 

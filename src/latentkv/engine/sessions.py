@@ -29,7 +29,12 @@ NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SUFFIX = ".kv"
 
 
-class SessionBusy(RuntimeError):
+class SessionUnavailable(RuntimeError):
+    """The session's file is held by another process, or its path is not a regular file we may
+    open (the server answers 409); the request never ran."""
+
+
+class SessionBusy(SessionUnavailable):
     """Another process has the session's file open for writing."""
 
 
@@ -90,15 +95,22 @@ class SessionFiles:
 
     def open(self, name: str) -> tuple[Session, object]:
         """Resume session `name` (or start it): the file and a cache holding its tokens.
-        SessionBusy when another process writes it; ValueError for a bad name or folder."""
-        from latentkv.kv.store_header import KVFileBusy
+        SessionBusy when another process writes it, SessionUnavailable when its folder or file
+        cannot be opened; ValueError for a bad name."""
+        from latentkv.kv.store_header import KVFileBusy, KVFileUnavailable
         from latentkv.kv.store_session import Session
 
-        path = self.path(name)
+        check_session_name(name)
+        try:
+            path = self.path(name)
+        except ValueError as exc:  # the folder cannot be made, or is a file
+            raise SessionUnavailable(f"session {name!r} cannot be opened: {exc}") from None
         try:
             return Session.resume(path, self.header(), self.cache_config)
         except KVFileBusy:
             raise SessionBusy(f"session {name!r} is in use by another process") from None
+        except (KVFileUnavailable, OSError) as exc:
+            raise SessionUnavailable(f"session {name!r} cannot be opened: {exc}") from None
 
 
 def resume(session: Session, cache, prompt: list[int], reuse: bool = True) -> list[int]:

@@ -25,6 +25,7 @@ import hashlib
 import math
 import os
 import secrets
+import stat
 import struct
 import sys
 from dataclasses import dataclass, field, replace
@@ -32,7 +33,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from latentkv import version
-from latentkv.kv.store_header import CHECK_BYTES, KVFileBusy, KVFileError, KVHeader, RecordLayout
+from latentkv.kv.store_header import (
+    CHECK_BYTES,
+    KVFileBusy,
+    KVFileError,
+    KVFileUnavailable,
+    KVHeader,
+    RecordLayout,
+)
 
 try:
     import fcntl
@@ -138,7 +146,7 @@ class RecordFile:
         """Open an existing file; KVFileError if its header or both commit slots are unreadable."""
         _require_little_endian()
         path = Path(path)
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        fd = open_regular(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             if writable:
                 _lock(fd, path)
@@ -440,6 +448,35 @@ def payload_problem(layout: RecordLayout, vocab: int, index: int, payload: bytes
         if not math.isfinite(math.fsum(scales)) or min(scales) < 0:
             return f"record {index} holds a scale that is negative or not finite"
     return None
+
+
+def open_regular(path: Path, flags: int) -> int:
+    """os.open for a regular file only: a directory, FIFO, socket or device is refused from its
+    stat before any open (a FIFO would block a reader), the open itself never blocks
+    (O_NONBLOCK, no effect on regular files), and what it opened is checked again. Errors other
+    than a missing file are KVFileUnavailable with one line saying why."""
+    try:
+        _require_regular(path, os.stat(path).st_mode)
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, KVFileUnavailable):
+        raise
+    except OSError as exc:
+        raise KVFileUnavailable(f"{path}: cannot open it: {exc.strerror or exc}") from None
+    try:
+        _require_regular(path, os.fstat(fd).st_mode)  # replaced between the stat and the open
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _require_regular(path: Path, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")]
+    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    raise KVFileUnavailable(f"{path} is {kind}, not a KV file (regular files only)")
 
 
 def move_aside(path: str | Path) -> Path:

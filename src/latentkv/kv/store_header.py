@@ -41,6 +41,11 @@ class KVFileBusy(KVFileError):
     """Another process holds the file open for writing: nothing is wrong with the file itself."""
 
 
+class KVFileUnavailable(KVFileError):
+    """The path is not a regular file we may open (a directory, FIFO, device; permission denied).
+    Nothing was read from it, and it is not a damaged KV file: never move it aside."""
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """Everything about the model that decides what a record means."""

@@ -10,7 +10,8 @@
 `resume` never fails on a bad file: a file from another model or tier, or one whose header is
 damaged, is moved aside (never deleted) and the conversation starts over; `notes` say what
 happened, in lines fit for the user. A file that another process has open for writing is
-not bad: `resume` raises KVFileBusy and leaves it alone.
+not bad: `resume` raises KVFileBusy and leaves it alone; a path that is not a regular file we
+may open (a directory, a FIFO, permission denied) raises KVFileUnavailable, also left alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from latentkv.kv.cache import make_cache
 from latentkv.kv.store import Cache, KVFile, KVMismatch, layout_of, rewrite
 from latentkv.kv.store_compat import REENCODE
 from latentkv.kv.store_file import move_aside
-from latentkv.kv.store_header import KVFileBusy, KVFileError, KVHeader
+from latentkv.kv.store_header import KVFileBusy, KVFileError, KVFileUnavailable, KVHeader
 
 
 class Session:
@@ -45,7 +46,7 @@ class Session:
             return cls(path, KVFile.create(path, current), current, [], []), make_cache(layout, cache_config)
         try:
             file = KVFile.open(path, writable=True)
-        except KVFileBusy:
+        except (KVFileBusy, KVFileUnavailable):  # nothing wrong with a KV file: leave it alone
             raise
         except KVFileError as exc:
             return cls._start_over(path, current, layout, cache_config, f"the KV file cannot be read: {exc}")

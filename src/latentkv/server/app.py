@@ -23,7 +23,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
 from latentkv import version
-from latentkv.server import errors
+from latentkv.server import errors, openapi
 from latentkv.server.chat import create_chat_completion
 from latentkv.server.completions import create_completion
 from latentkv.server.errors import APIError, bad_request
@@ -51,6 +51,7 @@ ROUTES = (
     "/tokenizer_info",
 )
 LOADING_RETRY_S = 5
+MAX_BODY_BYTES = 32 << 20  # a larger request body is 413 (read no further)
 SAMPLE_EVERY_S = 1.0
 
 
@@ -68,6 +69,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="latentkv", version=version(), lifespan=lifespan)
     app.state.latentkv = state
     errors.install(app)
+    openapi.install(app)
     app.add_middleware(Gate, state=state)
     served = state.config.served_model_name
 
@@ -207,6 +209,10 @@ class Gate:
             if self.key is not None and path not in OPEN_PATHS and not self._authorized(scope):
                 await _send_json(counted, _unauthorized(scope))
                 return
+            receive = await _bounded_body(scope, receive)
+            if receive is None:
+                await _send_json(counted, _too_large())
+                return
             await self.app(scope, receive, counted)
         finally:
             self.state.registry.count(route, status)
@@ -225,6 +231,41 @@ def _unauthorized(scope) -> APIError:
         "invalid API key" if has_header else "missing API key: send the header 'Authorization: Bearer KEY'"
     )
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _too_large() -> APIError:
+    return APIError(
+        413,
+        f"the request body is over {MAX_BODY_BYTES >> 20} MiB",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+async def _bounded_body(scope, receive):
+    """The body read whole (at most MAX_BODY_BYTES, else None: 413) and a receive that replays
+    it, then hands over to the connection's own (for disconnects)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY_BYTES:
+            return None
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left: the app sees that next
+            pending = [message]
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > MAX_BODY_BYTES:
+            return None
+        more = message.get("more_body", False)
+    else:
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 async def _send_json(send, error: APIError) -> None:

@@ -147,6 +147,14 @@ def refusal_error(finished) -> APIError | None:
         return queue_full(finished.error or "")
     if refused == "closed":
         return closed()
+    if refused == "session":
+        busy = "in use by another process" in (finished.error or "")
+        return APIError(
+            409,
+            finished.error or "the session is unavailable",
+            param="session",
+            code="session_busy" if busy else "session_unavailable",
+        )
     if refused == "invalid":
         return bad_request(finished.error or "invalid request")
     return None

@@ -20,6 +20,8 @@ TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -117,7 +119,10 @@ UNION_FIELDS = {
 
 
 def _is_type_name(part: str) -> bool:
-    return part.startswith(("list[", "str", "int", "function-", "constrained-")) or part in (
+    # exact names, not prefixes: "stream" and "stream_options" are fields, "str" a type
+    return part.startswith(("list[", "function-", "constrained-")) or part in (
+        "str",
+        "int",
         "TextPart",
         "StrictInt",
     )

@@ -27,7 +27,9 @@ MAX_STOP = 16  # stop strings per request
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON types as documented, never coerced ("max_tokens": "5" or true, "stream": "yes"
+    # are 400 naming the field); an integer is still a number where a float is expected
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @field_validator("*", mode="after")
     @classmethod
