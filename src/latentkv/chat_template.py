@@ -106,11 +106,10 @@ def _raise(message: str):
 
 def special_tokens(directory: Path) -> dict[str, str]:
     """bos_token, eos_token, ... from tokenizer_config.json, as the templates expect them."""
-    path = directory / "tokenizer_config.json"
-    try:
-        raw = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        return {}
+    from latentkv.config import read_json_object
+
+    path = Path(directory) / "tokenizer_config.json"
+    raw = read_json_object(path) if path.exists() else {}  # ConfigError names a broken one
     out = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = raw.get(key)

@@ -53,7 +53,24 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not _explained(exc):
+            raise
+        print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _explained(exc: Exception) -> bool:
+    """Errors whose message already says what is wrong with a file the user gave (a model
+    folder's JSON, its tokenizer, a KV file): one line, exit 2, as a UserError."""
+    from latentkv.config import ConfigError
+    from latentkv.kv.store_header import KVFileError
+    from latentkv.tokenizer import TokenizerError
+
+    return isinstance(exc, (ConfigError, TokenizerError, KVFileError))
 
 
 if __name__ == "__main__":
+    # `python -m latentkv.cli`: UserError lives in latentkv.errors, so the class main catches is
+    # the one the commands raise even when this file runs as __main__
     sys.exit(main())

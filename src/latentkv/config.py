@@ -104,6 +104,9 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 yield f"{name} must be positive (got {getattr(self, name)})"
+            elif getattr(self, name) > (MAX_VOCAB if name == "vocab_size" else MAX_DIM):
+                yield f"{name} {getattr(self, name)} is beyond any real model: the config is damaged"
+        yield from self._more_problems()
         if self.qk_rope_head_dim % 2:
             yield f"qk_rope_head_dim must be even for RoPE (got {self.qk_rope_head_dim})"
         if len(self.mlp_layer_types) != self.num_layers:
@@ -134,6 +137,39 @@ class ModelConfig:
             if d.index_topk <= 0:
                 yield f"index_topk must be positive (got {d.index_topk})"
 
+    def _more_problems(self):
+        """Sizes and relations the model's code relies on (beyond the positive dimensions)."""
+        if not 0 < self.max_position_embeddings <= MAX_CONTEXT:
+            yield f"max_position_embeddings must be in 1..{MAX_CONTEXT} (got {self.max_position_embeddings})"
+        if not self.rms_norm_eps > 0:
+            yield f"rms_norm_eps must be positive (got {self.rms_norm_eps})"
+        if self.q_lora_rank is not None and not 0 < self.q_lora_rank <= MAX_DIM:
+            yield f"q_lora_rank must be positive (got {self.q_lora_rank})"
+        if "dense" in self.mlp_layer_types and not 0 < self.intermediate_size <= MAX_DIM:
+            yield f"dense layers need intermediate_size in 1..{MAX_DIM} (got {self.intermediate_size})"
+        if self.n_shared_experts < 0 or self.num_mtp_layers < 0:
+            yield "n_shared_experts and num_nextn_predict_layers must be >= 0"
+        if "sparse" in self.mlp_layer_types:
+            if self.n_routed_experts > MAX_EXPERTS or self.moe_intermediate_size > MAX_DIM:
+                yield f"n_routed_experts ({self.n_routed_experts}) or moe_intermediate_size is beyond any model"
+            if self.n_group < 1:
+                yield f"n_group must be positive (got {self.n_group})"
+            elif self.n_routed_experts % self.n_group == 0 and 0 < self.topk_group <= self.n_group:
+                reachable = self.topk_group * (self.n_routed_experts // self.n_group)
+                if self.num_experts_per_tok > reachable:
+                    yield (
+                        f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the {reachable} experts "
+                        f"of topk_group ({self.topk_group}) groups"
+                    )
+        for name, ids in (("eos_token_id", self.eos_token_ids), ("bos_token_id", (self.bos_token_id,))):
+            if bad := [i for i in ids if i is not None and not 0 <= i < self.vocab_size]:
+                yield f"{name} {bad[:3]} outside the vocabulary of {self.vocab_size}"
+        if self.dsa is not None:
+            d = self.dsa
+            for name in ("index_head_dim", "index_n_heads"):
+                if not 0 < getattr(d, name) <= MAX_DIM:
+                    yield f"{name} must be positive (got {getattr(d, name)})"
+
     # --- derived sizes -------------------------------------------------------------------
     @property
     def qk_head_dim(self) -> int:
@@ -155,137 +191,245 @@ class ModelConfig:
     # --- construction --------------------------------------------------------------------
     @classmethod
     def from_hf(cls, source: str | Path | dict[str, Any]) -> ModelConfig:
-        """Read a transformers config.json (a path, a model directory, or the parsed dict)."""
+        """Read a transformers config.json (a path, a model directory, or the parsed dict).
+        ConfigError, one line naming the file and the field, for anything it cannot use."""
         if isinstance(source, dict):
-            raw = source
+            where, raw = "config.json", source
         else:
             path = Path(source)
-            if path.is_dir():
+            if path.is_dir() and path.name != "config.json":
                 path = path / "config.json"
-            try:
-                raw = json.loads(path.read_text())
-            except FileNotFoundError:
-                raise ConfigError(f"no config.json at {path}") from None
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        return _from_hf_dict(raw)
+            where, raw = str(path), read_json_object(path)
+        try:
+            return _from_hf_dict(_Raw(raw))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
 
-def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from a regular UTF-8 file; ConfigError (one line naming it) otherwise."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"no {path.name} at {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise ConfigError(f"{path} is {kind}; it must be a JSON file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}: 0x{data[exc.start]:02x})") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is not usable JSON: nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {_json_kind(raw)}")
+    return raw
+
+
+def _json_kind(value: Any) -> str:
+    kinds = [(bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string")]
+    kinds += [(list, "a list"), (dict, "an object")]
+    return next((name for t, name in kinds if isinstance(value, t)), "null")
+
+
+# Bounds no real checkpoint comes near (DeepSeek-V3: hidden 7168, 256 experts, 61 layers, 128K
+# context); past them a config is damaged, and believing it would allocate without end.
+MAX_DIM = 1 << 20
+MAX_VOCAB = 1 << 24
+MAX_LAYERS = 4096
+MAX_EXPERTS = 1 << 16
+MAX_CONTEXT = 1 << 26
+
+
+class _Raw:
+    """config.json's object, read field by field: a wrong type is a ConfigError naming the field
+    (never a bool taken as 1, a float truncated, a string parsed)."""
+
+    def __init__(self, raw: dict[str, Any]):
+        self.raw = raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.raw.get(key)
+        return default if value is None else value
+
+    def int(self, key: str, default: int | None = None, *, source: dict | None = None) -> int:
+        value = (self.raw if source is None else source).get(key)
+        if value is None:
+            if default is None:
+                raise ConfigError(f"lacks {key!r}")
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer (got {value!r:.60})")
+        return value
+
+    def float(self, key: str, default: float, *, source: dict | None = None) -> float:
+        import math
+
+        value = (self.raw if source is None else source).get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number (got {value!r:.60})")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false (got {value!r:.60})")
+        return value
+
+    def object(self, key: str) -> dict[str, Any]:
+        value = self.raw.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be an object (got {_json_kind(value)})")
+        return value
+
+    def names(self, key: str, value: Any) -> list[str]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} must be a list of strings (got {value!r:.60})")
+        return value
+
+    def ids(self, key: str) -> tuple[int, ...]:
+        value = self.raw.get(key)
+        items = value if isinstance(value, list) else ([] if value is None else [value])
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+            raise ConfigError(f"{key} must be a token id or a list of them (got {value!r:.60})")
+        return tuple(items)
+
+
+def _from_hf_dict(raw: _Raw) -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type not in FAMILIES:
-        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise ConfigError(
+            f"unsupported model_type {model_type!r:.60}; supported: {', '.join(sorted(FAMILIES))}"
+        )
     family = FAMILIES[model_type]
     if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
-    n_layers = int(_need(raw, "num_hidden_layers"))
+        raise ConfigError(f"hidden_act {raw.get('hidden_act')!r:.60} is not supported (only 'silu')")
+    n_layers = raw.int("num_hidden_layers")
+    if not 0 < n_layers <= MAX_LAYERS:
+        raise ConfigError(f"num_hidden_layers must be in 1..{MAX_LAYERS} (got {n_layers})")
 
     mlp_types = raw.get("mlp_layer_types")
     if mlp_types is None:
         # deepseek_v3 / kimi: first_k_dense_replace dense layers, then MoE (with moe_layer_freq 1);
         # glm4_moe_lite defaults to one dense layer.
         default_dense = 1 if model_type == "glm4_moe_lite" else 3
-        n_dense = min(int(raw.get("first_k_dense_replace", default_dense) or 0), n_layers)
-        freq = int(raw.get("moe_layer_freq", 1) or 1)
+        n_dense = min(max(raw.int("first_k_dense_replace", default_dense), 0), n_layers)
+        freq = max(raw.int("moe_layer_freq", 1), 1)
         mlp_types = ["sparse" if (i >= n_dense and i % freq == 0) else "dense" for i in range(n_layers)]
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    raw.names("mlp_layer_types", mlp_types)
 
     dsa = None
     if family in ("glm5", "dsv32"):
         dsa = DsaConfig(
-            index_topk=int(raw.get("index_topk", 2048)),
-            index_head_dim=int(raw.get("index_head_dim", 128)),
-            index_n_heads=int(raw.get("index_n_heads", 64 if family == "dsv32" else 32)),
+            index_topk=raw.int("index_topk", 2048),
+            index_head_dim=raw.int("index_head_dim", 128),
+            index_n_heads=raw.int("index_n_heads", 64 if family == "dsv32" else 32),
             indexer_types=tuple(_indexer_types(raw, n_layers, family)),
             rope_interleave=family == "glm5",
         )
-    q_lora = raw.get("q_lora_rank")
+    q_lora = raw.int("q_lora_rank", 0)
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(_need(raw, "vocab_size")),
-        hidden_size=int(_need(raw, "hidden_size")),
-        intermediate_size=int(raw.get("intermediate_size", 0) or 0),
-        moe_intermediate_size=int(raw.get("moe_intermediate_size", 0) or 0),
+        vocab_size=raw.int("vocab_size"),
+        hidden_size=raw.int("hidden_size"),
+        intermediate_size=raw.int("intermediate_size", 0),
+        moe_intermediate_size=raw.int("moe_intermediate_size", 0),
         num_layers=n_layers,
-        num_heads=int(_need(raw, "num_attention_heads")),
-        q_lora_rank=int(q_lora) if q_lora else None,
-        kv_lora_rank=int(_need(raw, "kv_lora_rank")),
-        qk_nope_head_dim=int(_need(raw, "qk_nope_head_dim")),
-        qk_rope_head_dim=int(_need(raw, "qk_rope_head_dim")),
-        v_head_dim=int(_need(raw, "v_head_dim")),
-        n_routed_experts=int(raw.get("n_routed_experts") or raw.get("num_experts") or 0),
-        n_shared_experts=int(raw.get("n_shared_experts") or 0),
-        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
-        n_group=int(raw.get("n_group") or 1),
-        topk_group=int(raw.get("topk_group") or 1),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        num_heads=raw.int("num_attention_heads"),
+        q_lora_rank=q_lora or None,
+        kv_lora_rank=raw.int("kv_lora_rank"),
+        qk_nope_head_dim=raw.int("qk_nope_head_dim"),
+        qk_rope_head_dim=raw.int("qk_rope_head_dim"),
+        v_head_dim=raw.int("v_head_dim"),
+        n_routed_experts=raw.int("n_routed_experts", 0) or raw.int("num_experts", 0),
+        n_shared_experts=raw.int("n_shared_experts", 0),
+        num_experts_per_tok=raw.int("num_experts_per_tok", 0),
+        n_group=raw.int("n_group", 0) or 1,
+        topk_group=raw.int("topk_group", 0) or 1,
+        norm_topk_prob=raw.bool("norm_topk_prob", True),
+        routed_scaling_factor=raw.float("routed_scaling_factor", 1.0),
         mlp_layer_types=tuple(mlp_types),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        rms_norm_eps=raw.float("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.int("max_position_embeddings", 4096),
         rope=_rope(raw),
-        rope_interleave=bool(raw.get("rope_interleave", True)),
-        attention_bias=bool(raw.get("attention_bias", False)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        rope_interleave=raw.bool("rope_interleave", True),
+        attention_bias=raw.bool("attention_bias", False),
+        tie_word_embeddings=raw.bool("tie_word_embeddings", False),
+        bos_token_id=(raw.ids("bos_token_id") or (None,))[0],
+        eos_token_ids=raw.ids("eos_token_id"),
         dsa=dsa,
-        num_mtp_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0),
+        num_mtp_layers=raw.int("num_nextn_predict_layers", raw.int("num_mtp_layers", 0)),
     )
 
 
-def _need(raw: dict[str, Any], key: str) -> Any:
-    if raw.get(key) is None:
-        raise ConfigError(f"config.json lacks {key!r}")
-    return raw[key]
-
-
-def _indexer_types(raw: dict[str, Any], n_layers: int, family: str) -> list[str]:
+def _indexer_types(raw: _Raw, n_layers: int, family: str) -> list[str]:
     """Per-layer indexer mode, read the way transformers derives it."""
     if raw.get("indexer_types") is not None:
-        return list(raw["indexer_types"])
+        return list(raw.names("indexer_types", raw.get("indexer_types")))
     if family == "dsv32":
         return ["full"] * n_layers
     pattern = raw.get("index_topk_pattern")
     if pattern is not None:
         if isinstance(pattern, str):
+            if bad := set(pattern) - {"F", "S"}:
+                raise ConfigError(f"index_topk_pattern has letters other than F and S: {sorted(bad)}")
             return [{"F": "full", "S": "shared"}[c] for c in pattern]
-        return list(pattern)
-    freq = max(int(raw.get("index_topk_freq", 1) or 1), 1)
-    offset = int(raw.get("index_skip_topk_offset", 2))
+        return list(raw.names("index_topk_pattern", pattern))
+    freq = max(raw.int("index_topk_freq", 1), 1)
+    offset = raw.int("index_skip_topk_offset", 2)
     return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n_layers)]
 
 
-def _rope(raw: dict[str, Any]) -> RopeConfig:
+def _rope(raw: _Raw) -> RopeConfig:
     """RoPE parameters from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (older)."""
-    params = dict(raw.get("rope_parameters") or {})
-    legacy = raw.get("rope_scaling") or {}
-    for key, value in legacy.items():
+    params = dict(raw.object("rope_parameters"))
+    for key, value in raw.object("rope_scaling").items():
         params.setdefault(key, value)
     kind = params.get("rope_type") or params.get("type") or "default"
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = raw.float("rope_theta", raw.float("rope_theta", 10000.0), source=params)
+    if not theta > 0:
+        raise ConfigError(f"rope_theta must be positive (got {theta})")
     if kind == "default":
         return RopeConfig(theta=theta)
     if kind != "yarn":
-        raise ConfigError(f"rope type {kind!r} is not supported (supported: default, yarn)")
-    original = params.get("original_max_position_embeddings")
-    factor = params.get("factor")
-    if factor is None:
-        if not original:
+        raise ConfigError(f"rope type {kind!r:.60} is not supported (supported: default, yarn)")
+    original = raw.int("original_max_position_embeddings", 0, source=params)
+    factor = raw.float("factor", 0.0, source=params)
+    if not factor:
+        if original <= 0:
             raise ConfigError("yarn RoPE needs 'factor' or 'original_max_position_embeddings'")
-        factor = raw["max_position_embeddings"] / original
+        factor = raw.int("max_position_embeddings", 4096) / original
+    optional = {}
+    for key in ("mscale", "mscale_all_dim", "attention_factor"):
+        if params.get(key) is not None:
+            optional[key] = raw.float(key, 0.0, source=params)
     return RopeConfig(
         theta=theta,
         kind="yarn",
-        factor=float(factor),
-        original_max_position_embeddings=int(original or raw.get("max_position_embeddings", 4096)),
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        attention_factor=params.get("attention_factor"),
-        truncate=bool(params.get("truncate", True)),
+        factor=factor,
+        original_max_position_embeddings=original or raw.int("max_position_embeddings", 4096),
+        beta_fast=raw.float("beta_fast", 0.0, source=params) or 32.0,
+        beta_slow=raw.float("beta_slow", 0.0, source=params) or 1.0,
+        truncate=params.get("truncate", True) is not False,
+        **optional,
     )
 
 
@@ -390,8 +534,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"unknown weight dtype {self.weight_dtype!r}; choose from {WEIGHT_DTYPES}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1 (got {self.threads})")
+        if self.threads is not None:
+            check_threads(self.threads)
 
 
 @dataclass(frozen=True)
@@ -431,10 +575,30 @@ def env_api_key() -> str | None:
     return os.environ.get("LATENTKV_API_KEY") or None
 
 
+def max_threads() -> int:
+    """The most torch threads we start: 4 per CPU, at most 1024 (far more only crashes torch)."""
+    return min(1024, 4 * (os.cpu_count() or 1))
+
+
+def check_threads(threads: int) -> int:
+    """`threads` if it is in 1..max_threads(), else ConfigError (one line naming the flag)."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= max_threads():
+        raise ConfigError(
+            f"--threads (or LATENTKV_THREADS) must be in 1..{max_threads()}: at most 4 per CPU "
+            f"(this machine has {os.cpu_count() or 1}) and 1024 (got {threads})"
+        )
+    return threads
+
+
 def env_threads() -> int | None:
     """LATENTKV_THREADS, an alias of --threads."""
     value = os.environ.get("LATENTKV_THREADS")
-    return int(value) if value else None
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"LATENTKV_THREADS must be an integer (got {value!r:.40})") from None
 
 
 def cache_root() -> Path:

@@ -10,7 +10,6 @@ store the model's latent rows is refused from config.json alone, before any weig
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -84,12 +83,11 @@ def load(model_arg: str, engine: EngineConfig, quiet: bool = False) -> Loaded:
 
 def stop_ids(cfg: ModelConfig, directory: str | Path) -> tuple[int, ...]:
     """The model's end-of-sequence ids, with generation_config.json's (chat models list several)."""
+    from latentkv.config import read_json_object
+
     ids = list(cfg.eos_token_ids)
     path = Path(directory) / "generation_config.json"
-    try:
-        extra = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
-    except (OSError, ValueError):
-        extra = None
+    extra = read_json_object(path).get("eos_token_id") if path.exists() else None  # ConfigError if broken
     for value in extra if isinstance(extra, list) else [extra]:
         if isinstance(value, int) and value not in ids:
             ids.append(value)

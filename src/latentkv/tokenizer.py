@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -42,7 +41,13 @@ class Tokenizer:
             path = path / "tokenizer.json"
         if not path.exists():
             raise TokenizerError(f"no tokenizer.json at {path}; pass token ids instead (--prompt-ids)")
-        self._tok = _HFTokenizer.from_file(str(path))
+        if not path.is_file():
+            raise TokenizerError(f"{path} is not a regular file")
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own kinds
+            detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise TokenizerError(f"{path} is not a usable tokenizer.json: {detail}") from None
         self.chat_template = _chat_template(path.parent)
 
     @classmethod
@@ -133,14 +138,25 @@ class Detokenizer:
 
 
 def _chat_template(directory: Path) -> str | None:
+    """chat_template.jinja, else tokenizer_config.json's chat_template; TokenizerError (naming
+    the file) for one that is not a UTF-8 regular file or not a JSON object."""
+    from latentkv.config import ConfigError, read_json_object
+
     jinja = directory / "chat_template.jinja"
-    if jinja.exists():
-        return jinja.read_text()
-    config = directory / "tokenizer_config.json"
-    if config.exists():
-        template = json.loads(config.read_text()).get("chat_template")
-        if isinstance(template, str):
-            return template
+    try:
+        if jinja.exists():
+            if not jinja.is_file():
+                raise TokenizerError(f"{jinja} is not a regular file")
+            return jinja.read_bytes().decode("utf-8")
+        config = directory / "tokenizer_config.json"
+        if config.exists():
+            template = read_json_object(config).get("chat_template")
+            if isinstance(template, str):
+                return template
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"{jinja} is not UTF-8 text (byte {exc.start})") from None
+    except (ConfigError, OSError) as exc:
+        raise TokenizerError(str(exc)) from None
     return None
 
 

@@ -290,3 +290,80 @@ def test_move_aside_keeps_the_file_and_never_overwrites(tmp_path):
     second = move_aside(path)  # same second: a new name, the first one kept
     assert second != first and second.read_bytes() == b"second" and first.read_bytes() == b"first"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])
+
+
+# --- the refusal names every differing parameter and the exact flags that resume the file ------
+
+
+def _config_from_flags(flags: str) -> CacheConfig:
+    """What a run with exactly these flags (and no others) uses, through the CLI's own parser."""
+    import argparse
+
+    from latentkv.commands.common import add_cache_arguments, cache_config
+
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    return cache_config(parser.parse_args(flags.split()))
+
+
+@pytest.mark.parametrize(
+    ("file_kw", "current_kw", "named"),
+    [
+        # the issue's examples: a flag the user passed must be undone by the note
+        (
+            {"tier": "tq4"},
+            {"tier": "tq4", "rotation_seed": 7},
+            ["rotation seed: file 0x9e3779b9, current 0x7"],
+        ),
+        ({"tier": "fp8"}, {"tier": "fp8", "group_size": 8}, ["group size: file none, current 8"]),
+        (
+            {"tier": "fp8", "group_size": 8},
+            {"tier": "fp8", "group_size": 16},
+            ["group size: file 8, current 16"],
+        ),
+        ({"tier": "fp8", "group_size": 8}, {"tier": "fp8"}, ["group size: file 8, current none"]),
+        (
+            {"tier": "tq4", "rotation_seed": 1},
+            {"tier": "tq4"},
+            ["rotation seed: file 0x1, current 0x9e3779b9"],
+        ),
+        (
+            {"tier": "tq4", "rotation_seed": 1},
+            {"tier": "tq3", "rotation_seed": 7},
+            ["tier: file tq4, current tq3", "rotation seed: file 0x1, current 0x7"],
+        ),
+        (
+            {"tier": "tq4", "group_size": 8},
+            {"tier": "polar4", "rotation_seed": 5},
+            ["tier: file tq4, current polar4", "rotation seed: file 0x9e3779b9, current 0x5"],
+        ),
+        ({"tier": "tq4-r8", "group_size": 8}, {"tier": "tq4-r8"}, ["group size: file 8, current none"]),
+        (
+            {"tier": "tq4-r8"},
+            {"tier": "tq4-r8", "rotation_seed": 3},
+            ["rotation seed: file 0x9e3779b9, current 0x3"],
+        ),
+        ({"tier": "polar3"}, {"tier": "polar3", "group_size": 8, "rotation_seed": 2}, None),
+        ({"tier": "tq2"}, {"tier": "fp8", "group_size": 8}, ["tier: file tq2, current fp8"]),
+    ],
+)
+def test_the_refusal_names_every_difference_and_flags_that_resume_the_file(file_kw, current_kw, named):
+    """The flags in the note, given alone to the CLI's parser, rebuild the file's codec exactly."""
+    file_tier, current_tier = file_kw.pop("tier"), current_kw.pop("tier")
+    file, current = header(file_tier, **file_kw), header(current_tier, **current_kw)
+    verdict = compare(file, current)
+    assert verdict.action == REFUSE
+    if named is not None:
+        assert list(verdict.differences) == named
+    else:  # two knobs changed at once: both named
+        assert {d.split(":")[0] for d in verdict.differences} == {"rotation seed", "group size"}
+    for difference in verdict.differences:  # each side of each difference is in the message
+        label = difference.split(":")[0]
+        assert label in verdict.message or label == "tier", verdict.message
+    flags = verdict.resume_flags
+    assert f"pass {flags}" in verdict.message
+    config = _config_from_flags(flags)
+    assert codec_spec(LAYOUT, config) == file.codec, (flags, verdict.message)
+    assert compare(file, KVHeader(MODEL, codec_spec(LAYOUT, config), file.layers)).action == SAME
+    if "group_size" in current_kw and "group_size" not in file_kw and file_tier == current_tier:
+        assert "(without --kv-group-size)" in verdict.message

@@ -117,8 +117,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from latentkv.commands.common import cache_config
     from latentkv.kv.store import inspect
 
-    if not args.file.exists():
-        raise UserError(f"no such file: {args.file}")
+    _check_readable(args.file)
     config = cache_config(args)
     info = inspect(args.file)
     if "error" not in info:
@@ -128,6 +127,22 @@ def _run_inspect(args: argparse.Namespace) -> int:
     else:
         print(inspect_text(info))
     return 0 if info["verifies"] else 1
+
+
+def _check_readable(path: Path) -> None:
+    """UserError (one line, exit 2) unless `path` is a regular file we may read: a FIFO, a
+    directory or a device is refused from its stat, never opened for a blocking read."""
+    import os
+
+    from latentkv.kv.store_file import open_regular
+    from latentkv.kv.store_header import KVFileUnavailable
+
+    try:
+        os.close(open_regular(path, os.O_RDONLY))
+    except FileNotFoundError:
+        raise UserError(f"no such file: {path}") from None
+    except KVFileUnavailable as exc:
+        raise UserError(str(exc)) from None
 
 
 def _loads_here(path: Path, model: str | None, config) -> dict:

@@ -32,11 +32,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from latentkv.commands.common import cache_configs
-    from latentkv.config import CacheConfig
+    from latentkv.config import CacheConfig, check_threads
     from latentkv.eval import oracle
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(check_threads(args.threads))  # a ConfigError is one line (cli.main)
     names = args.model or list(oracle.SPECS)
     if unknown := [n for n in names if n not in oracle.SPECS]:
         raise UserError(f"unknown oracle model(s) {unknown}; available: {', '.join(oracle.SPECS)}")

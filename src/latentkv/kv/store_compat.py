@@ -60,7 +60,7 @@ def compare_codec(file: CodecSpec, current: CodecSpec) -> Verdict:
     """The codec half of `compare` (what `kv inspect` can say without loading a model)."""
     if file == current:
         return Verdict(SAME, f"the KV file matches the current tier ({describe(file)})")
-    flags = resume_flags(file)
+    flags = resume_flags(file, current)
     if file.revision != current.revision:
         diff = f"codec byte format revision: file {file.revision}, current {current.revision}"
         return Verdict(REFUSE, f"the KV file was written by a latentkv with another {diff}", (diff,), "")
@@ -73,11 +73,16 @@ def compare_codec(file: CodecSpec, current: CodecSpec) -> Verdict:
             flags,
         )
     wider = "a quantized file is never widened; " if _row_bytes(current) > _row_bytes(file) else ""
-    shown = describe(current) if current.tier == file.tier else current.tier
+    flags = resume_flags(file, current)
+    drop = _knob(file, "group_size") is None and _knob(current, "group_size") is not None
+    how = f"{flags} (without --kv-group-size)" if drop else flags
+    differences = tuple(codec_differences(file, current))
+    # the current tier's knobs are shown when they are part of what differs
+    shown = current.tier if differences == (f"tier: file {file.tier}, current {current.tier}",) else None
     return Verdict(
         REFUSE,
-        f"file is {describe(file)}, current is {shown}: {wider}pass {flags} to resume it",
-        tuple(codec_differences(file, current)),
+        f"file is {describe(file)}, current is {shown or describe(current)}: {wider}pass {how} to resume it",
+        differences,
         flags,
     )
 
@@ -95,12 +100,15 @@ def model_differences(file: ModelFingerprint, current: ModelFingerprint) -> list
 
 
 def codec_differences(file: CodecSpec, current: CodecSpec) -> list[str]:
+    """Every parameter that differs: the tier, and each knob (rotation seed, group size) that
+    both tiers have (or that one tier has in two settings)."""
     out = []
     if file.tier != current.tier:
         out.append(f"tier: file {file.tier}, current {current.tier}")
-    for key, label in (("rotation_seed", "rotation seed"), ("group_size", "group size")):
-        a, b = file.c.params.get(key), current.c.params.get(key)
-        if a != b and file.tier == current.tier:
+    for key, label in KNOBS:
+        a, b = _knob(file, key), _knob(current, key)
+        both = _has_knob(file, key) and _has_knob(current, key)
+        if a != b and (both or file.tier == current.tier):
             out.append(f"{label}: file {_param(key, a)}, current {_param(key, b)}")
     if not out:  # same tier and knobs, yet different: params or sizes from another codec version
         for part in ("c", "r"):
@@ -108,6 +116,22 @@ def codec_differences(file: CodecSpec, current: CodecSpec) -> list[str]:
             if a != b:
                 out.append(f"codec.{part}: file {_part(a)}, current {_part(b)}")
     return out
+
+
+KNOBS = (("rotation_seed", "rotation seed"), ("group_size", "group size"))  # their flags: FLAGS
+FLAGS = {"rotation_seed": "--kv-seed", "group_size": "--kv-group-size"}
+
+
+def _has_knob(spec: CodecSpec, key: str) -> bool:
+    return key in spec.c.params or key in spec.r.params
+
+
+def _knob(spec: CodecSpec, key: str) -> Any:
+    """A codec knob's value: the latent part's, else the rope part's (mixed tiers), else None."""
+    for part in (spec.c, spec.r):
+        if part.params.get(key) is not None:
+            return part.params[key]
+    return None
 
 
 def describe(spec: CodecSpec) -> str:
@@ -123,24 +147,26 @@ def describe(spec: CodecSpec) -> str:
     return spec.tier
 
 
-def resume_flags(spec: CodecSpec) -> str:
-    """The CLI flags whose cache writes exactly this codec."""
+def resume_flags(spec: CodecSpec, current: CodecSpec | None = None) -> str:
+    """The CLI flags whose cache writes exactly this codec. The default rotation seed needs no
+    flag, unless `current` (what the run's flags give) has another seed: then it is named."""
     flags = [f"--kv-cache-dtype {spec.tier}"]
-    seed = spec.c.params.get("rotation_seed")
-    if seed is not None and seed != DEFAULT_ROTATION_SEED:
+    seed = _knob(spec, "rotation_seed")
+    other_seed = current is not None and _knob(current, "rotation_seed") not in (None, seed)
+    if seed is not None and (seed != DEFAULT_ROTATION_SEED or other_seed):
         flags.append(f"--kv-seed {_param('rotation_seed', seed)}")
-    if spec.c.params.get("group_size") is not None:
-        flags.append(f"--kv-group-size {spec.c.params['group_size']}")
+    if (group := _knob(spec, "group_size")) is not None:
+        flags.append(f"--kv-group-size {group}")
     return " ".join(flags)
 
 
 def cache_config_for(spec: CodecSpec) -> CacheConfig:
     """The CacheConfig that resumes a file as it is (what `resume_flags` says, as config)."""
-    seed = spec.c.params.get("rotation_seed")
+    seed = _knob(spec, "rotation_seed")
     return CacheConfig(
         kv_cache_dtype=spec.tier,
         rotation_seed=DEFAULT_ROTATION_SEED if seed is None else seed,
-        group_size=spec.c.params.get("group_size"),
+        group_size=_knob(spec, "group_size"),
     )
 
 

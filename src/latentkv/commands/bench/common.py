@@ -37,13 +37,14 @@ def tiers(text: str) -> list[str]:
 def set_threads(threads: int | None) -> None:
     import torch
 
-    from latentkv.config import env_threads
+    from latentkv.config import ConfigError, check_threads, env_threads
 
-    threads = threads if threads is not None else env_threads()
-    if threads is not None:
-        if threads < 1:
-            raise UserError(f"--threads must be >= 1 (got {threads})")
-        torch.set_num_threads(threads)
+    try:
+        threads = threads if threads is not None else env_threads()
+        if threads is not None:
+            torch.set_num_threads(check_threads(threads))
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
 
 
 def progress(text: str, quiet: bool) -> None:
