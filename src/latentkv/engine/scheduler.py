@@ -74,7 +74,6 @@ from latentkv.engine.request import (
     validate_request,
 )
 from latentkv.engine.sampling import SamplingParams, sample
-from latentkv.kv.cache import LatentCache
 from latentkv.kv.slots import SlotPool
 
 
@@ -138,7 +137,7 @@ class Scheduler:
         per_token = probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
         self._capacity = per_token * self.max_model_len * max_num_seqs
         # float32 caches of running sequences live side by side (one write per layer and step)
-        self._pool = SlotPool(probe.layout, max_num_seqs) if type(probe) is LatentCache else None
+        self._pool = SlotPool(probe.layout, max_num_seqs) if probe.tier.poolable else None
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []

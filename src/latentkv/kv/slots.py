@@ -53,7 +53,7 @@ class SlotPool:
     def place(self, cache: LatentCache) -> bool:
         """Move a float32 cache's rows into a free slot; False (cache untouched) when the cache
         is of another tier, there is no free slot, or its rows would not fit under max_bytes."""
-        if type(cache) is not LatentCache or cache.layout != self.layout or id(cache) in self._slot:
+        if not cache.tier.poolable or cache.layout != self.layout or id(cache) in self._slot:
             return False
         if self._evicted or None not in self._owner:
             return False

@@ -34,7 +34,7 @@ import torch
 
 from latentkv.attention import AttentionBackend, backend_for
 from latentkv.attention import base as attention_base
-from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, RowReader
+from latentkv.kv.cache import CacheLayout, RowReader, SequenceCache
 from latentkv.kv.slots import SlotPool
 from latentkv.models.layers import Rope, RotaryTables
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from latentkv.models.indexer import Indexer
     from latentkv.models.mla import MLA
 
-Cache = LatentCache | PackedLatentCache
+Cache = SequenceCache
 
 
 @dataclass
@@ -205,15 +205,13 @@ class _OwnBuffers:
         readers: list[RowReader | None] = [None] * len(self.caches)
         for members in self.groups:
             group = [self.caches[b] for b in members]
-            if len(group) > 1 and isinstance(group[0], PackedLatentCache):
-                part = (
-                    rows
-                    if len(members) == len(self.caches)
-                    else rows[torch.tensor(members, device=rows.device)]
-                )
-                got = PackedLatentCache.append_each(group, layer, part)
+            if len(members) == len(self.caches):
+                part = rows
+            elif len(members) == 1:
+                part = rows[members[0] : members[0] + 1]
             else:
-                got = [cache.append(layer, rows[b : b + 1]) for b, cache in zip(members, group, strict=True)]
+                part = rows[torch.tensor(members, device=rows.device)]
+            got = group[0].append_each(group, layer, part)  # packed caches encode a group in one call
             for b, reader in zip(members, got, strict=True):
                 readers[b] = reader
         return readers
@@ -290,10 +288,10 @@ def pool_slots(
 
 
 def _tier_groups(caches: Sequence[Cache]) -> list[list[int]]:
-    """Indices of the caches stored alike (same class and codec parameters), in batch order."""
+    """Indices of the caches stored alike (one tier key), in batch order."""
     groups: dict[tuple, list[int]] = {}
     for b, cache in enumerate(caches):
-        groups.setdefault((type(cache).__name__, repr(cache.codec_params())), []).append(b)
+        groups.setdefault(cache.tier.key, []).append(b)
     return list(groups.values())
 
 

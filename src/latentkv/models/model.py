@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, make_cache
+from latentkv.kv.cache import CacheLayout, SequenceCache, make_cache
 from latentkv.kv.slots import SlotPool
 from latentkv.models import batch as batches
 from latentkv.models.batch import Batch, check_batch
@@ -28,7 +28,7 @@ from latentkv.models.mla import MLA
 from latentkv.models.moe import MoE
 from latentkv.weights.base import Linear
 
-Cache = LatentCache | PackedLatentCache
+Cache = SequenceCache
 
 
 @dataclass
