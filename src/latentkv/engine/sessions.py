@@ -63,10 +63,8 @@ def session_path(name: str, kv_dir: Path | None) -> Path:
     directory = Path(kv_dir) if kv_dir is not None else sessions_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
+    except OSError as exc:  # a file in its place included
         raise ValueError(f"cannot create the session folder {directory}: {exc}") from None
-    if not directory.is_dir():
-        raise ValueError(f"the session folder {directory} exists and is not a folder")
     return directory / f"{name}{SUFFIX}"
 
 
