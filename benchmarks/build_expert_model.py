@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from latentkv.experts.bench_model import bench_config, build_bench_model
+from latentkv.streaming.bench_model import bench_config, build_bench_model
 
 
 def main(argv: list[str] | None = None) -> int:

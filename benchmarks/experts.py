@@ -87,9 +87,9 @@ def run_child(args: argparse.Namespace) -> int:
     import torch
 
     from latentkv.config import CacheConfig
-    from latentkv.experts.attach import ensure_store, load_streamed
     from latentkv.experts.streamed import StreamConfig
     from latentkv.models.registry import resolve
+    from latentkv.streaming.attach import ensure_store, load_streamed
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,8 +150,8 @@ def run_child(args: argparse.Namespace) -> int:
 
 def _plan(args, tier: str, context: int, ram: int | None):
     from latentkv.config import CacheConfig, ModelConfig
-    from latentkv.experts.planner import make_plan
     from latentkv.models.registry import resolve
+    from latentkv.streaming.planner import make_plan
 
     directory = resolve(args.model)
     cfg = ModelConfig.from_hf(directory)
@@ -212,9 +212,9 @@ def table(rows: list[dict], disk: dict) -> str:
 
 def run_parent(args: argparse.Namespace) -> int:
     from latentkv.experts import memlimit
-    from latentkv.experts.attach import ensure_store
     from latentkv.experts.store_file import read_manifest
     from latentkv.models.registry import resolve
+    from latentkv.streaming.attach import ensure_store
 
     if not args.no_limit and (why := memlimit.unavailable()):
         print(

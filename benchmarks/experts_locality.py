@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from latentkv.experts.attach import StreamedMoE, moe_layers
 from latentkv.experts.cache import POLICIES, ExpertCache
 from latentkv.models.registry import resolve
 from latentkv.models.weights import load_model
+from latentkv.streaming.attach import StreamedMoE, moe_layers
 from latentkv.tokenizer import Tokenizer
 
 Trace = list[dict[int, tuple[set[int], set[int] | None]]]  # per pass: layer -> (asked, predicted)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from latentkv.commands.common import load
 from latentkv.config import EngineConfig
 from latentkv.eval.bench.common import random_prompt
+from latentkv.runtime import load
 
 
 def _fresh(model, b: int) -> list:

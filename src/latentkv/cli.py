@@ -6,6 +6,9 @@ import argparse
 import importlib
 import sys
 
+from latentkv import version
+from latentkv.errors import UserError
+
 COMMANDS = {
     "demo": ("latentkv.commands.demo", "run the bundled model end to end"),
     "generate": ("latentkv.commands.generate", "generate text from a prompt"),
@@ -35,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="latentkv",
         description="Run MLA mixture-of-experts models (GLM-5, DeepSeek-V3) with a compressed latent KV cache.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -79,22 +82,7 @@ def _explained(exc: Exception) -> bool:
     return isinstance(exc, (ConfigError, TokenizerError, KVFileError))
 
 
-class UserError(Exception):
-    """An error the user can fix; printed without a traceback."""
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("latentkv")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 if __name__ == "__main__":
-    # `python -m latentkv.cli`: run the imported module's main, so the commands' UserError (from
-    # latentkv.cli) is the class main catches, not a second copy defined in __main__
-    from latentkv.cli import main as _main
-
-    sys.exit(_main())
+    # `python -m latentkv.cli`: UserError lives in latentkv.errors, so the class main catches is
+    # the one the commands raise even when this file runs as __main__
+    sys.exit(main())

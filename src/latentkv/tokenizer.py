@@ -72,28 +72,69 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
 
-class StreamDecoder:
-    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences."""
+REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
 
-    def __init__(self, tokenizer: Tokenizer):
+
+class Detokenizer:
+    """Text deltas of a growing id sequence, at a cost per token that does not grow with the output.
+
+        detok = Detokenizer(tokenizer)
+        for token in ...:
+            text = detok.push(token)     # "" while held back
+        text = detok.flush()             # what is still held back, at the end
+
+    Each step decodes a short window, ids[prefix:], never the whole output: ids[prefix:read]
+    were released by the previous delta and stay as context (a decoder's output for a token may
+    depend on its neighbours), ids[read:] are new, and the delta is what the new ids add. Text
+    is held back while it ends in U+FFFD: a multi-byte character may still be arriving. When
+    more than MAX_HELD ids are held (invalid bytes), the text up to the latest id boundary that
+    later ids cannot change is released: a boundary where decoding the two sides apart gives
+    what decoding them together does, with text on both sides (skipped special tokens decode
+    to nothing and cannot tell). So the window stays under 2 * (MAX_HELD + 1) ids plus any run
+    of special tokens that follows an incomplete character, and for byte-level tokenizers the
+    deltas add up to `tokenizer.decode(ids)` whatever the ids.
+    """
+
+    MAX_HELD = 4  # a UTF-8 character is at most 4 bytes, so at most 4 tokens
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix = 0  # start of the window
+        self.read = 0  # ids before this were released
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a multi-byte character still arriving
-            return ""
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
+        before = self._decode(self.prefix, self.read)
+        after = self._decode(self.prefix, len(self.ids))
+        if len(after) >= len(before) and not after.endswith(REPLACEMENT):
+            return self._release(before, after, len(self.ids))
+        if len(self.ids) - self.read > self.MAX_HELD:
+            return self._release_settled(before, after)
+        return ""
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
+        """Everything still held back (an incomplete character comes out as U+FFFD)."""
+        before = self._decode(self.prefix, self.read)
+        after = self._decode(self.prefix, len(self.ids))
+        return self._release(before, after, len(self.ids))
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def _release(self, before: str, window: str, end: int) -> str:
+        """Release the window's text past `before`; ids up to `end` are done."""
+        self.prefix, self.read = self.read, end
+        return window[len(before) :] if len(window) > len(before) else ""
+
+    def _release_settled(self, before: str, after: str) -> str:
+        """The text up to the latest boundary that later ids cannot change (see the class)."""
+        for split in range(len(self.ids) - 1, self.read, -1):
+            head, tail = self._decode(self.prefix, split), self._decode(split, len(self.ids))
+            if tail and head + tail == after:
+                return self._release(before, head, split)
+        return ""
 
 
 def _chat_template(directory: Path) -> str | None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from latentkv.chat_template import ChatTemplateError, PlainFormat, TemplateFormat
 from latentkv.cli import main
-from latentkv.commands.chat import ChatTemplateError, PlainFormat, TemplateFormat
 from latentkv.kv.store import KVFile
 from latentkv.models.registry import BUILTIN_DIR
 

@@ -224,13 +224,10 @@ def test_the_shared_check_names_the_parameter(kwargs, param):
     with pytest.raises(SamplingError) as info:
         check_sampling(**kwargs)
     assert info.value.param == param
-    with pytest.raises(SamplingError):  # the engine's params and the scheduler's use the same check
+    with pytest.raises(SamplingError):  # generate's params and the scheduler's requests are one class
         SamplingParams(**kwargs)
-    from latentkv.engine.scheduler import SamplingParams as RequestParams
-
-    if "top_k" not in kwargs:
-        with pytest.raises(SamplingError):
-            RequestParams(max_tokens=1, **kwargs)
+    with pytest.raises(SamplingError):
+        SamplingParams(max_tokens=1, **kwargs)
 
 
 @pytest.mark.parametrize("seed", [-1, 2**64, True])

@@ -14,16 +14,10 @@ import torch
 from latentkv.config import CacheConfig
 from latentkv.engine import sampling
 from latentkv.engine.generate import generate
-from latentkv.engine.scheduler import (
-    Finished,
-    QueueFull,
-    Request,
-    SamplingParams,
-    Scheduler,
-    SchedulerClosed,
-    TokenEvent,
-    valid_session_name,
-)
+from latentkv.engine.request import Finished, QueueFull, Request, SchedulerClosed, TokenEvent
+from latentkv.engine.sampling import SamplingParams
+from latentkv.engine.scheduler import Scheduler
+from latentkv.engine.sessions import valid_session_name
 
 
 def _prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
@@ -94,11 +88,17 @@ def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(ours, make):
     alone = make()
     assert _collect(alone.submit(Request(prompt, seeded)))[0] == expected
     busy = make(max_num_seqs=8)
-    others = [busy.submit(Request(_prompt(5, seed=200 + i), SamplingParams(max_tokens=10))) for i in range(7)]
+    others = [
+        busy.submit(Request(_prompt(5, seed=200 + i), SamplingParams(max_tokens=10, temperature=1.0)))
+        for i in range(7)
+    ]
     assert _collect(busy.submit(Request(prompt, seeded)))[0] == expected
     for h in others:
         _collect(h)
-    unseeded = [_collect(busy.submit(Request(prompt, SamplingParams(max_tokens=12))))[0] for _ in range(2)]
+    unseeded = [
+        _collect(busy.submit(Request(prompt, SamplingParams(max_tokens=12, temperature=1.0))))[0]
+        for _ in range(2)
+    ]
     assert unseeded[0] != unseeded[1]  # no seed: fresh randomness (12 tokens from 254 alike is ~impossible)
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from latentkv.experts.bench_model import bench_config, random_expert
 from latentkv.experts.reader import ExpertReader
 from latentkv.experts.streamed import ExpertStreamer, StreamConfig
 from latentkv.models.loader import Checkpoint
+from latentkv.streaming.bench_model import bench_config, random_expert
 
 SMALL = {
     "hidden_size": 64,

@@ -36,7 +36,7 @@ def test_bad_ram_budgets_exit_2(capsys, monkeypatch, tmp_path):
 
 
 def test_metrics_report_expert_streaming():
-    from latentkv.engine.scheduler import SchedulerStats
+    from latentkv.engine.request import SchedulerStats
     from latentkv.server.metrics import Registry, render
 
     snapshot = {

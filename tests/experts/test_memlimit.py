@@ -14,7 +14,7 @@ import torch
 
 from latentkv.experts import memlimit
 from latentkv.experts.base import Expert
-from latentkv.experts.convert import write_store
+from latentkv.streaming.convert import write_store
 from latentkv.weights.base import make_linear
 
 CHILD = Path(__file__).with_name("memlimit_child.py")
@@ -81,7 +81,7 @@ def test_the_planner_default_sees_the_cgroup_limit(tmp_path):
         pytest.skip(reason)
     script = tmp_path / "avail.py"
     script.write_text(
-        "from latentkv.experts.planner import available_memory\nprint(*available_memory(), sep='|')\n"
+        "from latentkv.streaming.planner import available_memory\nprint(*available_memory(), sep='|')\n"
     )
     run = memlimit.run_limited([sys.executable, str(script)], 3 << 30, timeout=300)
     assert run.returncode == 0, run.stderr[-1000:]

@@ -9,8 +9,8 @@ import pytest
 
 from latentkv.cli import main
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.experts.planner import make_plan
 from latentkv.models.registry import resolve
+from latentkv.streaming.planner import make_plan
 
 MIB = 1 << 20
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from latentkv.experts.base import Expert
-from latentkv.experts.convert import write_store
 from latentkv.experts.extent import CODECS
 from latentkv.experts.store_file import ExpertDamaged, read_manifest
 from latentkv.experts.streamed import ExpertStreamer, StreamConfig
+from latentkv.streaming.convert import write_store
 from latentkv.weights.base import make_linear
 
 D, I, E = 64, 32, 6  # int8 needs in_features % 32 == 0 (see the report on i15)

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from latentkv.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig
-from latentkv.experts.attach import StreamedMoE, moe_layers, stream_model
 from latentkv.experts.base import Expert
-from latentkv.experts.convert import _ExpertSource, convert_experts
 from latentkv.experts.store_file import read_manifest
 from latentkv.experts.streamed import StreamConfig
 from latentkv.models.loader import Checkpoint
 from latentkv.models.registry import resolve
 from latentkv.models.weights import load_model
+from latentkv.streaming.attach import StreamedMoE, moe_layers, stream_model
+from latentkv.streaming.convert import _ExpertSource, convert_experts
 
 FAST_TIERS = ("f32", "fp8", "tq4-r8")
 SLOW_TIERS = tuple(t for t in KV_CACHE_DTYPES if t not in FAST_TIERS)
@@ -187,7 +187,7 @@ def test_prefetch_recall_is_measured(converted):
 
 
 def test_load_streamed_never_reads_an_expert_tensor(converted, monkeypatch):
-    from latentkv.experts.attach import load_streamed
+    from latentkv.streaming.attach import load_streamed
 
     model_dir, store = converted
     ref = _greedy(_resident(model_dir), "f32")
@@ -201,8 +201,8 @@ def test_load_streamed_never_reads_an_expert_tensor(converted, monkeypatch):
 
 
 def test_a_store_of_another_model_is_refused(converted, tmp_path):
-    from latentkv.experts.attach import load_streamed
     from latentkv.experts.store_file import ExpertFileError
+    from latentkv.streaming.attach import load_streamed
 
     model_dir, store = converted
     other = resolve("builtin:fixture" if "tiny" in str(model_dir) else "builtin:tiny")
@@ -212,7 +212,7 @@ def test_a_store_of_another_model_is_refused(converted, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_packed_experts_stream_identically_to_resident_packed(tmp_path, fmt):
-    from latentkv.experts.attach import load_streamed
+    from latentkv.streaming.attach import load_streamed
 
     model_dir = resolve("builtin:fixture")
     store = tmp_path / "experts"

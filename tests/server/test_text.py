@@ -1,57 +1,11 @@
-"""Streamed text: the windowed detokenizer against whole-sequence decoding, stop strings against str.find."""
+"""Streamed text: stop strings against str.find."""
 
 from __future__ import annotations
 
-import random
-
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from latentkv.server.text import REPLACEMENT, Detokenizer, StopStrings
-from latentkv.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def byte_tokenizer(tiny_dir):
-    return Tokenizer(tiny_dir)  # 256 tokens, one per byte: multi-byte characters span tokens
-
-
-def _utf8_ids(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_deltas_add_up_to_the_whole_decode_and_never_end_mid_character(byte_tokenizer, seed):
-    rng = random.Random(seed)
-    alphabet = "ab \n€é漢字😀"
-    text = "".join(rng.choice(alphabet) for _ in range(200))
-    ids = _utf8_ids(text)
-    detok = Detokenizer(byte_tokenizer)
-    deltas = [detok.push(t) for t in ids]
-    out = "".join(deltas) + detok.flush()
-    assert out == text == byte_tokenizer.decode(ids)
-    assert not any(d.endswith(REPLACEMENT) for d in deltas)
-    # A character is released with the token that completes it, not later.
-    released = 0
-    for k, d in enumerate(deltas):
-        released += len(d)
-        assert released == len(byte_tokenizer.decode(ids[: k + 1]).rstrip(REPLACEMENT))
-
-
-def test_an_incomplete_character_at_the_end_comes_out_on_flush(byte_tokenizer):
-    ids = _utf8_ids("ok") + _utf8_ids("€")[:2]  # the euro sign cut after 2 of its 3 bytes
-    detok = Detokenizer(byte_tokenizer)
-    assert "".join(detok.push(t) for t in ids) == "ok"
-    assert detok.flush() == byte_tokenizer.decode(ids)[2:]
-    assert REPLACEMENT in byte_tokenizer.decode(ids)[2:]
-
-
-def test_invalid_bytes_inside_the_text_are_released_once_text_follows(byte_tokenizer):
-    ids = _utf8_ids("a") + [0xFF] + _utf8_ids("bc")
-    detok = Detokenizer(byte_tokenizer)
-    out = "".join(detok.push(t) for t in ids) + detok.flush()
-    assert out == byte_tokenizer.decode(ids)
+from latentkv.server.text import StopStrings
 
 
 def _reference(text: str, stops: list[str], bounds: list[int]) -> tuple[str, bool]:

@@ -11,10 +11,8 @@ A turn ends by feeding the reply's last token and the closing, so the cache (and
 file) holds the whole conversation so far: a restarted `chat --session NAME` prefills nothing
 of it, only the next user message.
 
-Models with a chat template (tokenizer_config.json or chat_template.jinja) are rendered with a
-sandboxed jinja2 environment; the pieces above come from rendering a stand-in past conversation
-with and without the new message (what llama.cpp does), so the real past is never rendered
-again. Without a template (builtin:tiny's byte tokenizer) the plain "User:/Assistant:" format.
+The pieces come from `latentkv.chat_template`: the model's chat template rendered piecewise in a
+sandbox, or, without one (builtin:tiny's byte tokenizer), the plain "User:/Assistant:" format.
 """
 
 from __future__ import annotations
@@ -22,18 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import datetime
 from pathlib import Path
 
-from latentkv.cli import UserError
+from latentkv.chat_template import ChatTemplateError, PlainFormat, TemplateFormat, special_tokens
 from latentkv.commands.common import (
     add_model_arguments,
     add_sampling_arguments,
     engine_config,
-    load,
     sampling_params,
 )
 from latentkv.commands.session import add_session_arguments, check_name
+from latentkv.errors import UserError
+from latentkv.runtime import load, stop_ids
 
 COMMANDS_HELP = "/reset starts over, /exit (or end of input) ends"
 
@@ -56,95 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-# --- formats ------------------------------------------------------------------------------
-
-
-class PlainFormat:
-    """A transcript for models without a chat template."""
-
-    name = "plain User/Assistant format"
-    closing = "\n"
-    stop_texts = ("\nUser:",)  # the model starting the next user turn itself ends its reply
-    special_tokens = True  # the first turn is the start of the text: BOS if the tokenizer adds one
-
-    def first(self, system: str | None, user: str) -> str:
-        return (f"{system}\n\n" if system else "") + self.next(user)
-
-    def next(self, user: str) -> str:
-        return f"User: {user}\nAssistant:"
-
-
-class ChatTemplateError(ValueError):
-    pass
-
-
-class TemplateFormat:
-    """A chat template, rendered piecewise from a stand-in past (user X, assistant Y)."""
-
-    name = "the model's chat template"
-    stop_texts = ()  # the template's end-of-turn token is a stop id
-    special_tokens = False  # the template writes BOS and friends itself
-    USER, REPLY = "LATENTKVUSERMARK", "LATENTKVREPLYMARK"
-
-    def __init__(self, template: str, special: dict[str, str]):
-        self._template = compile_template(template)
-        self._special = special
-        self._past = [{"role": "user", "content": self.USER}, {"role": "assistant", "content": self.REPLY}]
-        past = self.render(self._past, False)
-        if self.REPLY not in past:
-            raise ChatTemplateError("the chat template does not show an assistant message as written")
-        self.closing = past[past.rindex(self.REPLY) + len(self.REPLY) :]
-        self.next(self.USER)  # fails here, not mid-conversation, if the template cannot go piecewise
-
-    def render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return render_template(self._template, messages, generation_prompt, self._special)
-
-    def first(self, system: str | None, user: str) -> str:
-        system_msg = [{"role": "system", "content": system}] if system else []
-        return self.render([*system_msg, {"role": "user", "content": user}], True)
-
-    def next(self, user: str) -> str:
-        before = self.render(self._past, False)
-        after = self.render([*self._past, {"role": "user", "content": user}], True)
-        if not after.startswith(before):
-            raise ChatTemplateError("the chat template renders past turns differently once a message follows")
-        return after[len(before) :]
-
-
-def compile_template(template: str):
-    """A chat template compiled in jinja2's ImmutableSandboxedEnvironment (shared with the server)."""
-    try:
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise ChatTemplateError("rendering the chat template needs jinja2 (pip install jinja2)") from None
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-    try:
-        return env.from_string(template)
-    except TemplateError as exc:
-        raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
-
-
-def render_template(compiled, messages: list[dict], generation_prompt: bool, special: dict[str, str]) -> str:
-    """`compiled` (from compile_template) over `messages`; ChatTemplateError if the template fails."""
-    from jinja2.exceptions import TemplateError
-
-    try:
-        return compiled.render(messages=messages, add_generation_prompt=generation_prompt, **special)
-    except TemplateError as exc:
-        raise ChatTemplateError(f"the chat template failed: {exc}") from None
-
-
-def _raise(message: str):
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
 def chat_format(loaded, plain: bool):
     """The model's chat template if it has one (and it renders piecewise), else the plain format."""
     tokenizer = loaded.tokenizer
@@ -156,34 +65,6 @@ def chat_format(loaded, plain: bool):
     except ChatTemplateError as exc:
         print(f"latentkv chat: {exc}; using the plain format instead", file=sys.stderr)
         return PlainFormat()
-
-
-def special_tokens(directory: Path) -> dict[str, str]:
-    """bos_token, eos_token, ... from tokenizer_config.json, as the templates expect them."""
-    from latentkv.config import read_json_object
-
-    path = Path(directory) / "tokenizer_config.json"
-    raw = read_json_object(path) if path.exists() else {}  # ConfigError names a broken one
-    out = {}
-    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        value = raw.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            out[key] = value
-    return out
-
-
-def stop_ids(cfg, directory) -> tuple[int, ...]:
-    """The model's end-of-sequence ids, with generation_config.json's (chat models list several)."""
-    ids = list(cfg.eos_token_ids)
-    from latentkv.config import read_json_object
-
-    path = Path(directory) / "generation_config.json"
-    extra = read_json_object(path).get("eos_token_id") if path.exists() else None
-    for value in extra if isinstance(extra, list) else [extra]:
-        if isinstance(value, int) and value not in ids:
-            ids.append(value)
-    return tuple(ids)
 
 
 # --- the loop -----------------------------------------------------------------------------
@@ -309,7 +190,7 @@ class Chat:
             f"{len(self.conv.tokens)} tokens in the conversation]"
         )
         if self.streamer is not None:
-            from latentkv.commands.common import experts_line
+            from latentkv.runtime import experts_line
 
             say(f"[{experts_line(self.streamer)}]")
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from latentkv.cli import UserError
+from latentkv.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ import argparse
 import sys
 from types import SimpleNamespace
 
-from latentkv.cli import UserError
 from latentkv.commands.common import add_cache_arguments
+from latentkv.errors import UserError
 
 DEMO_PROMPT = "class Stack:\n    def __init__(self):\n        self."
 DEMO_MODEL = "builtin:fixture"
@@ -48,11 +48,12 @@ COMPARE_TIERS = ("f32", "bf16", "fp8", "tq6", "tq4-r8", "tq4", "tq3", "polar4")
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.commands.common import cache_config, check_text, describe_tier, load
+    from latentkv.commands.common import cache_config, check_text, describe_tier
     from latentkv.commands.generate import kv_report
     from latentkv.config import ConfigError, EngineConfig
     from latentkv.engine.generate import generate
     from latentkv.engine.sampling import SamplingParams
+    from latentkv.runtime import load
 
     try:
         engine = EngineConfig(threads=args.threads, cache=cache_config(args))

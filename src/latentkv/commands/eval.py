@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from latentkv.cli import UserError
 from latentkv.commands.common import add_cache_arguments, add_weight_arguments, emit, weight_dtypes
+from latentkv.errors import UserError
 
 PPL_TIERS = "f32,bf16,fp8,tq6,tq4,tq3,polar4"
 MC_TIERS = "f32,fp8,tq4,tq3"
@@ -120,9 +120,10 @@ def _load(args: argparse.Namespace, default_tiers: str, multiple_weights: bool =
     """(loaded model per weight format, tier CacheConfigs with f32 first) after every check that
     needs no weights. A list of weight formats scores f32 weights too (the reference); it defaults
     the KV tiers to f32 alone."""
-    from latentkv.commands.common import cache_configs, check_tier, load
+    from latentkv.commands.common import cache_configs
     from latentkv.config import ConfigError, EngineConfig, ModelConfig, env_threads
     from latentkv.models.registry import ModelNotFound, resolve
+    from latentkv.runtime import check_tier, load
 
     formats = weight_dtypes(args.weight_dtype)
     if len(formats) > 1 and not multiple_weights:

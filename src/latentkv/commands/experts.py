@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from latentkv.cli import UserError
+from latentkv.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,10 +42,10 @@ def run(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     import os
 
-    from latentkv.experts.attach import default_store_dir
-    from latentkv.experts.convert import convert_experts
     from latentkv.experts.store_file import ExpertFileError
     from latentkv.models.registry import ModelNotFound, resolve
+    from latentkv.streaming.attach import default_store_dir
+    from latentkv.streaming.convert import convert_experts
 
     try:
         directory = resolve(args.model)

@@ -12,19 +12,18 @@ import argparse
 import json
 import sys
 
-from latentkv.cli import UserError
 from latentkv.commands.common import (
     add_model_arguments,
     add_sampling_arguments,
     check_text,
     describe_tier,
     engine_config,
-    experts_line,
-    load,
     parse_ids,
     sampling_params,
 )
 from latentkv.commands.session import add_session_arguments, check_name
+from latentkv.errors import UserError
+from latentkv.runtime import experts_line, load
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

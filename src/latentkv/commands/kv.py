@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from latentkv.cli import UserError
 from latentkv.commands.common import add_cache_arguments
+from latentkv.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _real_rows(args: argparse.Namespace):
     """Load MODEL (f32) and capture its latent rows over a prompt of --tokens tokens."""
-    from latentkv.commands.common import load
     from latentkv.config import EngineConfig
     from latentkv.eval import kvstats
+    from latentkv.runtime import load
 
     loaded = load(args.model, EngineConfig(), quiet=args.json)
     model = loaded.model

@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from latentkv.cli import UserError
 from latentkv.commands.common import add_cache_arguments, weight_dtypes
+from latentkv.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

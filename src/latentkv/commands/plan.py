@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from latentkv.cli import UserError
 from latentkv.commands.common import add_cache_arguments, cache_config
+from latentkv.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from latentkv.config import ConfigError, ModelConfig
-    from latentkv.experts.planner import format_plan, make_plan
     from latentkv.models.loader import CheckpointError
     from latentkv.models.registry import ModelNotFound, resolve
+    from latentkv.streaming.planner import format_plan, make_plan
 
     if args.ram_gb is not None and not args.ram_gb > 0:
         raise UserError(f"--ram-gb must be positive, got {args.ram_gb}")

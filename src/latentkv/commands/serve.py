@@ -11,8 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from latentkv.cli import UserError
-from latentkv.commands.common import add_model_arguments, check_tier, engine_config
+from latentkv.commands.common import add_model_arguments, engine_config
+from latentkv.errors import UserError
+from latentkv.runtime import check_tier
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 

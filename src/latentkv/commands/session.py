@@ -14,15 +14,12 @@ each, for stderr and --json.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from pathlib import Path
 
-from latentkv.cli import UserError
-
-NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-SUFFIX = ".kv"
+from latentkv.engine import sessions
+from latentkv.errors import UserError
 
 
 def add_session_arguments(p, what: str = "the conversation") -> None:
@@ -44,28 +41,10 @@ def add_session_arguments(p, what: str = "the conversation") -> None:
 
 def check_name(name: str) -> str:
     """The session name, if it is a plain file name; UserError naming the rule otherwise."""
-    if not NAME.fullmatch(name) or name.startswith("."):
-        shown = name if len(name) <= 40 else name[:37] + "..."
-        raise UserError(
-            f"invalid session name {shown!r} ({len(name)} chars): use 1 to 128 letters, digits, '.', '_' "
-            "or '-', not starting with '.' (a name, not a path)"
-        )
-    return name
-
-
-def session_path(name: str, kv_dir: Path | None) -> Path:
-    """DIR/NAME.kv, creating DIR (private to the user when it is the default one)."""
-    from latentkv.config import sessions_dir
-
-    check_name(name)
-    directory = kv_dir if kv_dir is not None else sessions_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        raise UserError(f"cannot create the session folder {directory}: {exc}") from None
-    if not directory.is_dir():
-        raise UserError(f"--kv-dir {directory} is not a folder")
-    return directory / f"{name}{SUFFIX}"
+        return sessions.check_session_name(name)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 class Conversation:
@@ -85,22 +64,19 @@ class Conversation:
     @classmethod
     def open(cls, name: str, kv_dir: Path | None, loaded, cache_config) -> Conversation:
         """Resume session `name` for the loaded model under `cache_config` (or start it)."""
-        from latentkv.kv.store import header_for
-        from latentkv.kv.store_header import KVFileBusy, KVFileError
-        from latentkv.kv.store_session import Session
-        from latentkv.models.loader import Checkpoint
+        from latentkv.kv.store_header import KVFileError
 
-        path = session_path(name, kv_dir)
-        model = loaded.model
-        current = header_for(
-            model.cfg, model.make_cache(cache_config), Checkpoint(loaded.directory).fingerprint()
-        )
-        t0 = time.perf_counter()
+        files = sessions.SessionFiles(loaded.model, cache_config, loaded.directory, kv_dir)
         try:
-            session, cache = Session.resume(path, current, cache_config)
-        except KVFileBusy:
+            path = files.path(name)
+            files.header()  # hashes the checkpoint: not part of the resume time
+            t0 = time.perf_counter()
+            session, cache = files.open(name)
+        except sessions.SessionBusy:
             raise UserError(f"session {name!r} is in use by another latentkv process ({path})") from None
-        except (KVFileError, OSError) as exc:
+        except sessions.SessionUnavailable as exc:
+            raise UserError(str(exc)) from None
+        except (KVFileError, OSError, ValueError) as exc:
             raise UserError(f"session {name!r}: {exc}") from None
         return cls(name, session, cache, time.perf_counter() - t0)
 
@@ -115,13 +91,9 @@ class Conversation:
 
     def begin_turn(self, prompt: list[int]) -> list[int]:
         """Keep the saved rows `prompt` starts with; return the part of `prompt` still to prefill."""
-        from latentkv.kv.store_session import reusable_prefix
-
-        keep = reusable_prefix(self.session.tokens, prompt)
-        self.cache.trim(keep)
-        self.session.keep(keep)
-        self.resumed_tokens = keep
-        return prompt[keep:]
+        todo = sessions.resume(self.session, self.cache, prompt)
+        self.resumed_tokens = len(prompt) - len(todo)
+        return todo
 
     def end_turn(self, ids: list[int]) -> None:
         """Save the cache's rows; `ids` may run past them (the last sampled token has no row yet)."""
@@ -129,7 +101,7 @@ class Conversation:
 
         t0 = time.perf_counter()
         try:
-            self.saved_tokens = self.session.save(ids[: self.cache.length], self.cache)
+            self.saved_tokens = sessions.save(self.session, ids, self.cache)
         except KVFileError as exc:
             raise UserError(f"session {self.name!r}: saving failed: {exc}") from None
         self.save_seconds = time.perf_counter() - t0

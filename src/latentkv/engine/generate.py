@@ -19,7 +19,7 @@ import torch
 from latentkv.engine.sampling import SamplingParams, sample
 from latentkv.kv.cache import LatentCache, PackedLatentCache
 from latentkv.models.model import Model
-from latentkv.tokenizer import StreamDecoder, Tokenizer
+from latentkv.tokenizer import Detokenizer, Tokenizer
 
 
 @dataclass
@@ -120,7 +120,7 @@ def stream_generate(
         )
     # The k-th generated token needs k - 1 of them fed back: stop where the context ends.
     max_tokens = min(max_tokens, context - cache.length - len(prompt) + 1)
-    decoder = StreamDecoder(tokenizer) if tokenizer else None
+    decoder = Detokenizer(tokenizer) if tokenizer else None
     if max_tokens <= 0:
         return
     for token in generate_step(model, prompt, cache, sampling, stats):

@@ -7,8 +7,9 @@ that each need the GIL back; in one process every SSE chunk the event loop write
 GIL while the worker waits, so eight streams cost the decode loop eight chunks' worth of Python
 per step. Split, the two sides run on two cores and meet once per step.
 
-`EngineProcess` has the `Scheduler`'s client interface (start, submit -> handle, stats,
-shutdown): the server code is the same either way (`--no-engine-process` keeps one process).
+`EngineProcess` and `Scheduler` are both an `EngineClient` (latentkv.engine.client: start, submit
+-> handle, stats, shutdown): the server code is the same either way (`--no-engine-process` keeps
+one process).
 
 Messages over one multiprocessing Pipe (pickled tuples):
 
@@ -53,19 +54,20 @@ import threading
 from dataclasses import replace
 
 from latentkv.config import ServerConfig
-from latentkv.engine.scheduler import (
+from latentkv.engine.delivery import Outbox, RequestHandle
+from latentkv.engine.request import (
     Finished,
     QueueFull,
     Request,
-    RequestHandle,
-    Scheduler,
     SchedulerClosed,
     SchedulerStats,
-    _Outbox,
     check_group_size,
     check_room,
     validate_request,
 )
+from latentkv.engine.scheduler import Scheduler
+from latentkv.errors import user_message
+from latentkv.runtime import load
 
 SHUTDOWN_TIMEOUT_S = 60  # for the child to finish its requests and save their sessions
 
@@ -86,7 +88,7 @@ class _RemoteHandle(RequestHandle):
 
 
 class EngineProcess:
-    """`Scheduler`'s client side, with the scheduler and the model in a child process."""
+    """An `EngineClient` (latentkv.engine.client) whose Scheduler and model run in a child process."""
 
     def __init__(self, config: ServerConfig, max_model_len: int, vocab_size: int):
         self.max_num_seqs, self.max_queue = config.max_num_seqs, config.max_queue
@@ -98,7 +100,7 @@ class EngineProcess:
         self._ids = itertools.count(1)
         self._closing = False
         self.failure: str | None = None  # set when the child is gone without being asked to stop
-        self._outbox = _Outbox()
+        self._outbox = Outbox()
         self._wake = threading.Condition()  # RequestHandle.cancel notifies it; nothing waits on it here
         # (engine CPUs, HTTP CPUs), or None: placement left to the OS
         self.cpus = cpu_split(config.engine.threads) if config.pin_cpus else None
@@ -135,7 +137,7 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="latentkv-engine-reader", daemon=True)
         self._reader.start()
 
-    # --- the Scheduler interface ------------------------------------------------------
+    # --- the EngineClient interface ------------------------------------------------------
 
     def start(self) -> None:
         """The child's worker is already running (it starts once the model is loaded)."""
@@ -214,7 +216,7 @@ class EngineProcess:
                         ]
                     for handle, event in routed:
                         if handle is not None:
-                            handle._emit(event)
+                            handle.emit(event)
                 elif kind == "stats":
                     self._stats = message[1]
                 elif kind == "refused":
@@ -240,7 +242,7 @@ class EngineProcess:
             handle = self._handles.pop(rid, None)
         if handle is not None:
             prompt = len(handle.request.prompt)
-            handle._emit(Finished(reason, prompt, 0, 0, None, error=error, refused=refused))
+            handle.emit(Finished(reason, prompt, 0, 0, None, error=error, refused=refused))
 
 
 def refusal_kind(exc: Exception) -> str:
@@ -305,8 +307,6 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
         send(("events", out, scheduler.stats()))
 
     try:
-        from latentkv.commands.common import load
-
         engine = config.engine
         if engine.threads is None:  # leave a core to the HTTP process (torch would take them all)
             engine = replace(engine, threads=len(cpus) if cpus else default_engine_threads())
@@ -314,14 +314,7 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
         scheduler = Scheduler.for_server(config, loaded, max_model_len, sink=sink)
         scheduler.start()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which reports it to the user
-        from latentkv.cli import UserError
-
-        send(
-            (
-                "failed",
-                str(exc) if isinstance(exc, (UserError, ValueError)) else f"{type(exc).__name__}: {exc}",
-            )
-        )
+        send(("failed", user_message(exc)))
         return
     send(("ready", scheduler.stats()))
     while True:

@@ -55,14 +55,29 @@ def check_seed(seed: int | None) -> None:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How a sequence picks its tokens, and (for the scheduler) how many and what it reports.
+
+    One set for `generate`, the scheduler and the server. `generate` and `stream_generate` take
+    their own max_tokens and stop_ids arguments and read only the sampling fields; a scheduler
+    request reads them all.
+    """
+
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
+    max_tokens: int = 16  # scheduler requests: tokens to generate at most (0: score the prompt only)
+    stop_token_ids: tuple[int, ...] = ()  # generation ends when one is sampled (not yielded; reason "stop")
+    logprobs: int | None = None  # None: none; k >= 0: logprob of each sampled token + top-k alternatives
+    prompt_logprobs: bool = False  # logprob of every prompt token given the ones before (entry 0 None)
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_p, self.top_k)
         check_seed(self.seed)
+        if self.max_tokens < 0:
+            raise SamplingError("max_tokens", f"max_tokens must be >= 0 (got {self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise SamplingError("logprobs", f"logprobs must be >= 0 (got {self.logprobs})")
 
     @property
     def greedy(self) -> bool:

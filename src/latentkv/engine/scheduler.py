@@ -7,6 +7,11 @@
         ...
     scheduler.shutdown()            # what is still queued or running finishes "cancelled"
 
+This module is the worker's loop. Around it: `request` (Request, its events, the checks made
+before queueing), `delivery` (handles and the outbox that wakes their readers), `sessions`
+(session names and files, shared with `--session`), `logprobs`, and `client` (the
+`EngineClient` protocol this class and `remote.EngineProcess` implement).
+
 Every step of the worker:
     1. drop cancelled requests (waiting or running): they finish "cancelled", their slot frees
     2. admit waiting requests while fewer than max_num_seqs run: resume the session if any,
@@ -29,8 +34,8 @@ draws the same numbers whatever else runs. Batching changes the logits only with
 rounding (see `latentkv.models.batch`), so greedy and seeded requests give the tokens they give
 alone unless two candidates tie within that rounding.
 
-Sessions. A request naming a session resumes `kv_dir/NAME.kv` (`Session.resume`, the same files
-as `latentkv generate --session NAME --kv-dir DIR`), keeps the saved tokens its prompt starts
+Sessions. A request naming a session resumes `kv_dir/NAME.kv` (`sessions.SessionFiles`, the same
+files as `latentkv generate --session NAME --kv-dir DIR`), keeps the saved tokens its prompt starts
 with (`cached_tokens`: not prefilled again), and saves the cache's rows when it finishes (also
 when cancelled; not after an error), so a finished turn survives a crash or restart. Two
 requests on one session never run together: the later one waits in the queue (requests behind
@@ -45,264 +50,35 @@ step is retried one sequence at a time to find it); the worker and the other req
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import queue
-import re
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from latentkv.config import CacheConfig
-from latentkv.engine import sampling
+from latentkv.engine import sessions
+from latentkv.engine.delivery import Outbox, RequestHandle, Sink
+from latentkv.engine.logprobs import prompt_logprobs, token_logprobs
+from latentkv.engine.request import (
+    Finished,
+    Request,
+    SchedulerClosed,
+    SchedulerStats,
+    TokenEvent,
+    check_group_size,
+    check_room,
+    validate_request,
+)
+from latentkv.engine.sampling import SamplingParams, sample
 from latentkv.kv.slots import SlotPool
 
-SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-SESSION_SUFFIX = ".kv"  # as `latentkv generate --session`: the CLI and the server share files
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int  # 0 allowed: score the prompt only
-    temperature: float = 1.0  # 0 -> greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()  # generation ends when one is sampled (not yielded; reason "stop")
-    logprobs: int | None = None  # None: none; k >= 0: logprob of each sampled token + top-k alternatives
-    prompt_logprobs: bool = False  # logprob of every prompt token given the ones before (entry 0 None)
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
-        sampling.check_sampling(self.temperature, self.top_p)
-        sampling.check_seed(self.seed)
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0 (got {self.logprobs})")
-
-    def sampler(self) -> sampling.SamplingParams:
-        return sampling.SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    params: SamplingParams
-    session: str | None = None  # KV session name (file kv_dir/<name>.kv), resumed + saved
-    id: int | None = None  # the caller's name for it (the engine process matches events by it)
-
-
-@dataclass
-class TokenEvent:
-    token: int
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
-
-
-@dataclass
-class Finished:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens whose KV was resumed from the session file (not prefilled)
-    prompt_logprobs: (
-        list[dict | None] | None
-    )  # per prompt token: None for entry 0, else {"token","logprob","top"}
-    error: str | None = None
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    # never run: "invalid" | "queue_full" | "closed" | "session" (the server's 400/429/503/409)
-    refused: str | None = None
-
-
-class QueueFull(Exception):
-    """The waiting queue is full (the server answers 429)."""
-
-
-class SessionUnavailable(RuntimeError):
-    """The request's session file is held by another process, or its path is not a regular
-    file we may open (the server answers 409); the request never ran."""
-
-
-class SchedulerClosed(Exception):
-    """The scheduler was shut down."""
-
-
-def validate_request(request: Request, vocab: int, max_model_len: int, sessions: bool) -> None:
-    """ValueError unless the request can run (`sessions`: whether session requests can)."""
-    prompt, params = request.prompt, request.params
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token")
-    if bad := [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]:
-        raise ValueError(f"token ids out of range for a vocabulary of {vocab}: {bad[:5]}")
-    if len(prompt) + params.max_tokens > max_model_len:
-        raise ValueError(
-            f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
-            f"{len(prompt) + params.max_tokens} tokens, over the context limit of {max_model_len}"
-        )
-    if params.logprobs is not None and params.logprobs > vocab:
-        raise ValueError(f"logprobs must be at most the vocabulary size {vocab} (got {params.logprobs})")
-    if request.session is not None:
-        if not valid_session_name(request.session):
-            raise ValueError(
-                f"invalid session name {str(request.session)[:40]!r}: use 1 to 128 letters, digits, '.', "
-                "'_' or '-', not starting with '.'"
-            )
-        if not sessions:
-            raise ValueError("sessions need the scheduler's model_dir (the KV file records the weights)")
-
-
-def check_group_size(count: int, max_num_seqs: int, max_queue: int) -> None:
-    """ValueError when `count` sequences (one request's choices) can never be open at once."""
-    if count > max_num_seqs + max_queue:
-        raise ValueError(
-            f"the request needs {count} sequences (n x prompts) but the server holds at most "
-            f"{max_num_seqs + max_queue} ({max_num_seqs} running + {max_queue} waiting): lower n "
-            "or send fewer prompts"
-        )
-
-
-def check_room(open_now: int, count: int, max_num_seqs: int, max_queue: int) -> None:
-    """QueueFull unless `count` more sequences fit beside the `open_now` ones (running, being
-    admitted or waiting): max_num_seqs run and max_queue wait."""
-    if open_now + count > max_num_seqs + max_queue:
-        waiting = max(0, open_now - max_num_seqs)
-        raise QueueFull(
-            f"{open_now} sequences are open ({waiting} waiting, max_queue {max_queue}) and this "
-            f"request needs {count} more"
-        )
-
-
-def valid_session_name(name: str) -> bool:
-    """A plain file name: [A-Za-z0-9._-], 1 to 128 characters, not starting with '.'."""
-    return isinstance(name, str) and bool(SESSION_NAME.fullmatch(name)) and not name.startswith(".")
-
-
-@dataclass
-class SchedulerStats:
-    running: int
-    waiting: int
-    prompt_tokens_total: int  # prefilled (cached tokens not counted)
-    generation_tokens_total: int
-    kv_bytes_in_use: int  # latent rows + indexer keys of the running sequences' caches
-    kv_bytes_capacity: int  # what max_num_seqs caches of max_model_len tokens hold
-    kv_cache_dtype: str
-    experts: dict | None = None  # ExpertStreamer.snapshot() when the experts stream from disk
-
-
-class RequestHandle:
-    """The client's side of one request: iterate it (blocking or async) for its events."""
-
-    def __init__(self, request: Request, wake: threading.Condition, outbox: _Outbox):
-        self.request = request
-        self._wake = wake
-        self._outbox = outbox
-        self._lock = threading.Lock()
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._async_events: asyncio.Queue | None = None
-        self._pending: list[TokenEvent | Finished] = []  # for the event loop, not handed over yet
-        self._cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        """Stop this request (e.g. the client went away); the worker frees its slot at the next step."""
-        self._cancelled.set()
-        with self._wake:
-            self._wake.notify_all()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def _emit(self, event: TokenEvent | Finished) -> None:
-        """Called by the worker; hands the event to whichever iterator reads this handle. Events
-        for an event loop wait in the outbox until the worker's step ends (one wake-up per loop
-        per step, not one per token)."""
-        if self._outbox.sink is not None:  # the events leave the process (latentkv.engine.remote)
-            self._outbox.add_event(self, event)
-            return
-        with self._lock:
-            if self._async_events is None:
-                self._events.put(event)
-                return
-            self._pending.append(event)
-            first = len(self._pending) == 1
-        if first:
-            self._outbox.add(self)
-
-    def _deliver(self) -> None:
-        """On the event loop: move the pending events to the async iterator."""
-        with self._lock:
-            events, self._pending = self._pending, []
-        for event in events:
-            self._async_events.put_nowait(event)
-
-    def __iter__(self):
-        while True:
-            event = self._events.get()
-            yield event
-            if isinstance(event, Finished):
-                return
-
-    async def __aiter__(self):
-        with self._lock:
-            self._loop = asyncio.get_running_loop()
-            self._async_events = asyncio.Queue()
-            while not self._events.empty():  # what the worker sent before we attached
-                self._async_events.put_nowait(self._events.get())
-        while True:
-            event = await self._async_events.get()
-            yield event
-            if isinstance(event, Finished):
-                return
-
-
-class _Outbox:
-    """Handles with events for their event loops; `flush` wakes each loop once for all of them.
-
-    With a `sink`, events are instead collected in order and handed to it once per flush as
-    [(handle, event), ...] (the engine process sends them to the HTTP process that way)."""
-
-    def __init__(self, sink=None):
-        self._lock = threading.Lock()
-        self._handles: list[RequestHandle] = []
-        self.sink = sink
-        self._events: list[tuple[RequestHandle, TokenEvent | Finished]] = []
-
-    def add(self, handle: RequestHandle) -> None:
-        with self._lock:
-            self._handles.append(handle)
-
-    def add_event(self, handle: RequestHandle, event: TokenEvent | Finished) -> None:
-        with self._lock:
-            self._events.append((handle, event))
-
-    def flush(self) -> None:
-        if self.sink is not None:
-            with self._lock:
-                events, self._events = self._events, []
-            if events:
-                self.sink(events)
-            return
-        with self._lock:
-            handles, self._handles = self._handles, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[RequestHandle]] = {}
-        for handle in handles:
-            by_loop.setdefault(handle._loop, []).append(handle)
-        for loop, group in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver_all, group)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                for handle in group:
-                    handle._cancelled.set()
-
-
-def _deliver_all(handles: list[RequestHandle]) -> None:
-    for handle in handles:
-        handle._deliver()
+if TYPE_CHECKING:
+    from latentkv.experts.streamed import ExpertStreamer
 
 
 @dataclass
@@ -321,11 +97,12 @@ class _Sequence:
     prompt_logprobs: list[dict | None] | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    sampler: sampling.SamplingParams | None = None
     finished: bool = False
 
 
 class Scheduler:
+    """The in-process `EngineClient` (latentkv.engine.client): the worker thread runs here."""
+
     failure: str | None = None  # why it can no longer serve (an engine process that died; never here)
 
     def __init__(
@@ -338,12 +115,12 @@ class Scheduler:
         max_model_len: int | None = None,
         kv_dir: Path | None = None,
         model_dir: Path | None = None,
-        sink=None,
-        streamer=None,
+        sink: Sink | None = None,
+        streamer: ExpertStreamer | None = None,
     ):
         """`sink`: deliver every step's events to this callable as [(handle, event), ...] instead
-        of to the handles' iterators (see `_Outbox`). `streamer`: the ExpertStreamer serving
-        the model's experts from disk, whose telemetry `stats` reports."""
+        of to the handles' iterators (see `delivery.Outbox`). `streamer`: the ExpertStreamer
+        serving the model's experts from disk, whose telemetry `stats` reports."""
         limit = model.cfg.max_position_embeddings
         if max_num_seqs < 1 or max_queue < 0:
             raise ValueError(
@@ -359,17 +136,20 @@ class Scheduler:
         self.kv_dir = Path(kv_dir) if kv_dir is not None else None
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.streamer = streamer
+        # sessions need the weights' fingerprint for the KV file header, hence model_dir
+        self._sessions = (
+            sessions.SessionFiles(model, cache_config, self.model_dir, self.kv_dir) if model_dir else None
+        )
         probe = model.make_cache(cache_config)  # fails here, not per request, if the tier cannot fit
         per_token = probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
         self._capacity = per_token * self.max_model_len * max_num_seqs
         # float32 caches of running sequences live side by side (one write per layer and step)
         self._pool = SlotPool(probe.layout, max_num_seqs) if probe.tier.poolable else None
-        self._header = None  # the KV file header, built on the first session request
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._busy_sessions: set[str] = set()
-        self._outbox = _Outbox(sink)
+        self._outbox = Outbox(sink)
         self._closing = False
         self._thread: threading.Thread | None = None
         self._prompt_total = 0
@@ -378,9 +158,9 @@ class Scheduler:
         self._open_count = 0  # submitted and not finished: waiting, being admitted or running
 
     @classmethod
-    def for_server(cls, config, loaded, max_model_len: int, sink=None) -> Scheduler:
+    def for_server(cls, config, loaded, max_model_len: int, sink: Sink | None = None) -> Scheduler:
         """The scheduler `latentkv serve` runs: config a ServerConfig, loaded the
-        `commands.common.Loaded` model."""
+        `runtime.Loaded` model."""
         from latentkv.config import sessions_dir
 
         return cls(
@@ -456,7 +236,7 @@ class Scheduler:
             )
 
     def _validate(self, request: Request) -> None:
-        validate_request(request, self.model.cfg.vocab_size, self.max_model_len, self.model_dir is not None)
+        validate_request(request, self.model.cfg.vocab_size, self.max_model_len, self._sessions is not None)
 
     # --- the worker -------------------------------------------------------------------
 
@@ -518,7 +298,7 @@ class Scheduler:
         request with reason "error" (and returns None)."""
         try:
             return step(seq, *args)
-        except SessionUnavailable as exc:  # not a failure of the model: the client is told 409
+        except sessions.SessionUnavailable as exc:  # not a failure of the model: the client is told 409
             self._finish(seq, "error", str(exc), refused="session")
             return None
         except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
@@ -554,9 +334,8 @@ class Scheduler:
         return True
 
     def _open(self, seq: _Sequence) -> list[int]:
-        """The request's sampler and cache (its session resumed); returns the tokens to prefill."""
-        seq.sampler = seq.params.sampler()
-        seq.generator = None if seq.sampler.greedy else seq.sampler.generator()
+        """The request's generator and cache (its session resumed); returns the tokens to prefill."""
+        seq.generator = None if seq.params.greedy else seq.params.generator()
         return self._open_cache(seq)
 
     def _prefill(self, seq: _Sequence, todo: list[int]) -> None:
@@ -573,7 +352,7 @@ class Scheduler:
         with self._cond:
             self._prompt_total += len(todo)
         if params.prompt_logprobs:
-            seq.prompt_logprobs = _prompt_logprobs(seq.prompt, logits, params.logprobs)
+            seq.prompt_logprobs = prompt_logprobs(seq.prompt, logits, params.logprobs)
         if self._pool is not None:
             self._pool.place(seq.cache)  # False (left in its own buffers) only past the pool's bound
         self._running.append(seq)
@@ -588,38 +367,10 @@ class Scheduler:
         if name is None:
             seq.cache = self.model.make_cache(self.cache_config)
             return seq.prompt
-        from latentkv.kv.store_header import KVFileBusy, KVFileUnavailable
-        from latentkv.kv.store_session import Session, reusable_prefix
-
-        try:
-            seq.session, seq.cache = Session.resume(
-                self._session_path(name), self._session_header(), self.cache_config
-            )
-        except KVFileBusy:
-            raise SessionUnavailable(f"session {name!r} is in use by another process") from None
-        except (KVFileUnavailable, OSError) as exc:
-            raise SessionUnavailable(f"session {name!r} cannot be opened: {exc}") from None
-        keep = 0 if seq.params.prompt_logprobs else reusable_prefix(seq.session.tokens, seq.prompt)
-        seq.cache.trim(keep)
-        seq.session.keep(keep)
-        seq.cached_tokens = keep
-        return seq.prompt[keep:]
-
-    def _session_path(self, name: str) -> Path:
-        from latentkv.config import sessions_dir
-
-        directory = self.kv_dir if self.kv_dir is not None else sessions_dir()
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return directory / f"{name}{SESSION_SUFFIX}"
-
-    def _session_header(self):
-        if self._header is None:
-            from latentkv.kv.store import header_for
-            from latentkv.models.loader import Checkpoint
-
-            cache = self.model.make_cache(self.cache_config)
-            self._header = header_for(self.model.cfg, cache, Checkpoint(self.model_dir).fingerprint())
-        return self._header
+        seq.session, seq.cache = self._sessions.open(name)
+        todo = sessions.resume(seq.session, seq.cache, seq.prompt, reuse=not seq.params.prompt_logprobs)
+        seq.cached_tokens = len(seq.prompt) - len(todo)
+        return todo
 
     def _decode_step(self) -> None:
         """One batched decode over every running sequence, then each samples its next token."""
@@ -647,7 +398,7 @@ class Scheduler:
     def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
         """Sample the next token from logits [vocab]: yield it, or finish."""
         params = seq.params
-        token = sampling.sample(logits, seq.sampler, seq.generator)
+        token = sample(logits, params, seq.generator)
         seq.generated.append(token)
         with self._cond:
             self._generation_total += 1
@@ -656,8 +407,8 @@ class Scheduler:
             return
         logprob, top = None, None
         if params.logprobs is not None:
-            logprob, top = _token_logprobs(logits, token, params.logprobs)
-        seq.handle._emit(TokenEvent(token, logprob, top))
+            logprob, top = token_logprobs(logits, token, params.logprobs)
+        seq.handle.emit(TokenEvent(token, logprob, top))
         if len(seq.generated) >= params.max_tokens:
             self._finish(seq, "length")
         else:
@@ -681,7 +432,7 @@ class Scheduler:
             self._busy_sessions.discard(name)
             self._open_count -= 1
             self._cond.notify_all()
-        seq.handle._emit(
+        seq.handle.emit(
             Finished(
                 reason="error" if error else reason,
                 prompt_tokens=len(seq.prompt),
@@ -700,8 +451,7 @@ class Scheduler:
         session, seq.session = seq.session, None
         try:
             if save:
-                ids = (seq.prompt + seq.generated)[: seq.cache.length]
-                session.save(ids, seq.cache)
+                sessions.save(session, seq.prompt + seq.generated, seq.cache)
             return None
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
@@ -721,27 +471,3 @@ class Scheduler:
         total = sum(s.cache.nbytes() + s.cache.index_nbytes() for s in self._running)
         with self._cond:
             self._kv_in_use = total
-
-
-def _token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """log_softmax(logits)[token] and the k most likely (id, logprob), from logits [vocab]."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return float(logprobs[token]), _top(logprobs, k)
-
-
-def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    if k == 0:
-        return []
-    values, ids = logprobs.topk(min(k, logprobs.shape[-1]))
-    return list(zip(ids.tolist(), values.tolist(), strict=True))
-
-
-def _prompt_logprobs(prompt: list[int], logits: torch.Tensor, k: int | None) -> list[dict | None]:
-    """Entry i > 0: the logprob of prompt[i] given prompt[:i], from logits [len(prompt), vocab]."""
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # row i predicts prompt[i + 1]
-    targets = torch.tensor(prompt[1:], dtype=torch.long)
-    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-    out: list[dict | None] = [None]
-    for i, token in enumerate(prompt[1:]):
-        out.append({"token": token, "logprob": chosen[i], "top": _top(logprobs[i], k or 0)})
-    return out

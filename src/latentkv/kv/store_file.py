@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from latentkv import version
 from latentkv.kv.store_header import (
     CHECK_BYTES,
     KVFileBusy,
@@ -501,17 +502,11 @@ def move_aside(path: str | Path) -> Path:
 def _stamp(header: KVHeader) -> KVHeader:
     """A new file's own identity (even when `header` was read from another file): a random id,
     the creation time and the writer version."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("latentkv")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
     return replace(
         header,
         file_id=secrets.token_hex(16),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        writer=f"latentkv {version}",
+        writer=f"latentkv {version()}",
     )
 
 

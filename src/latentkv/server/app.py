@@ -22,6 +22,7 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
+from latentkv import version
 from latentkv.server import errors, openapi
 from latentkv.server.chat import create_chat_completion
 from latentkv.server.completions import create_completion
@@ -65,7 +66,7 @@ def create_app(state: ServerState) -> FastAPI:
             sampler.cancel()
             await asyncio.to_thread(state.shutdown)
 
-    app = FastAPI(title="latentkv", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="latentkv", version=version(), lifespan=lifespan)
     app.state.latentkv = state
     errors.install(app)
     openapi.install(app)
@@ -289,9 +290,3 @@ async def _sample(state: ServerState) -> None:
             state.sample_throughput()
         except Exception:  # noqa: BLE001 - metrics must never take the server down
             log.exception("sampling throughput failed")
-
-
-def _version() -> str:
-    from latentkv.cli import _version as version
-
-    return version()

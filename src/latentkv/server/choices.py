@@ -5,7 +5,7 @@
         ...
 
 A choice is one scheduler request (n choices of a prompt are n requests with derived seeds).
-Its events become text through the Detokenizer and StopStrings of `server.text`; reaching a
+Its events become text through `tokenizer.Detokenizer` and `server.text.StopStrings`; reaching a
 stop string cancels the handle, trims the text and reports finish_reason "stop". A Piece carries
 the tokens consumed since the previous piece, so streamed logprobs line up with streamed text.
 
@@ -20,9 +20,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from latentkv.server.errors import APIError, bad_request
-from latentkv.server.text import Detokenizer, StopStrings
+from latentkv.server.text import StopStrings
+from latentkv.tokenizer import Detokenizer
+
+if TYPE_CHECKING:
+    from latentkv.engine.sampling import SamplingParams
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -33,7 +38,7 @@ class Spec:
 
     index: int
     prompt: list[int]
-    params: object  # latentkv.engine.scheduler.SamplingParams
+    params: SamplingParams
     session: str | None = None
     stop: list[str] = field(default_factory=list)
 
@@ -60,7 +65,7 @@ class ChoiceRun:
         self.handle.cancel()
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        from latentkv.engine.scheduler import Finished
+        from latentkv.engine.request import Finished
 
         index = self.spec.index
         detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -108,7 +113,7 @@ def _final_text(detok: Detokenizer | None, stops: StopStrings) -> str:
 
 def submit_all(scheduler, specs: list[Spec], tokenizer, stop_ids: frozenset[int]) -> list[ChoiceRun]:
     """Submit every choice, or none: a refusal cancels what was already submitted."""
-    from latentkv.engine.scheduler import QueueFull, Request, SchedulerClosed
+    from latentkv.engine.request import QueueFull, Request, SchedulerClosed
 
     requests = [Request(spec.prompt, spec.params, session=spec.session) for spec in specs]
     try:

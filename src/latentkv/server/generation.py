@@ -52,16 +52,14 @@ def check_model(body_model: str | None, served: str) -> None:
 
 def check_session(body, prompts: int) -> str | None:
     """The request's session name, validated; a session holds one sequence, so one choice."""
-    from latentkv.engine.scheduler import valid_session_name
+    from latentkv.engine.sessions import check_session_name
 
     if body.session is None:
         return None
-    if not valid_session_name(body.session):
-        raise bad_request(
-            f"invalid session name {body.session[:40]!r}: use 1 to 128 letters, digits, '.', '_' or '-', "
-            "not starting with '.'",
-            param="session",
-        )
+    try:
+        check_session_name(body.session)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="session") from None
     if prompts > 1 or body.n > 1:
         raise bad_request("a session continues one sequence: use n = 1 and a single prompt", param="session")
     return body.session
@@ -94,7 +92,7 @@ def sampling_params(body, ready, max_tokens: int, choice: int, logprobs: int | N
 
     With prompt_logprobs (echo scoring) the stop tokens are left to the ChoiceRun, which lists
     a sampled stop token in the logprobs where the scheduler would drop it."""
-    from latentkv.engine.scheduler import SamplingParams
+    from latentkv.engine.sampling import SamplingParams
 
     stop_ids = () if prompt_logprobs else tuple(sorted(stop_ids_of(body, ready)))
     seed = None if body.seed is None else (body.seed + choice) % SEED_SPACE

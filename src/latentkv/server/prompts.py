@@ -2,7 +2,7 @@
 
 Chat messages go through the model's chat template (tokenizer_config.json or
 chat_template.jinja) in the same sandboxed jinja2 environment as `latentkv chat`
-(`commands.chat.compile_template`); a model without one (builtin:tiny's byte tokenizer) gets
+(`latentkv.chat_template`); a model without one (builtin:tiny's byte tokenizer) gets
 `latentkv chat`'s plain transcript, "SYSTEM\\n\\nUser: ...\\nAssistant: ...\\nUser: ...\\nAssistant:".
 """
 
@@ -11,6 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from latentkv.chat_template import (
+    ChatTemplateError,
+    PlainFormat,
+    compile_template,
+    render_template,
+    special_tokens,
+)
 from latentkv.server.errors import bad_request
 from latentkv.server.protocol import ChatMessage
 
@@ -59,8 +66,6 @@ class ChatRenderer:
     """Messages -> prompt text, with the model's chat template or the plain transcript."""
 
     def __init__(self, template: str | None, special: dict[str, str]):
-        from latentkv.commands.chat import PlainFormat, compile_template
-
         self.template = template
         self.special = special
         self._compiled = compile_template(template) if template else None
@@ -70,8 +75,6 @@ class ChatRenderer:
 
     @classmethod
     def for_model(cls, tokenizer, directory: Path) -> ChatRenderer:
-        from latentkv.commands.chat import ChatTemplateError, special_tokens
-
         template = getattr(tokenizer, "chat_template", None)
         try:
             return cls(template, special_tokens(directory))
@@ -85,8 +88,6 @@ class ChatRenderer:
     def render(self, messages: list[ChatMessage], generation_prompt: bool = True) -> str:
         if self._compiled is None:
             return self._render_plain(messages)
-        from latentkv.commands.chat import ChatTemplateError, render_template
-
         plain = [
             {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages
         ]

@@ -16,9 +16,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from latentkv.config import ServerConfig
+from latentkv.errors import user_message
 from latentkv.server.metrics import Registry, Throughput
+
+if TYPE_CHECKING:
+    from latentkv.config import ModelConfig
+    from latentkv.engine.client import EngineClient
+    from latentkv.engine.scheduler import Scheduler
+    from latentkv.server.prompts import ChatRenderer
+    from latentkv.tokenizer import Tokenizer
 
 log = logging.getLogger("latentkv.server")
 
@@ -27,13 +36,13 @@ log = logging.getLogger("latentkv.server")
 class Ready:
     """Everything a request needs once loading is done."""
 
-    cfg: object  # latentkv.config.ModelConfig
-    tokenizer: object | None  # latentkv.tokenizer.Tokenizer
+    cfg: ModelConfig
+    tokenizer: Tokenizer | None  # None: the model folder has no tokenizer.json (token ids only)
     directory: Path
-    scheduler: object  # latentkv.engine.scheduler.Scheduler, or remote.EngineProcess (same interface)
+    scheduler: EngineClient  # engine.scheduler.Scheduler here, or engine.remote.EngineProcess
     max_model_len: int
     stop_ids: tuple[int, ...]  # the model's end-of-sequence ids
-    chat: object  # latentkv.server.prompts.ChatRenderer
+    chat: ChatRenderer
     created: int  # unix time the model came up (for /v1/models)
 
 
@@ -68,7 +77,7 @@ class ServerState:
             self.ready = load(self.config)
             log.info("ready: serving %s as %r", self.config.model, self.config.served_model_name)
         except Exception as exc:  # noqa: BLE001 - reported, then the server shuts down
-            self.error = f"{type(exc).__name__}: {exc}" if not _user_error(exc) else str(exc)
+            self.error = user_message(exc)
             print(f"latentkv serve: error: loading {self.config.model} failed: {self.error}", file=sys.stderr)
             if self._on_failure is not None:
                 self._on_failure()
@@ -86,9 +95,9 @@ class ServerState:
 def load(config: ServerConfig) -> Ready:
     """Load the tokenizer and start the scheduler: in the engine process (which loads the
     weights there, `latentkv.engine.remote`), or here on a worker thread."""
-    from latentkv.commands.chat import stop_ids
     from latentkv.config import ModelConfig
     from latentkv.models.registry import resolve
+    from latentkv.runtime import stop_ids
     from latentkv.server.prompts import ChatRenderer
     from latentkv.tokenizer import Tokenizer
 
@@ -117,10 +126,10 @@ def load(config: ServerConfig) -> Ready:
     )
 
 
-def _local_scheduler(config: ServerConfig, max_model_len: int):
+def _local_scheduler(config: ServerConfig, max_model_len: int) -> Scheduler:
     """The weights and the scheduler's worker thread in this process (`--no-engine-process`)."""
-    from latentkv.commands.common import load as load_model
     from latentkv.engine.scheduler import Scheduler
+    from latentkv.runtime import load as load_model
 
     loaded = load_model(
         config.model, config.engine, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs
@@ -128,9 +137,3 @@ def _local_scheduler(config: ServerConfig, max_model_len: int):
     scheduler = Scheduler.for_server(config, loaded, max_model_len)
     scheduler.start()
     return scheduler
-
-
-def _user_error(exc: Exception) -> bool:
-    from latentkv.cli import UserError
-
-    return isinstance(exc, (UserError, ValueError))

@@ -1,46 +1,16 @@
-"""Token ids -> streamed text: incremental detokenization and stop strings.
+"""Streamed text -> what a client may see: stop strings.
 
-    detok = Detokenizer(tokenizer)
+    detok = Detokenizer(tokenizer)                    # latentkv.tokenizer: ids -> text deltas
     stops = StopStrings(["\\n\\n"])
     for token in ...:
         text, hit = stops.push(detok.push(token))     # release `text`; on `hit`, cancel and stop
     text = stops.push(detok.flush())[0] + stops.flush()
 
-The detokenizer decodes a short window of recent ids, never the whole output again, and holds
-back text that ends in an incomplete UTF-8 sequence (U+FFFD) until the next token completes it
-(or the output ends). StopStrings holds back the longest tail that could still begin a stop
-string, so a streamed client never sees text that a later token turns into a stop.
+StopStrings holds back the longest tail that could still begin a stop string, so a streamed
+client never sees text that a later token turns into a stop.
 """
 
 from __future__ import annotations
-
-REPLACEMENT = "\ufffd"
-
-
-class Detokenizer:
-    """Text deltas of a growing id sequence (vLLM's prefix/read offsets)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # ids[prefix:read] decode to text already released (the window's context)
-        self.read = 0
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix :])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
-            return ""  # nothing new yet, or a multi-byte character still arriving
-        self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before) :]
-
-    def flush(self) -> str:
-        """What is still held back (an incomplete character comes out as U+FFFD)."""
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix :])
-        self.prefix = self.read = len(self.ids)
-        return after[len(before) :] if len(after) > len(before) else ""
 
 
 class StopStrings:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from latentkv.cli import UserError
 from latentkv.commands.bench import common
+from latentkv.errors import UserError
 
 ATTENTION_TIERS = "f32,bf16,fp8,tq4,tq3,polar4"
 

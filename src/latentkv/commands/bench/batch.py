@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from latentkv.cli import UserError
 from latentkv.commands.bench import common
 from latentkv.commands.common import add_weight_arguments
+from latentkv.errors import UserError
 
 
 def add(sub) -> None:
@@ -33,9 +33,9 @@ def add(sub) -> None:
 def run(args: argparse.Namespace) -> dict:
     import os
 
-    from latentkv.commands.common import load
     from latentkv.config import EngineConfig
     from latentkv.eval.bench import batch as bench
+    from latentkv.runtime import load
 
     sizes = common.ints(args.batch, "--batch")
     tiers = common.tiers(args.kv_cache_dtype)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from latentkv.cli import UserError
+from latentkv.errors import UserError
 
 
 def add_output(p: argparse.ArgumentParser) -> None:
@@ -67,8 +67,8 @@ def ratio(value: float | None) -> str:
 
 def cache_configs(model, tiers: list[str]) -> list:
     """One CacheConfig per tier, each checked against the model's widths before any timing."""
-    from latentkv.commands.common import check_tier
     from latentkv.config import CacheConfig
+    from latentkv.runtime import check_tier
 
     configs = [CacheConfig(t) for t in tiers]
     for config in configs:

@@ -6,10 +6,10 @@ import argparse
 import gc
 from functools import partial
 
-from latentkv.cli import UserError
 from latentkv.commands.bench import common
 from latentkv.commands.common import add_streaming_arguments, add_weight_arguments
 from latentkv.commands.common import weight_dtypes as weight_list
+from latentkv.errors import UserError
 
 RANDOM_FILL_NOTE = (
     "fill random: the context is random rows appended straight to every layer's cache (no prompt "
@@ -68,9 +68,9 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from latentkv.commands.common import load
     from latentkv.config import ConfigError, EngineConfig
     from latentkv.eval import bench
+    from latentkv.runtime import load
 
     contexts = common.ints(args.context, "--context")
     weight_dtypes = weight_list(args.weight_dtype)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from latentkv.cli import UserError
 from latentkv.commands.bench import common
 from latentkv.commands.common import add_weight_arguments
+from latentkv.errors import UserError
 
 
 def add(sub) -> None:
@@ -40,9 +40,9 @@ def add(sub) -> None:
 def run(args: argparse.Namespace) -> dict:
     import tempfile
 
-    from latentkv.commands.common import load
     from latentkv.config import EngineConfig
     from latentkv.eval import bench
+    from latentkv.runtime import load
 
     tiers = common.tiers(args.kv_cache_dtype)
     if args.tokens < 1 or args.repeats < 1:

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.eval.kvstats import bytes_stats
 from latentkv.experts.store_file import ALIGN, ExpertFileError, read_manifest
-from latentkv.kv.cache import CacheLayout
+from latentkv.kv.cache import CacheLayout, resolve_tier
 from latentkv.models.loader import Checkpoint
 from latentkv.weights.base import make_linear
 
@@ -158,8 +157,8 @@ def make_plan(
         ram_bytes = int(avail * DEFAULT_RAM_SHARE)
         source = f"{DEFAULT_RAM_SHARE:.0%} of {where} ({avail / GIB:.1f} GiB)"
     layout = CacheLayout.for_model(cfg)
-    stats = bytes_stats(layout, cache, ram_bytes)
-    per_token = stats.bytes_per_token + stats.index_bytes_per_token
+    index_bytes = len(layout.index_layers) * layout.index_head_dim * 4  # indexer keys, float32
+    per_token = resolve_tier(layout, cache).bytes_per_token_layer * layout.num_layers + index_bytes
     kv = per_token * max_model_len * max_num_seqs
     dense = dense_bytes(Checkpoint(model_dir), weight_dtype)
     act = ACTIVATION_BASE + max_num_seqs * 4 * (

@@ -130,7 +130,7 @@ def default_store_dir(model_dir: str | Path, weight_format: str) -> Path:
 
 def ensure_store(model_dir: str | Path, weight_format: str = "f32", progress: bool = False) -> Path:
     """The expert store of `model_dir`, converted from its checkpoint first if there is none."""
-    from latentkv.experts.convert import convert_experts
+    from latentkv.streaming.convert import convert_experts
 
     store = default_store_dir(model_dir, weight_format)
     if not (store / "manifest.json").exists():

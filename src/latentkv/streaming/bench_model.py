@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from latentkv.experts.base import Expert
-from latentkv.experts.convert import write_store
 from latentkv.experts.extent import codec_for
-from latentkv.experts.planner import EXPERTS_DIR
 from latentkv.experts.store_file import Manifest
 from latentkv.models.loader import Checkpoint
 from latentkv.models.synthetic import SLICE_CONFIG, write_random_checkpoint
+from latentkv.streaming.convert import write_store
+from latentkv.streaming.planner import EXPERTS_DIR
 from latentkv.weights.base import make_linear
 
 INIT_STD = 0.02  # as the dense weights of `models.synthetic`

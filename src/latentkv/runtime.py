@@ -1,0 +1,187 @@
+"""Load a model for running: weights, tokenizer and end-of-sequence ids, with errors fit for users.
+
+    loaded = load("builtin:tiny", EngineConfig(cache=CacheConfig("tq4")))
+    loaded.model, loaded.tokenizer, loaded.directory
+
+The commands, the server (in-process or in its engine process) and the benchmarks all load
+through here, so a model that one of them accepts the others accept too. A KV tier that cannot
+store the model's latent rows is refused from config.json alone, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from latentkv.errors import UserError
+
+if TYPE_CHECKING:
+    from latentkv.config import CacheConfig, EngineConfig, ModelConfig
+    from latentkv.experts.streamed import ExpertStreamer
+    from latentkv.models.model import Model
+    from latentkv.tokenizer import Tokenizer
+
+
+def check_tier(model_cfg: ModelConfig, cache: CacheConfig) -> None:
+    """Refuse a tier that cannot store this model's latent rows (e.g. tq4 on a 24-wide latent)."""
+    from latentkv.kv.cache import CacheLayout, codecs_for
+
+    if cache.kv_cache_dtype == "f32":
+        return
+    try:
+        codecs_for(CacheLayout.for_model(model_cfg), cache)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+@dataclass
+class Loaded:
+    model: Model
+    tokenizer: Tokenizer | None  # None: the model folder has no tokenizer.json (token ids only)
+    directory: Path
+    seconds: float
+    streamer: ExpertStreamer | None = None  # the experts stream from disk (--ram-gb)
+
+    def close(self) -> None:
+        """Stop expert reads and save the usage history (streamed runs)."""
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+
+
+def load(
+    model_arg: str,
+    engine: EngineConfig,
+    quiet: bool = False,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 1,
+) -> Loaded:
+    """Resolve MODEL, check the KV tier against its config.json, then load the weights (progress
+    on stderr) and the tokenizer if there is one. With `engine.ram_gb` the routed experts stream
+    from disk, planned for `max_model_len` (default: 4096) x `max_num_seqs` tokens of KV."""
+    import torch
+
+    from latentkv.config import ConfigError, ModelConfig
+    from latentkv.models.compiled import CompileUnavailable, check_compilable
+    from latentkv.models.loader import CheckpointError
+    from latentkv.models.registry import ModelNotFound, resolve
+    from latentkv.models.weights import load_model
+    from latentkv.tokenizer import Tokenizer
+
+    if engine.threads:
+        torch.set_num_threads(engine.threads)
+    t0 = time.perf_counter()
+    try:
+        directory = resolve(model_arg)
+        check_tier(ModelConfig.from_hf(directory), engine.cache)
+        if engine.compile:
+            check_compilable(engine.cache)
+        streamer = None
+        if engine.ram_gb is not None:
+            model, streamer = _load_streamed(directory, engine, quiet, max_model_len, max_num_seqs)
+        else:
+            model = load_model(
+                directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
+            )
+    except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    seconds = time.perf_counter() - t0
+    tokenizer = Tokenizer.of_model(directory)
+    if not quiet:
+        _report_load(model_arg, model, engine, seconds)
+    if engine.compile:
+        model.compile_decode(engine.cache, progress=not quiet)
+    return Loaded(model, tokenizer, directory, seconds, streamer)
+
+
+def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: float) -> None:
+    """The load's lines on stderr: parameters and formats, peak RSS, the int8/int4 kernels used."""
+    from latentkv.weights.kernels import describe
+
+    params = model.num_parameters()
+    print(
+        f"loaded {model_arg} ({model.cfg.model_type}, {params / 1e6:.1f}M parameters, "
+        f"{engine.weights_label} weights) in {seconds:.2f} s",
+        file=sys.stderr,
+    )
+    print(
+        f"peak RSS so far {_peak_rss_mib():.0f} MiB (checkpoint pages read through mmap included)",
+        file=sys.stderr,
+    )
+    for fmt in dict.fromkeys((engine.weight_dtype, engine.experts)):
+        if fmt in ("int8", "int4"):
+            print(describe(fmt), file=sys.stderr)
+
+
+def _load_streamed(
+    directory: Path, engine: EngineConfig, quiet: bool, max_model_len: int | None, max_num_seqs: int
+) -> tuple[Model, ExpertStreamer]:
+    """Plan --ram-gb, convert the experts if needed, load the dense weights: (model, streamer)."""
+    from latentkv.config import ModelConfig
+    from latentkv.experts.streamed import StreamConfig
+    from latentkv.streaming.attach import ensure_store, load_streamed
+    from latentkv.streaming.planner import GIB, make_plan
+
+    cfg = ModelConfig.from_hf(directory)
+    length = max_model_len or min(cfg.max_position_embeddings, 4096)
+    store = ensure_store(directory, engine.experts, progress=not quiet)
+    plan = make_plan(
+        cfg,
+        directory,
+        int(engine.ram_gb * GIB),
+        engine.weight_dtype,
+        engine.cache,
+        length,
+        max_num_seqs,
+        store_dir=store,
+    )
+    if not plan.fits:
+        raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")
+    config = StreamConfig(budget=plan.expert_cache_bytes, policy=engine.expert_policy)
+    model, streamer = load_streamed(directory, store, config, engine.weight_dtype, progress=not quiet)
+    if not quiet:
+        _note(
+            f"streaming experts from {store}: cache {plan.expert_cache_bytes / GIB:.2f} GiB "
+            f"({plan.cached_experts} of {plan.experts_total} experts, {engine.expert_policy}); "
+            f"KV pool {plan.kv_bytes / GIB:.2f} GiB for {length} tokens x {max_num_seqs}"
+        )
+        for note in streamer.notes:
+            _note(note)
+    return model, streamer
+
+
+def experts_line(streamer: ExpertStreamer) -> str:
+    """One line of expert-streaming telemetry."""
+    t = streamer.snapshot()
+    per_pass = t["bytes_read"] / max(1, t["passes"]) / 2**20
+    return (
+        f"experts: hit rate {t['hit_rate']:.1%}, prefetch recall {t['recall']:.1%}, "
+        f"{per_pass:.1f} MiB read per pass, {t['read_gbps']:.2f} GB/s, "
+        f"resident {t['resident_bytes'] / 2**30:.3f} of {t['budget'] / 2**30:.3f} GiB"
+    )
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _note(text: str) -> None:
+    print(f"latentkv: {text}", file=sys.stderr)
+
+
+def stop_ids(cfg: ModelConfig, directory: str | Path) -> tuple[int, ...]:
+    """The model's end-of-sequence ids, with generation_config.json's (chat models list several)."""
+    from latentkv.config import read_json_object
+
+    ids = list(cfg.eos_token_ids)
+    path = Path(directory) / "generation_config.json"
+    extra = read_json_object(path).get("eos_token_id") if path.exists() else None  # ConfigError if broken
+    for value in extra if isinstance(extra, list) else [extra]:
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    return tuple(ids)
