@@ -180,9 +180,15 @@ def _model_without(tmp_path: Path, tiny_dir: Path, *keep: str) -> Path:
             ["builtin:tiny", "--prompt-ids", "1", "--kv-cache-dtype", "int3"],
             "unknown --kv-cache-dtype 'int3'; choose from f32",
         ),
-        (["builtin:tiny", "--prompt-ids", "1", "--temperature", "-1"], "temperature must be >= 0"),
+        (
+            ["builtin:tiny", "--prompt-ids", "1", "--temperature", "-1"],
+            "temperature must be a finite number >= 0",
+        ),
         (["builtin:tiny", "--prompt-ids", "1", "--top-p", "0"], "top_p"),
-        (["builtin:tiny", "--prompt-ids", "1", "--threads", "0"], "threads must be >= 1"),
+        (
+            ["builtin:tiny", "--prompt-ids", "1", "--threads", "0"],
+            "--threads (or LATENTKV_THREADS) must be in 1..",
+        ),
     ],
 )
 def test_generate_user_errors_exit_2_without_a_traceback(args, message, capsys):
