@@ -127,7 +127,7 @@ class RecordFile:
         slots[BLOCK : BLOCK + SLOT.size] = slot_bytes(digest, 1, 0)  # commit 1 (no records) in slot 1
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # a KV file holds a conversation
             try:
                 _pwrite_all(fd, area + slots, 0)
                 _sync(fd)

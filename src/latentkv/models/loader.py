@@ -122,9 +122,9 @@ class Checkpoint:
         self._where: dict[str, _SafetensorsFile] = {}
         iterator = files
         if progress and len(files) > 1:
-            from tqdm import tqdm
+            from latentkv.progress import progress as show_progress
 
-            iterator = tqdm(files, desc="opening shards", unit="shard", file=sys.stderr)
+            iterator = show_progress(files, "opening shards", "shard")
         for path in iterator:
             shard = _SafetensorsFile(path)
             self._files.append(shard)
