@@ -4,8 +4,8 @@ Every `import` and `from ... import` counts, inside functions and `if TYPE_CHECK
 import deferred into a function is still a dependency. The layers, lowest first (a unit is a
 top-level module or package of latentkv; docs/architecture.md draws them):
 
-    0  __init__ (version), errors, config,      what everything may use
-       progress (the progress bar)
+    0  __init__ (version), errors, config,       what everything may use
+       progress (a stage's progress on stderr)
     1  tokenizer, chat_template                  text in and out; no model
     2  kv, weights                               KV codecs, caches, the KV file; weight formats (Linear)
     3  attention, experts                        attention backends over kv; expert stores over weights

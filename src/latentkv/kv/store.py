@@ -119,8 +119,6 @@ def header_problem(header: KVHeader) -> str | None:
     if header.layers != tuple(range(m.num_layers)):
         return f"header field layers: {list(header.layers)[:8]} is not every one of the {m.num_layers} layers"
     spec = header.codec
-    if spec.revision != CODEC_REVISION:
-        return None
     for part in ("c", "r"):
         params = getattr(spec, part).params
         seed, group = params.get("rotation_seed"), params.get("group_size")
@@ -130,10 +128,12 @@ def header_problem(header: KVHeader) -> str | None:
             return f"header field codec.{part}.params.rotation_seed: {seed!r:.40} is not a 64-bit seed"
         if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
             return f"header field codec.{part}.params.group_size: {group!r:.40} is not a positive integer"
-    try:
+    try:  # the tier, with its knobs, must fit the model's widths (whatever the revision)
         expected = codec_spec(layout_of(header), _own_config(spec))
     except (KVFileError, ValueError, TypeError, OverflowError) as exc:
         return f"header field codec: tier {spec.tier!r:.40} cannot be built for this model: {exc}"
+    if spec.revision != CODEC_REVISION:  # other byte formats: `compare` refuses them by name
+        return None
     for part in ("c", "r"):
         got, want = getattr(spec, part), getattr(expected, part)
         if got != want:

@@ -92,7 +92,8 @@ def document(app: FastAPI) -> dict:
                 }
             if path in STREAMING:  # "stream": true answers server-sent events
                 ok = responses.setdefault("200", {"description": "Successful Response"})
-                ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+                events = {"description": "data: {chunk JSON}, then data: [DONE]", "schema": {}}
+                ok.setdefault("content", {})["text/event-stream"] = events
             for status in statuses:
                 responses[str(status)] = _error_response(status)
     return schema
