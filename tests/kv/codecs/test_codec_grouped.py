@@ -117,7 +117,11 @@ def test_polar_grouped_matches_the_float64_reference(bits, group, width):
     idx = codec.unpack(enc.codes)
     assert idx.shape == ref_idx.shape == (200, width - width // group)
     assert (idx.long() != ref_idx).float().mean() < 2e-3  # only float32 angles right on a bin edge
-    torch.testing.assert_close(enc.scales.double(), ref_radii, rtol=1e-5, atol=0)
+    # The rotation runs in float32: each rotated coordinate is off by ~1e-7 of the row's norm,
+    # so a small group radius (groups of 2: one pair of coordinates) is only that close in
+    # absolute terms; relative 1e-5 alone failed ~1 draw in 10 at group 2.
+    norms = x.double().norm(dim=1, keepdim=True)  # [N, 1]
+    assert ((enc.scales.double() - ref_radii).abs() <= 1e-5 * ref_radii + 1e-6 * norms).all()
     expected = polar_reconstruct(idx, enc.scales, bits, group)
     assert ((codec.decode(enc).double() - expected).norm() / expected.norm()).item() < 1e-5
 
