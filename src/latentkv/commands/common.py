@@ -262,6 +262,11 @@ def load(model_arg: str, engine, quiet: bool = False) -> Loaded:
         directory = resolve(model_arg)
         check_tier(ModelConfig.from_hf(directory), engine.cache)
         if engine.compile:
+            if {engine.weight_dtype, engine.experts} - {"f32", "bf16"}:
+                raise UserError(
+                    "--compile runs f32 and bf16 weights; int8 and int4 decode eagerly (their kernels are "
+                    "torch's own ops): drop --compile"
+                )
             check_compilable(engine.cache)
         model = load_model(
             directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
