@@ -7,9 +7,10 @@ each depth (llama-bench `-n 64 -d D`; latentkv `bench decode --context max(D, 1)
 tok/s of 512 tokens (llama-bench `-p 512`; latentkv's prefill of a 512-token context), one
 table with latentkv / llama.cpp ratios, JSON under benchmarks/results/.
 
-llama.cpp is never built here: the one build lives in ~/.cache/latentkv/llama.cpp (made by the
-KV-frontier benchmark's module, benchmarks/llamacpp*.py, `--build`). This script finds
-`llama-bench`, `llama-quantize` and `convert_hf_to_gguf.py` there (or under --llama-cpp DIR),
+llama.cpp is never built here: the one build lives in ~/.cache/latentkv/llama.cpp, made by the
+KV-frontier benchmark's module `benchmarks/llamacpp.py --build`. This script uses that module for
+the tools and the GGUF conversion when the checkout has it (else it finds `llama-bench`,
+`llama-quantize` and `convert_hf_to_gguf.py` under --llama-cpp DIR itself),
 converts MODEL to GGUF once per format into --work (kept between runs), and runs both engines
 one after the other with the same thread count. Run it on an idle machine: timings on a busy one
 say nothing. The GLM-5 tokenizer needs the converter to know its pre-tokenizer (GLM-4's regex,
@@ -57,19 +58,39 @@ def find(root: Path, name: str) -> Path:
     sys.exit(f"error: no {name} under {root}; build llama.cpp once with the KV-frontier benchmark (--build)")
 
 
+def shared_module():
+    """benchmarks/llamacpp.py, the one llama.cpp build's module (the KV-frontier benchmark's),
+    when this checkout has it; None otherwise (then the tree is searched under --llama-cpp)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        import llamacpp
+    except ImportError:
+        return None
+    return llamacpp
+
+
+def tool(llama: Path, name: str) -> Path:
+    shared = shared_module()
+    return shared.binary(name) if shared is not None else find(llama, name)
+
+
 def gguf(model: Path, fmt: str, work: Path, llama: Path) -> Path:
     """MODEL as a GGUF of format fmt, converted (f16) and quantized once, cached in work."""
     work.mkdir(parents=True, exist_ok=True)
     f16 = work / f"{model.name}-f16.gguf"
-    if not f16.exists():
+    shared = shared_module()
+    if not f16.exists() and shared is not None:
+        shared.convert_to_gguf(model, f16, "f16")  # splits fused experts, patches the tokenizer steps
+    elif not f16.exists():
         converter = find(llama, "convert_hf_to_gguf.py")
+        source = str(per_expert(model, work))
         run(
             [
                 sys.executable,
                 "-c",
                 CONVERT_AS_GLM4,
                 str(converter),
-                str(model),
+                source,
                 "--outtype",
                 "f16",
                 "--outfile",
@@ -80,7 +101,7 @@ def gguf(model: Path, fmt: str, work: Path, llama: Path) -> Path:
         return f16
     out = work / f"{model.name}-{fmt}.gguf"
     if not out.exists():
-        run([str(find(llama, "llama-quantize")), str(f16), str(out), QUANTIZE_TYPE[fmt]])
+        run([str(tool(llama, "llama-quantize")), str(f16), str(out), QUANTIZE_TYPE[fmt]])
     return out
 
 
@@ -127,7 +148,7 @@ def run(cmd: list[str]) -> str:
 
 def llama_bench(llama: Path, model_gguf: Path, threads: int, depths: list[int]) -> dict:
     """{"pp512": tok/s, "tg@D": tok/s} from one llama-bench run (JSON output)."""
-    cmd = [str(find(llama, "llama-bench")), "-m", str(model_gguf), "-t", str(threads)]
+    cmd = [str(tool(llama, "llama-bench")), "-m", str(model_gguf), "-t", str(threads)]
     cmd += ["-p", str(PREFILL), "-n", str(GEN), "-d", ",".join(map(str, depths)), "-o", "json"]
     out = {}
     for r in json.loads(run(cmd)):

@@ -13,6 +13,7 @@ from latentkv.eval import oracle
 ROW_KEYS = {
     "name",
     "kv_cache_dtype",
+    "weight_dtype",
     "tf",
     "greedy",
     "greedy_prefix",

@@ -52,3 +52,9 @@ def test_generate_says_which_kernels(capsys):
         and "weights: int4" in err
         and "_weight_int4pack_mm_for_cpu" in err
     )
+
+
+def test_compile_refuses_quantized_weights_in_one_line(capsys):
+    code = main(["generate", "builtin:tiny", "--prompt", "a", "--weight-dtype", "int8", "--compile"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--compile runs f32 and bf16 weights" in err

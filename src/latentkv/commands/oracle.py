@@ -63,13 +63,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=1))
     else:
-        print(table(rows, with_tiers=len(caches) > 1 or bool(more_weights)))
+        print(table(rows, with_tiers=len(caches) > 1 or bool(more_weights), with_weights=bool(more_weights)))
         print(f"(tolerance {oracle.LOGIT_TOLERANCE:g} on float32 logits, gating f32 only)", file=sys.stderr)
     return 0 if all(r.ok is not False for r in rows) else 1
 
 
-def table(rows, with_tiers: bool) -> str:
-    """Fixed-width rows; the tier columns appear when more than f32 was asked for."""
+def table(rows, with_tiers: bool, with_weights: bool = False) -> str:
+    """Fixed-width rows; the tier columns appear when more than f32 was asked for, the weights
+    column when weight formats other than f32 were."""
     if not with_tiers:
         lines = [
             f"{'model':<18} {'tf':>6} {'greedy':>7} {'max_abs_logit_diff':>19} {'reference':>10}  result"
@@ -81,12 +82,12 @@ def table(rows, with_tiers: bool) -> str:
             )
         return "\n".join(lines)
     lines = [
-        f"{'model':<18} {'weights':<7} {'kv':<7} {'tf':>6} {'greedy':>7} {'prefix':>6} {'max_abs_logit_diff':>19} "
+        f"{'model':<18} {'weights  ' if with_weights else ''}{'kv':<7} {'tf':>6} {'greedy':>7} {'prefix':>6} {'max_abs_logit_diff':>19} "
         f"{'reference':>10}  result"
     ]
     for r in rows:
         lines.append(
-            f"{r.name:<18} {r.weight_dtype:<7} {r.kv_cache_dtype:<7} {r.tf:>6} {r.greedy:>7} {r.greedy_prefix:>6} "
+            f"{r.name:<18} {f'{r.weight_dtype:<7}  ' if with_weights else ''}{r.kv_cache_dtype:<7} {r.tf:>6} {r.greedy:>7} {r.greedy_prefix:>6} "
             f"{r.max_abs_logit_diff:>19.2e} {_ref(r):>10}  {_result(r)}"
         )
     return "\n".join(lines)

@@ -32,13 +32,14 @@ from latentkv.weights import FORMATS, Linear, make_linear
 from latentkv.weights.base import DenseLinear, format_class
 from latentkv.weights.heads import HeadLinears
 
-# The table a token id reads (the embedding) in each format; bfloat16 for packed formats (a
-# gather reads one row per token: its bytes are resident, not streamed, so 16 bits suffice).
+# The table a token id reads (the embedding) in each format: bfloat16 under int8 and int4 (a
+# gather reads one row per token, so 16 bits suffice there); float32 for other formats.
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 # (layer index, router, shared expert or None) -> the layer's MoE, for experts kept elsewhere
 MoEFactory = Callable[[int, Router, SwiGLU | None], object]
 # transformers builds the q-LoRA and kv-a norms without the config's eps: they use 1e-6.
 LORA_NORM_EPS = 1e-6
+TABLE_DTYPES = {**DTYPES, "int8": torch.bfloat16, "int4": torch.bfloat16}
 
 
 class _Reader:
@@ -58,7 +59,7 @@ class _Reader:
         self.packed = packed or {}  # a converted checkpoint's pre-quantized matrices (its manifest)
         self.fmt = fmt
         self.expert_fmt = expert_fmt or fmt  # routed experts' format (--expert-dtype)
-        self.dtype = DTYPES.get(fmt, torch.bfloat16)  # the embedding table's
+        self.dtype = TABLE_DTYPES.get(fmt, torch.float32)  # the embedding table's
         self.block_size = block_size
         self.used: set[str] = set()
 
