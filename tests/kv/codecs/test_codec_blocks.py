@@ -276,3 +276,16 @@ def test_searched_codecs_inert_rows_and_refusals(name):
     assert torch.all(out[:2] == 0) and (out[2] - rows[2]).norm() < 0.2 * rows[2].norm()
     with pytest.raises(ValueError, match=f"{name} stores rows in blocks.*12 wide; use fp8"):
         get_codec(name, 12)
+
+
+def test_q4s_is_read_by_the_q4_0_reference_and_beats_q4_0():
+    rows = sample_rows(64, 128, seed=13)
+    q4s, q4_0 = get_codec("q4s", 128), get_codec("q4_0", 128)
+    enc = q4s.encode(rows)
+    raw = enc.codes.numpy().tobytes()
+    ref = np.concatenate([ref_decode_block("q4_0", raw[i * 18 : (i + 1) * 18], 32) for i in range(64 * 4)])
+    out = q4s.decode(enc)
+    torch.testing.assert_close(out.double().flatten(), torch.from_numpy(ref), rtol=1e-6, atol=0)
+    base = q4_0.decode(q4_0.encode(rows))
+    assert weighted_error(out, rows).sum() < 0.95 * weighted_error(base, rows).sum()
+    assert (out - rows).square().sum() < (base - rows).square().sum()
