@@ -32,7 +32,9 @@ def llama_points(path: Path | None) -> dict[str, tuple[int, float]]:
     if path is None:
         return {}
     rows = json.loads(path.read_text())["rows"]
-    return {r["tier"]: (r["bytes"], r["kld"]) for r in rows if r["engine"] == "llama.cpp" and r.get("kld", 0) > 0}
+    return {
+        r["tier"]: (r["bytes"], r["kld"]) for r in rows if r["engine"] == "llama.cpp" and r.get("kld", 0) > 0
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, pts, marker, color in series:
         if not pts:
             continue
-        ax.scatter([b for b, _ in pts.values()], [k for _, k in pts.values()], marker=marker, color=color, label=label)
+        ax.scatter(
+            [b for b, _ in pts.values()],
+            [k for _, k in pts.values()],
+            marker=marker,
+            color=color,
+            label=label,
+        )
         for name, (b, k) in pts.items():
             ax.annotate(name, (b, k), textcoords="offset points", xytext=(4, 3), fontsize=7, color=color)
     ax.set_yscale("log")

@@ -299,7 +299,7 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
 BLOCK_KV_CACHE_DTYPES = (
     *("q8_0", "q5_0", "q4_0", "q4_1"),
     *("hq8_0", "hq5_0", "hq4_0", "hq4_1"),
-    *("q8s", "q4s", "wq4"),
+    *("q8s", "q5s", "q4s", "wq4"),
 )
 KV_CACHE_DTYPES = (
     "f32",

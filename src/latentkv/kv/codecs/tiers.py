@@ -39,7 +39,14 @@ def _same(name: str) -> Tier:
 
 
 _R_SUFFIXES = {"r8": "fp8", "r16": "bf16"}
-BLOCK_TIERS = (*("q8_0", "q5_0", "q4_0", "q4_1"), *("hq8_0", "hq5_0", "hq4_0", "hq4_1"), "q8s", "q4s", "wq4")
+BLOCK_TIERS = (
+    *("q8_0", "q5_0", "q4_0", "q4_1"),
+    *("hq8_0", "hq5_0", "hq4_0", "hq4_1"),
+    "q8s",
+    "q5s",
+    "q4s",
+    "wq4",
+)
 MIXED_BASES = ("tq4", "tq3", "polar4")
 
 TIERS: dict[str, Tier] = {
