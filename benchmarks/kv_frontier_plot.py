@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--eval", type=Path, nargs="+", required=True)
     p.add_argument("--llamacpp", type=Path, default=None)
+    p.add_argument(
+        "--llama-point",
+        nargs="*",
+        default=[],
+        metavar="NAME:BYTES:KLD",
+        help="llama.cpp points measured elsewhere (e.g. issue 18's llama-perplexity run: q4_0:90:0.00139)",
+    )
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--title", default="builtin:fixture, KV bytes vs KL divergence from full precision")
     p.add_argument("--out", type=Path, default=Path("docs/kv-frontier.png"))
@@ -54,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     series = [("latentkv eval ppl", points(args.eval, args.context), "o", "tab:blue")]
     series.append(("llama.cpp llama-perplexity", llama_points(args.llamacpp), "s", "tab:red"))
+    given = {n: (int(b), float(k)) for n, b, k in (t.split(":") for t in args.llama_point)}
+    series.append(("llama.cpp llama-perplexity (b11434, 300 chunks, issue 18)", given, "^", "tab:orange"))
     for label, pts, marker, color in series:
         if not pts:
             continue
