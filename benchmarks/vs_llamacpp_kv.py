@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
 
 LLAMA_TYPES = "q8_0,q5_1,q5_0,q4_1,q4_0,iq4_nl"
-OUR_TIERS = "q8_0,hq8_0,q5_0,hq5_0,q4_1,hq4_1,q4_0,hq4_0,fp8,tq4-r8,tq4"
+OUR_TIERS = "q8_0,q8s,q5_0,q5s,q4_1,q4_0,q4s,hq4_0,fp8,tq4-r8,tq4"
 # ggml block sizes: (bytes, values) per block
 GGML_BLOCKS = {
     "f32": (4, 1),

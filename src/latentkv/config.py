@@ -438,12 +438,12 @@ def _rope(raw: _Raw) -> RopeConfig:
 # The tiers, named as vLLM's --kv-cache-dtype: the one list (latentkv.kv.codecs.tiers derives
 # each one's codecs from the name), here so this module stays free of imports from the package.
 # The mixed tiers (tq4-r8: tq4 latent, fp8 rope key; -r16: bf16 rope key) follow the single-codec ones.
-# llama.cpp's block formats (fixed blocks of 32, no --kv-group-size) and their rotated variants.
+# llama.cpp's block formats (fixed blocks of 32, no --kv-group-size), their rotated variants, and
+# the searched-scale block tiers (docs/kv-tiers.md).
 BLOCK_KV_CACHE_DTYPES = (
     *("q8_0", "q5_0", "q4_0", "q4_1"),
     *("hq8_0", "hq5_0", "hq4_0", "hq4_1"),
-    "q8s",
-    "wq4",
+    *("q8s", "q5s", "q4s", "wq4"),
 )
 KV_CACHE_DTYPES = (
     "f32",

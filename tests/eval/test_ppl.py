@@ -238,3 +238,23 @@ def test_cli_weight_format_errors(capsys, tmp_path):
     text.write_text(TEXT)
     code, out, err = _run(capsys, "builtin:tiny", "--text", str(text), "--weight-dtype", "int8,int3")
     assert code == 2 and out == "" and "unknown weight dtype int3" in err
+
+
+def test_score_from_scores_only_the_later_positions(ours):
+    """--score-from S: the sums cover positions S .. N-2 only (predicting tokens S+1 .. N-1), each
+    position still seeing the whole window before it; checked against float64 sums of the full logits."""
+    model = ours("glm5-tiny")
+    windows = torch.stack([_ids(20, seed=41), _ids(20, seed=42)])
+    tiers = [CacheConfig("f32"), CacheConfig("q4s")]
+    scores = ppl.score_context(model, windows, tiers, score_from=12)
+    assert scores.tokens_per_window == 7 and scores.score_from == 12
+    for w in range(2):
+        full_ref = ppl.score_window(model, windows[w], tiers[0]).double()
+        full = ppl.score_window(model, windows[w], tiers[1]).double()
+        log_p, log_q = torch.log_softmax(full_ref[12:-1], -1), torch.log_softmax(full[12:-1], -1)
+        targets = windows[w, 13:]
+        assert scores.nll[1, w] == pytest.approx(float(-log_q[torch.arange(7), targets].sum()), abs=1e-3)
+        assert scores.kl[1, w] == pytest.approx(float((log_p.exp() * (log_p - log_q)).sum()), abs=1e-4)
+    assert ppl.summarize(scores, model.layout, resamples=0)["tokens_scored"] == 14
+    with pytest.raises(ValueError, match="--score-from 19: must be 0 .. 18"):
+        ppl.score_context(model, windows, tiers, score_from=19)

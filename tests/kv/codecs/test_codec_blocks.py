@@ -266,7 +266,7 @@ def test_wq4_decodes_as_the_reference_codes_are_nearest_and_beats_q4_0():
     assert ours.sum() < 0.85 * theirs.sum()
 
 
-@pytest.mark.parametrize("name", ["q8s", "wq4"])
+@pytest.mark.parametrize("name", ["q8s", "q5s", "q4s", "wq4"])
 def test_searched_codecs_inert_rows_and_refusals(name):
     codec = get_codec(name, 64)
     rows = torch.randn(3, 64)
@@ -276,3 +276,18 @@ def test_searched_codecs_inert_rows_and_refusals(name):
     assert torch.all(out[:2] == 0) and (out[2] - rows[2]).norm() < 0.2 * rows[2].norm()
     with pytest.raises(ValueError, match=f"{name} stores rows in blocks.*12 wide; use fp8"):
         get_codec(name, 12)
+
+
+@pytest.mark.parametrize(("name", "ggml", "step"), [("q4s", "q4_0", 18), ("q5s", "q5_0", 22)])
+def test_q4s_q5s_are_read_by_the_ggml_reference_and_beat_it(name, ggml, step):
+    rows = sample_rows(64, 128, seed=13)
+    ours_codec, base_codec = get_codec(name, 128), get_codec(ggml, 128)
+    assert ours_codec.code_bytes == base_codec.code_bytes == 4 * step
+    enc = ours_codec.encode(rows)
+    raw = enc.codes.numpy().tobytes()
+    ref = np.concatenate([ref_decode_block(ggml, raw[i * step : (i + 1) * step], 32) for i in range(64 * 4)])
+    out = ours_codec.decode(enc)
+    torch.testing.assert_close(out.double().flatten(), torch.from_numpy(ref), rtol=1e-6, atol=0)
+    base = base_codec.decode(base_codec.encode(rows))
+    assert weighted_error(out, rows).sum() < 0.95 * weighted_error(base, rows).sum()
+    assert (out - rows).square().sum() < (base - rows).square().sum()

@@ -32,7 +32,20 @@ def rel_l2(codec_name: str, x: torch.Tensor) -> float:
 
 def test_names():
     expected = ["f32", "bf16", "fp8"] + [f"tq{b}" for b in range(2, 7)] + [f"polar{b}" for b in range(2, 7)]
-    expected += ["q8_0", "q5_0", "q4_0", "q4_1", "hq8_0", "hq5_0", "hq4_0", "hq4_1", "q8s", "wq4"]
+    expected += [
+        "q8_0",
+        "q5_0",
+        "q4_0",
+        "q4_1",
+        "hq8_0",
+        "hq5_0",
+        "hq4_0",
+        "hq4_1",
+        "q8s",
+        "q5s",
+        "q4s",
+        "wq4",
+    ]
     assert list(CODEC_NAMES) == expected
 
 

@@ -80,7 +80,7 @@ CODECS: dict[str, _Factory] = {
     **{f"polar{b}": _rotated(PolarCodec, "polar", b) for b in range(2, 7)},
     **{fmt: _block(fmt, False) for fmt in BLOCK_FORMATS},
     **{f"h{fmt}": _block(fmt, True) for fmt in BLOCK_FORMATS},
-    **{name: _searched(name) for name in ("q8s", "wq4")},
+    **{name: _searched(name) for name in ("q8s", "q5s", "q4s", "wq4")},
 }
 CODEC_NAMES: tuple[str, ...] = tuple(CODECS)
 

@@ -63,6 +63,13 @@ def block_for(width: int) -> int:
     return next((b for b in (BLOCK, 16, 8) if width % b == 0), 0)
 
 
+def _fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 stored at bytes [start, start + 2) of each block [N, B, bytes] -> float32 [N, B, 1]."""
+    raw = blocks[..., start : start + 2]
+    dense = torch.empty(raw.shape, dtype=torch.uint8).copy_(raw)  # a fresh tensor: always 2-aligned rows
+    return dense.view(torch.float16).to(torch.float32)
+
+
 def _half_away(v: torch.Tensor) -> torch.Tensor:
     """C's roundf: round half away from zero."""
     return torch.sign(v) * torch.floor(v.abs() + 0.5)
@@ -161,7 +168,7 @@ class BlockCodec(Codec):
         basis the row was quantized in (rotated for the h* codecs): what attention reads."""
         n = codes.shape[0]
         blocks = codes.view(n, self.blocks, self.block_bytes)
-        d = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [N, B, 1]
+        d = _fp16_at(blocks, 0)  # [N, B, 1]
         body = blocks[..., self.header + self.high :]
         if self.bits == 8:
             levels = body.contiguous().view(torch.int8).to(torch.float32)
@@ -172,7 +179,7 @@ class BlockCodec(Codec):
             shifts = torch.arange(8, dtype=torch.int32)
             levels = levels | (((field[..., None] >> shifts) & 1).view(n, self.blocks, self.block) << 4)
         if self.format.affine:
-            m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
+            m = _fp16_at(blocks, 2)
             return torch.addcmul(m, levels.to(torch.float32), d).view(n, self.width)
         return ((levels - self.format.offset).to(torch.float32) * d).view(n, self.width)
 
@@ -198,9 +205,13 @@ SCALE_GRID = tuple(0.85 + 0.01 * i for i in range(21))  # trial scales, in units
 
 
 def level_table(name: str) -> torch.Tensor:
-    """q8s: the 255 integers -127 .. 127 (code byte = int8 level); wq4: its 16 levels; float32."""
+    """q8s: the 255 integers -127 .. 127 (code byte = int8 level); q4s: q4_0's -8 .. 7 (code =
+    level + 8); wq4: its 16 levels; float32."""
     if name == "q8s":
         return torch.arange(-127, 128, dtype=torch.float32)
+    if name in ("q4s", "q5s"):
+        top = 8 if name == "q4s" else 16
+        return torch.arange(-top, top, dtype=torch.float32)
     half = torch.tensor(WQ4_LEVELS, dtype=torch.float64)
     return torch.cat((-half.flip(0), half)).to(torch.float32)
 
@@ -213,16 +224,18 @@ class SearchedBlockCodec(Codec):
     error weighs each value by w = x^2 (as ggml's k-quants do without an importance matrix):
     attention's dot products lean on a block's large values, so their error counts most.
 
-    q8s: q8_0's bytes exactly (fp16 d | 32 x int8), so llama.cpp reads it as q8_0.
+    q8s: q8_0's bytes exactly (fp16 d | 32 x int8), so llama.cpp reads it as q8_0; q5s and q4s:
+    q5_0's and q4_0's bytes (levels -16 .. 15, -8 .. 7; both signs of d tried, so either side may
+    take the extra level), with the weight x^2 + the block's mean x^2.
     wq4: q4_0's shape (fp16 d | 16 nibbles, low nibble value j, high value j + 16), the codes
     indexing the 16 symmetric levels `level_table("wq4")` (x_hat = level[code] d): 90 bytes a
     token per layer at the fixture's widths, as q4_0.
     """
 
     def __init__(self, width: int, name: str):
-        if name not in ("q8s", "wq4"):
+        if name not in ("q8s", "q5s", "q4s", "wq4"):
             raise ValueError(f"unknown searched block codec {name!r}")
-        self.name, self.bits = name, 8 if name == "q8s" else 4
+        self.name, self.bits = name, {"q8s": 8, "q5s": 5}.get(name, 4)
         block = block_for(width)
         if width < 1 or not block:
             raise ValueError(
@@ -230,7 +243,8 @@ class SearchedBlockCodec(Codec):
                 f"but this row is {width} wide; use fp8, which works at any width"
             )
         self.width, self.block, self.blocks = width, block, width // block
-        self.block_bytes = 2 + (block if self.bits == 8 else block // 2)
+        self.high = block // 8 if self.bits == 5 else 0  # q5_0's fifth-bit field
+        self.block_bytes = 2 + self.high + (block if self.bits == 8 else block // 2)
         self.code_bytes = self.blocks * self.block_bytes
         self.scale_count = 0
         self.table = level_table(name)
@@ -256,7 +270,13 @@ class SearchedBlockCodec(Codec):
         """Codes of the nearest level under scales d [N, B, 1], and each block's weighted error."""
         safe = torch.where(d == 0, torch.ones_like(d), d)
         idx = torch.bucketize((blocks / safe).contiguous(), self._mids)
-        return idx, ((self.table[idx] * d - blocks) * blocks).square().sum(dim=-1, keepdim=True)
+        return idx, (self.weight(blocks) * (self.table[idx] * d - blocks).square()).sum(dim=-1, keepdim=True)
+
+    def weight(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The error weight of each value: x^2 (q8s, wq4); q4s adds the block's mean x^2, so
+        that small values keep some weight at 4 bits."""
+        w = blocks.square()
+        return w + w.mean(dim=-1, keepdim=True) if self.name in ("q4s", "q5s") else w
 
     def _best(self, blocks: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor]:
         """Over trial scales [N, B, 1]: the codes and the scale of least weighted error."""
@@ -275,9 +295,10 @@ class SearchedBlockCodec(Codec):
         def fp16(d: torch.Tensor) -> torch.Tensor:
             return d.to(torch.float16).to(torch.float32)
 
-        unit = blocks.abs().amax(dim=-1, keepdim=True) / self.table[-1]  # [N, B, 1]
-        idx, d = self._best(blocks, [fp16(unit * g) for g in SCALE_GRID])
-        q, w = self.table[idx], blocks.square()
+        unit = blocks.abs().amax(dim=-1, keepdim=True) / self.table.abs().max()  # [N, B, 1]
+        signs = (1.0, -1.0) if self.name in ("q4s", "q5s") else (1.0,)  # either side may take -8 (-16)
+        idx, d = self._best(blocks, [fp16(unit * (g * s)) for g in SCALE_GRID for s in signs])
+        q, w = self.table[idx], self.weight(blocks)
         refit = (w * blocks * q).sum(-1, keepdim=True) / (w * q.square()).sum(-1, keepdim=True).clamp_min(
             1e-30
         )
@@ -288,11 +309,18 @@ class SearchedBlockCodec(Codec):
         """codes uint8 [N, code_bytes] -> level[code] * d, float32 [N, n] (what attention reads)."""
         n = codes.shape[0]
         blocks = codes.view(n, self.blocks, self.block_bytes)
-        d = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [N, B, 1]
+        d = _fp16_at(blocks, 0)  # [N, B, 1]
         body = blocks[..., 2:]
         if self.bits == 8:
             return (body.contiguous().view(torch.int8).to(torch.float32) * d).view(n, self.width)
+        body = body[..., self.high :]
         idx = torch.cat((body & 15, body >> 4), dim=-1).to(torch.int64)  # [N, B, b]
+        if self.bits == 5:
+            field = blocks[..., 2 : 2 + self.high].to(torch.int64)
+            shifts = torch.arange(8, dtype=torch.int64)
+            idx = idx | (((field[..., None] >> shifts) & 1).view(n, self.blocks, self.block) << 4)
+        if self.name in ("q4s", "q5s"):  # q4_0's (q5_0's) levels: code - 8 (- 16)
+            return ((idx - len(self.table) // 2).to(torch.float32) * d).view(n, self.width)
         return (self.table[idx] * d).view(n, self.width)
 
     def decode(self, enc: EncodedRows) -> torch.Tensor:
