@@ -35,10 +35,11 @@ class SamplingParams:
         return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Pick the next token from logits [vocab]."""
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from (temperature, then top-k, then top-p), as float32
+    [vocab] summing to 1; for greedy params, one-hot on the argmax."""
     if params.greedy:
-        return int(logits.argmax())
+        return torch.zeros(logits.shape[-1]).index_fill_(0, logits.argmax().view(1), 1.0)
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_k:
         kth = probs.topk(min(params.top_k, probs.shape[-1])).values[-1]
@@ -51,4 +52,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = cumulative - sorted_probs >= params.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return probs / probs.sum()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """Pick the next token from logits [vocab]."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

@@ -22,6 +22,7 @@ from latentkv.models.indexer import Indexer
 from latentkv.models.layers import RMSNorm, Rope, RotaryTables, SwiGLU, linear
 from latentkv.models.mla import MLA
 from latentkv.models.moe import MoE
+from latentkv.models.mtp import MTPLayer
 from latentkv.models.prefill import prefill_batch
 
 
@@ -65,12 +66,14 @@ class Model:
         blocks: list[Block],
         norm: torch.Tensor,
         lm_head: torch.Tensor,
+        mtp: MTPLayer | None = None,
     ):
         self.cfg = cfg
         self.embed = embed  # [vocab, D]
         self.blocks = blocks
         self.norm = norm
         self.lm_head = lm_head  # [vocab, D]
+        self.mtp = mtp  # the multi-token-prediction draft layer, when the checkpoint ships one
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
         self.layout = CacheLayout.for_model(cfg)
         self.compiled: CompiledDecode | None = None
@@ -92,19 +95,29 @@ class Model:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool = False
-    ) -> torch.Tensor:
+        self,
+        tokens: torch.Tensor,
+        cache: LatentCache | PackedLatentCache,
+        all_logits: bool = False,
+        hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [S] (int64) continuing `cache` -> logits [S, vocab] (or [1, vocab] for the last).
 
-        The cache gains S rows per layer. Positions continue from `cache.length`.
+        The cache gains S rows per layer. Positions continue from `cache.length`. With `hidden`,
+        returns (logits, h) where h [S, D] is every position's lm_head input (after the final
+        norm): what the MTP draft layer reads (`latentkv.models.mtp`).
         """
-        if self.compiled is not None and tokens.shape[0] == 1:
+        if self.compiled is not None and tokens.shape[0] == 1 and not hidden:
             return self.compiled(tokens, cache, all_logits)
-        return self._forward(tokens, cache, all_logits)
+        return self._forward(tokens, cache, all_logits, hidden)
 
     def _forward(
-        self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool = False
-    ) -> torch.Tensor:
+        self,
+        tokens: torch.Tensor,
+        cache: LatentCache | PackedLatentCache,
+        all_logits: bool = False,
+        hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         S = tokens.shape[0]
         start = cache.length
         if start + S > self.cfg.max_position_embeddings:
@@ -118,9 +131,32 @@ class Model:
         for i, block in enumerate(self.blocks):
             x, selected = block(x, cache, i, rope, selected)
         cache.commit(S)
+        if hidden:
+            h = self.norm(x)  # [S, D]
+            return linear(h if all_logits or S == 1 else h[-1:], self.lm_head), h
         if not all_logits and S > 1:
             x = x[-1:]
         return linear(self.norm(x), self.lm_head)
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        next_tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        cache: LatentCache | PackedLatentCache,
+        position: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer at positions position.. (see `MTPLayer.forward`): -> (logits [S, vocab]
+        for the token after next, h' [S, D]). `cache` is `make_draft_cache`'s."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP (multi-token prediction) layer")
+        return self.mtp.forward(self.embed, self.lm_head, self.rope, next_tokens, hidden, cache, position)
+
+    def make_draft_cache(self, cache: CacheConfig | None = None) -> LatentCache | PackedLatentCache:
+        """The MTP layer's own cache, in the same tier as the main one."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP (multi-token prediction) layer")
+        return self.mtp.make_cache(cache)
 
     @torch.inference_mode()
     def decode_batch(
@@ -152,7 +188,7 @@ class Model:
         """Weights held by the model (the RoPE tables are derived, not counted)."""
         seen: set[int] = set()
         total = 0
-        for t in _tensors([self.embed, self.blocks, self.norm, self.lm_head]):
+        for t in _tensors([self.embed, self.blocks, self.norm, self.lm_head, self.mtp]):
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel()
