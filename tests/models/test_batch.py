@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from latentkv.attention import base as attention_base
 from latentkv.config import CacheConfig
 from latentkv.kv.cache import LatentCache, PackedLatentCache
 from latentkv.kv.codecs import TIERS, get_codec
-from latentkv.models import batch
+from latentkv.models import moe as moe_module
+from latentkv.models.indexer import Indexer
 
 TOLERANCE = 1e-5
 CODE_APART_TOLERANCE = 5e-3
@@ -186,9 +188,9 @@ def test_recent_window_caches(ours):
 @pytest.mark.parametrize("tier", ["f32", "tq4"])
 def test_per_sequence_fallback_matches(ours, monkeypatch, tier):
     """Past the padded-read budget every sequence is read on its own: the same results."""
-    monkeypatch.setattr(batch, "BATCH_ATTEND_ELEMENTS", 0)
-    monkeypatch.setattr(batch, "EVERY_EXPERT_MAX_BYTES", 0)  # experts grouped by expert
-    monkeypatch.setattr(batch, "GATHER_BATCH_MAX_BYTES", 0)
+    monkeypatch.setattr(attention_base, "BATCH_ATTEND_ELEMENTS", 0)
+    monkeypatch.setattr(moe_module, "EVERY_EXPERT_MAX_BYTES", 0)  # experts grouped by expert
+    monkeypatch.setattr(moe_module, "GATHER_BATCH_MAX_BYTES", 0)
     _assert_agrees(_compare_steps(ours("glm5-tiny-dsa"), RAGGED[:8], tier, seed=15, steps=2))
 
 
@@ -200,12 +202,12 @@ def test_moe_decode_paths_match_the_layer(ours, monkeypatch, path, B):
     model = ours("dsv3-tiny")  # grouped routing: 4 groups, 2 kept
     moe = model.blocks[-1].mlp
     limits = {"every": (1 << 40, 0), "gathered": (0, 1 << 40), "grouped": (0, 0)}[path]
-    monkeypatch.setattr(batch, "EVERY_EXPERT_MAX_BYTES", limits[0])
-    monkeypatch.setattr(batch, "GATHER_BATCH_MAX_BYTES", limits[1])
-    monkeypatch.setattr(batch, "EVERY_EXPERT_MIN_PICKS", 0)
+    monkeypatch.setattr(moe_module, "EVERY_EXPERT_MAX_BYTES", limits[0])
+    monkeypatch.setattr(moe_module, "GATHER_BATCH_MAX_BYTES", limits[1])
+    monkeypatch.setattr(moe_module, "EVERY_EXPERT_MIN_PICKS", 0)
     x = torch.randn(B, model.cfg.hidden_size, generator=torch.Generator().manual_seed(B))
     expected = torch.cat([moe(x[b : b + 1]) for b in range(B)])
-    assert _relative(batch.moe_decode(moe, x), expected) <= TOLERANCE
+    assert _relative(moe(x, decode=True), expected) <= TOLERANCE
 
 
 def test_dsa_selection_matters_here(ours, monkeypatch):
@@ -215,7 +217,7 @@ def test_dsa_selection_matters_here(ours, monkeypatch):
     batched, tokens = _prefilled(model, [30, 40], "f32", seed=16)
     unselected = [_clone(c) for c in batched]
     got = model.decode_batch(torch.tensor(tokens), batched)
-    monkeypatch.setattr(batch, "_select", lambda *args: None)
+    monkeypatch.setattr(Indexer, "select_batch", lambda *args: None)
     everything = model.decode_batch(torch.tensor(tokens), unselected)
     for b in range(2):
         assert _relative(everything[b], got[b]) > 100 * TOLERANCE

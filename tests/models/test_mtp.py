@@ -95,7 +95,7 @@ def test_fixture_loads_its_mtp_layer(fixture_model):
     mtp = fixture_model.mtp
     assert mtp is not None
     assert mtp.cfg.num_layers == 1 and mtp.cfg.mlp_layer_types == ("sparse",)
-    assert mtp.eh_proj.shape == (256, 512)
+    assert (mtp.eh_proj.out_features, mtp.eh_proj.in_features) == (256, 512)
     assert mtp.block.indexer is not None  # GLM-5's MTP layer runs its own DSA indexer
 
 

@@ -101,8 +101,8 @@ def test_fp8_weights_without_a_block_size_in_the_config_are_refused(fp8_pair, tm
 
 def test_bf16_weights_stay_close_to_f32(ours, tiny_dir, helpers):
     f32, bf16 = ours("glm5-tiny"), load_model(tiny_dir, "bf16")
-    assert bf16.blocks[0].attn.w.q_b.dtype == torch.bfloat16
-    assert bf16.blocks[3].mlp.experts[0].gate_up.dtype == torch.bfloat16
+    assert bf16.blocks[0].attn.w.q_b.dense.dtype == torch.bfloat16
+    assert bf16.blocks[3].mlp.experts.get([0])[0].gate_up.dense.dtype == torch.bfloat16
     assert bf16.blocks[0].attn_norm.weight.dtype == torch.float32  # norms stay f32
     ids = helpers.random_ids(64, seed=501)
     a, b = _logits(f32, ids), _logits(bf16, ids)

@@ -24,14 +24,26 @@ import os
 import shutil
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from latentkv.config import CacheConfig
+    from latentkv.config import CacheConfig, ModelConfig
     from latentkv.kv.cache import LatentCache, PackedLatentCache
-    from latentkv.models.model import Model
+    from latentkv.models.layers import Rope
+
+
+class _Model(Protocol):
+    """What the compiled step needs of `latentkv.models.model.Model` (not imported: the model
+    imports this module)."""
+
+    cfg: ModelConfig
+    rope: Rope
+
+    def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor: ...
+
+    def _forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor: ...
 
 
 class CompileUnavailable(RuntimeError):
@@ -68,7 +80,7 @@ def check_compilable(cache: CacheConfig | None) -> None:
 class CompiledDecode:
     """The model's one-token forward pass, compiled; called by `Model.forward` for S == 1."""
 
-    def __init__(self, model: Model, cache: CacheConfig | None = None):
+    def __init__(self, model: _Model, cache: CacheConfig | None = None):
         check_compilable(cache)
         self.model = model
         # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% a step)

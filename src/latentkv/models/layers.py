@@ -1,4 +1,6 @@
-"""Small building blocks: RMSNorm, RoPE (interleaved and half-split, YaRN), SwiGLU MLP."""
+"""Small building blocks: RMSNorm, RoPE (interleaved and half-split, YaRN), SwiGLU MLP.
+
+Every matmul goes through a weight object (`latentkv.weights.Linear`), never a raw tensor."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.config import RopeConfig
+from latentkv.experts.base import Expert
 
 
 class RMSNorm:
@@ -30,52 +33,9 @@ class RMSNorm:
         return F.layer_norm(both, (2 * d,), self._doubled, None, self.eps)[..., :d]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T in the weight's dtype; the result comes back in x's dtype."""
-    if x.dtype != weight.dtype:
-        return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
-    return F.linear(x, weight, bias)
-
-
-def linear_add(residual: torch.Tensor | None, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight_t (just the product when residual is None), weight_t [K, N] being a
-    weight's stored transpose (a view): one op when the dtypes agree, which is what a decode
-    step, bound by per-op overhead, wants."""
-    if x.dtype != weight_t.dtype:
-        out = (x.to(weight_t.dtype) @ weight_t).to(x.dtype)
-        return out if residual is None else residual + out
-    return torch.mm(x, weight_t) if residual is None else torch.addmm(residual, x, weight_t)
-
-
-# Per-head products with at most this many rows and at least this many weight bytes run as
-# one matrix-vector product per head: batched matmul with a single row per batch is several
-# times slower than the memory bandwidth allows on the CPU (64 heads of GLM-5: ~8 ms vs ~2).
-PER_HEAD_MAX_ROWS = 4
-PER_HEAD_MIN_BYTES = 256 * 1024
-
-
-def per_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [H, S, K] with weight [H, N, K] (one linear layer per head) -> [H, S, N], in x's dtype."""
-    xw = x.to(weight.dtype) if x.dtype != weight.dtype else x
-    if x.shape[1] <= PER_HEAD_MAX_ROWS and weight.numel() * weight.element_size() >= PER_HEAD_MIN_BYTES:
-        out = torch.stack([F.linear(xw[h], weight[h]) for h in range(weight.shape[0])])
-    else:
-        out = torch.matmul(xw, weight.transpose(1, 2))
-    return out.to(x.dtype) if out.dtype != x.dtype else out
-
-
-class SwiGLU:
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one [2I, D] matrix."""
-
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
-        self.gate_up = gate_up  # [2I, D]
-        self.down = down  # [D, I]
-        self._down_t = down.T  # [I, D] view, for linear_add
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, D] -> [N, D] (plus `residual` [N, D] if given)."""
-        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        return linear_add(residual, F.silu(gate) * up, self._down_t)
+# A dense MLP is one always-on expert: down(silu(gate(x)) * up(x)), gate and up fused into one
+# [2I, D] Linear (see `latentkv.experts.base.Expert`).
+SwiGLU = Expert
 
 
 # --- RoPE ---------------------------------------------------------------------------------

@@ -23,16 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from latentkv.attention import REFERENCE, AttentionBackend
 from latentkv.config import ModelConfig
 from latentkv.kv.cache import RowReader
-from latentkv.models.layers import (
-    MATMUL_ROPE_MAX_POSITIONS,
-    RMSNorm,
-    RotaryTables,
-    linear,
-    linear_add,
-    per_head_linear,
-)
+from latentkv.models.layers import MATMUL_ROPE_MAX_POSITIONS, RMSNorm, RotaryTables
+from latentkv.weights.base import Linear
+from latentkv.weights.f32 import F32Linear
+from latentkv.weights.heads import HeadLinears
 
 # Budget for one score block [H, S_tile, T] in float32 elements (~32 MB).
 SCORE_BLOCK_ELEMENTS = 8 * 1024 * 1024
@@ -46,12 +43,11 @@ FUSED_DECODE_MAX_BYTES = 4 * 1024 * 1024
 @dataclass
 class MLAWeights:
     q_a_norm: RMSNorm | None  # over q_lora  (None: no q-LoRA, the input projection gives q directly)
-    q_b: torch.Tensor | None  # [H*(P+R), q_lora], rows pre-multiplied by the softmax scale
+    q_b: Linear | None  # [H*(P+R), q_lora], rows pre-multiplied by the softmax scale
     kv_a_norm: RMSNorm  # over Lkv
-    w_uk_t: torch.Tensor  # [H, Lkv, P]: W_UK per head as a linear layer P -> Lkv (weight dtype)
-    w_uv: torch.Tensor  # [H, V, Lkv]: W_UV per head as a linear layer Lkv -> V
-    o: torch.Tensor  # [D, H*V]
-    o_bias: torch.Tensor | None = None
+    w_uk_t: HeadLinears  # [H, Lkv, P]: W_UK per head as a linear layer P -> Lkv
+    w_uv: HeadLinears  # [H, V, Lkv]: W_UV per head as a linear layer Lkv -> V
+    o: Linear  # [D, H*V] (with o_proj's bias, if any)
 
 
 class MLA:
@@ -67,8 +63,7 @@ class MLA:
         self.V, self.Lkv = cfg.v_head_dim, cfg.kv_lora_rank
         self.interleaved = cfg.rope_interleave
         self._q_fused = _absorbed_query(w, self.H, self.P) if w.q_b is not None else None
-        self._o_fused = _fused_output(w)
-        self._o_fused_t = None if self._o_fused is None else self._o_fused.T  # [H*Lkv, D] view
+        self._o_fused = _fused_output(w) if w.o.bias is None else None
 
     def project(
         self, q_in: torch.Tensor, kv_in: torch.Tensor, rope: RotaryTables, decode: bool = False
@@ -84,11 +79,11 @@ class MLA:
             q_resid = w.q_a_norm(q_in)
             if (S == 1 or decode) and self._q_fused is not None and S <= MATMUL_ROPE_MAX_POSITIONS:
                 return self._decode_query(q_resid, rope), self._rows(kv_in, rope), q_resid
-            q = linear(q_resid, w.q_b)
+            q = w.q_b(q_resid)
         else:
             q_resid, q = None, q_in
         q = q.view(S, self.H, self.P + self.R)
-        q_abs = per_head_linear(q[..., : self.P].transpose(0, 1), w.w_uk_t)  # [H, S, P] -> [H, S, Lkv]
+        q_abs = w.w_uk_t(q[..., : self.P].transpose(0, 1))  # [H, S, P] -> [H, S, Lkv]
         q_rope = rope.rotate(q[..., self.P :], self.interleaved)  # [S, H, R]
         query = torch.cat([q_abs, q_rope.transpose(0, 1)], dim=-1)  # [H, S, Lkv+R]
         return query, self._rows(kv_in, rope), q_resid
@@ -102,7 +97,7 @@ class MLA:
         """New tokens' queries through the absorbed matrix: q_resid [S, q_lora] -> [H, S, Lkv+R],
         the rope part rotated in place (one matmul for every head)."""
         S = q_resid.shape[0]
-        q = linear(q_resid, self._q_fused).view(S, self.H, self.Lkv + self.R)
+        q = self._q_fused(q_resid).view(S, self.H, self.Lkv + self.R)
         q = rope.rotate(q, self.interleaved, offset=self.Lkv)
         return q.view(self.H, 1, self.Lkv + self.R) if S == 1 else q.transpose(0, 1)
 
@@ -113,6 +108,7 @@ class MLA:
         start: int,
         selected: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        backend: AttentionBackend = REFERENCE,
     ) -> torch.Tensor:
         """Attention of S queries at positions start..start+S-1 over T cached rows; -> [S, D]
         (plus `residual` [S, D] if given).
@@ -121,25 +117,32 @@ class MLA:
         `selected` (DSA): for decode (S == 1) the [k] token indices to attend to; for S > 1 a
         boolean [S, T] mask of allowed tokens (causality is applied here in both cases).
         """
-        return self.output(self.context(query, rows, start, selected), residual)
+        return self.output(self.context(query, rows, start, selected, backend), residual)
 
     def context(
-        self, query: torch.Tensor, rows: RowReader, start: int, selected: torch.Tensor | None = None
+        self,
+        query: torch.Tensor,
+        rows: RowReader,
+        start: int,
+        selected: torch.Tensor | None = None,
+        backend: AttentionBackend = REFERENCE,
     ) -> torch.Tensor:
-        """`attend` before the output projection: the latent context [H, S, Lkv]."""
+        """`attend` before the output projection: the latent context [H, S, Lkv], read by
+        `backend` (`latentkv.attention`; the torch reference unless told otherwise)."""
         H, S, _ = query.shape
+        device = query.device
         if S == 1:  # decode: one tile, no mask (DSA's choice is a row selection)
             if selected is not None:
                 rows = rows.select(selected)
-            return rows.attend(query, None, torch.arange(start, start + 1))
+            return backend.attend(query, rows, None, torch.arange(start, start + 1, device=device))
         T = len(rows)
         tile = max(1, SCORE_BLOCK_ELEMENTS // max(1, H * T))
         parts = []
         for s0 in range(0, S, tile):
             s1 = min(S, s0 + tile)
-            allowed = _allowed(start + s0, s1 - s0, T, selected, s0) if S > 1 else None  # [s, T]
-            positions = torch.arange(start + s0, start + s1)  # a recent window reads these (kv/cache.py)
-            parts.append(rows.attend(query[:, s0:s1], allowed, positions))  # [H, s, Lkv] (q scaled via q_b)
+            allowed = _allowed(start + s0, s1 - s0, T, selected, s0, device)  # [s, T]
+            positions = torch.arange(start + s0, start + s1, device=device)  # a recent window reads these
+            parts.append(backend.attend(query[:, s0:s1], rows, allowed, positions))  # [H, s, Lkv]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def output(
@@ -148,41 +151,47 @@ class MLA:
         """Latent context [H, S, Lkv] -> W_UV per head -> o_proj: [S, D] (plus `residual`).
         `decode` as in `project`: one token per sequence takes the fused output matrix."""
         H, S, _ = ctx.shape
-        if (S == 1 or decode) and self._o_fused is not None and self.w.o_bias is None:
+        if (S == 1 or decode) and self._o_fused is not None:
             flat = ctx.view(1, H * self.Lkv) if S == 1 else ctx.transpose(0, 1).reshape(S, H * self.Lkv)
-            return linear_add(residual, flat, self._o_fused_t)
-        heads = per_head_linear(ctx, self.w.w_uv)  # [H, S, Lkv] -> [H, S, V]
-        out = linear(heads.transpose(0, 1).reshape(S, H * self.V), self.w.o, self.w.o_bias)
+            return self._o_fused.add_to(residual, flat)
+        heads = self.w.w_uv(ctx)  # [H, S, Lkv] -> [H, S, V]
+        out = self.w.o(heads.transpose(0, 1).reshape(S, H * self.V))
         return out if residual is None else residual + out
 
 
-def _absorbed_query(w: MLAWeights, H: int, P: int) -> torch.Tensor | None:
+def _absorbed_query(w: MLAWeights, H: int, P: int) -> Linear | None:
     """[H*(Lkv+R), q_lora] float32: per head, W_UK^T q_b's nope rows, then q_b's rope rows
-    (None when larger than FUSED_DECODE_MAX_BYTES). Multiplied in float64."""
+    (None when larger than FUSED_DECODE_MAX_BYTES). Multiplied in float64 from the weights as
+    their format reads them."""
     assert w.q_b is not None
-    Lkv = w.w_uk_t.shape[1]
-    q_b = w.q_b.double().view(H, -1, w.q_b.shape[-1])  # [H, P+R, q_lora]
-    if H * (Lkv + q_b.shape[1] - P) * q_b.shape[2] * 4 > FUSED_DECODE_MAX_BYTES:
+    Lkv, q_lora = w.w_uk_t.heads[0].out_features, w.q_b.in_features
+    R = w.q_b.out_features // H - P
+    if H * (Lkv + R) * q_lora * 4 > FUSED_DECODE_MAX_BYTES:
         return None
-    absorbed = torch.matmul(w.w_uk_t.double(), q_b[:, :P])  # [H, Lkv, q_lora]
-    return torch.cat([absorbed, q_b[:, P:]], dim=1).flatten(0, 1).float()
+    q_b = w.q_b.dequantize().double().view(H, P + R, q_lora)
+    absorbed = torch.matmul(w.w_uk_t.dequantize().double(), q_b[:, :P])  # [H, Lkv, q_lora]
+    return F32Linear(torch.cat([absorbed, q_b[:, P:]], dim=1).flatten(0, 1).float())
 
 
-def _fused_output(w: MLAWeights) -> torch.Tensor | None:
+def _fused_output(w: MLAWeights) -> Linear | None:
     """[D, H*Lkv] float32: o_proj times W_UV per head (None when larger than
     FUSED_DECODE_MAX_BYTES). Multiplied in float64."""
-    H, V, Lkv = w.w_uv.shape
-    D = w.o.shape[0]
+    H = len(w.w_uv)
+    V, Lkv = w.w_uv.heads[0].out_features, w.w_uv.heads[0].in_features
+    D = w.o.out_features
     if D * H * Lkv * 4 > FUSED_DECODE_MAX_BYTES:
         return None
-    o = w.o.double().view(D, H, V)
-    return torch.einsum("dhv,hvl->dhl", o, w.w_uv.double()).reshape(D, H * Lkv).float()
+    o = w.o.dequantize().double().view(D, H, V)
+    fused = torch.einsum("dhv,hvl->dhl", o, w.w_uv.dequantize().double()).reshape(D, H * Lkv).float()
+    return F32Linear(fused)
 
 
-def _allowed(q_start: int, n: int, T: int, selected: torch.Tensor | None, row0: int) -> torch.Tensor:
+def _allowed(
+    q_start: int, n: int, T: int, selected: torch.Tensor | None, row0: int, device: torch.device
+) -> torch.Tensor:
     """[n, T] mask for queries at positions q_start.. : causal, and DSA-selected if given."""
-    positions = torch.arange(q_start, q_start + n)[:, None]
-    mask = torch.arange(T)[None, :] <= positions
+    positions = torch.arange(q_start, q_start + n, device=device)[:, None]
+    mask = torch.arange(T, device=device)[None, :] <= positions
     if selected is not None:
         mask &= selected[row0 : row0 + n]
     return mask

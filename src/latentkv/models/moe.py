@@ -1,4 +1,5 @@
-"""Mixture of experts: the DeepSeek-V3 sigmoid router and an expert store.
+"""Mixture of experts: the DeepSeek-V3 sigmoid router, and the experts it picks run in the
+fewest ops their sizes allow.
 
 Router (per token):
     s        = sigmoid(W_r x)                               affinity per expert, float32
@@ -8,10 +9,19 @@ Router (per token):
     weights  = s[experts] (/ their sum if norm_topk_prob) * routed_scaling_factor
     y        = sum_e weights_e * Expert_e(x) + SharedExpert(x)
 
-The expert store holds each expert's fused [gate | up] and down matrices. Tokens are grouped
-by expert so each hit expert runs one matmul over all its tokens (one per token in decode).
-A small layer decodes a token through every expert at once (the unchosen ones weighted 0, the
-shared expert folded in as more experts weighted 1): two matmuls instead of a gather per expert.
+The experts come from the layer's `ExpertStore` (`latentkv.experts`). How they run is chosen
+from the store's form and the batch's shape (each path is tested against `grouped`):
+
+    fused every   one decode token, or decode tokens picking at least half the experts, on a
+                  small layer: every expert at once, the unchosen ones weighted 0, the shared
+                  expert folded in as more experts weighted 1 (two matmuls in all)
+    every         decode tokens picking at least half the experts, layer under
+                  EVERY_EXPERT_MAX_BYTES: all tokens through all stacked experts
+    gathered      small experts: each token's k experts copied out of the stacked tensors and
+                  run as one batched matmul (`gather_one` for a lone token)
+    one by one    a lone token through its k experts in turn (big experts)
+    grouped       otherwise (prefill, packed or streamed experts): one matmul per hit expert
+                  over the tokens routed to it
 """
 
 from __future__ import annotations
@@ -22,12 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.config import ModelConfig
-from latentkv.models.layers import SwiGLU, linear, linear_add
+from latentkv.experts import Expert, ExpertStore, StackedExperts
+from latentkv.weights.base import Linear, dense_format
 
 
 @dataclass
 class RouterWeights:
-    weight: torch.Tensor  # [E, D] float32
+    weight: Linear  # [E, D] float32
     bias: torch.Tensor  # [E] float32 (e_score_correction_bias)
 
 
@@ -42,7 +53,7 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (expert indices [N, k], weights [N, k] float32)."""
-        scores = F.linear(x, self.w.weight).sigmoid()  # [N, E]; activations are float32
+        scores = self.w.weight(x).sigmoid()  # [N, E]; activations are float32
         choice = scores + self.w.bias
         if self.topk_group < self.n_group:
             grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)
@@ -59,115 +70,178 @@ class Router:
         return idx, weights * self.scaling
 
 
-# Decode gathers the k chosen experts' matrices into one batched matmul when they are this small
-# (the copy is cheaper than k rounds of per-op overhead); bigger experts run one at a time.
+# A lone decode token gathers its k experts into one batched matmul when each expert is this
+# small (the copy is cheaper than k rounds of per-op overhead); bigger experts run one at a time.
 GATHER_MAX_BYTES = 4 * 1024 * 1024
-
-
-class ExpertStore:
-    """All routed experts of one layer, resident in memory: stacked [E, 2I, D] and [E, D, I]."""
-
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
-        self.gate_up = gate_up  # [E, 2I, D]  gate rows first, then up
-        self.down = down  # [E, D, I]
-        expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-        self.gather = expert_bytes <= GATHER_MAX_BYTES
-
-    def __len__(self) -> int:
-        return self.gate_up.shape[0]
-
-    def __getitem__(self, e: int) -> SwiGLU:
-        return SwiGLU(self.gate_up[e], self.down[e])
-
-    def decode(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One token x [1, D] through its k experts idx [k], mixed by weights [k]: -> [1, D]."""
-        if not self.gather:
-            out = torch.zeros_like(x)
-            for e, w in zip(idx.tolist(), weights.tolist(), strict=True):
-                out += self[e](x) * w
-            return out
-        xw = x[0].to(self.gate_up.dtype)
-        gate, up = torch.matmul(self.gate_up.index_select(0, idx), xw).chunk(2, dim=-1)  # [k, I] each
-        act = (F.silu(gate) * up).unsqueeze(-1)  # [k, I, 1]
-        y = torch.matmul(self.down.index_select(0, idx), act).squeeze(-1)  # [k, D]
-        return torch.matmul(weights.unsqueeze(0).to(y.dtype), y).to(x.dtype)  # [1, D]
-
-
 # Decode runs every expert of a layer whose experts (with the shared one) hold at most this many
-# bytes: on a small model the extra arithmetic costs less than the ops it saves.
+# bytes, in two fused matrices: on a small model the extra arithmetic costs less than the ops it saves.
 EVERY_EXPERT_DECODE_MAX_BYTES = 4 * 1024 * 1024
+# Batched decode (B tokens, one per sequence): all stacked experts at once while the layer's
+# experts are this small and the B * k picks are at least EVERY_EXPERT_MIN_PICKS per expert
+# (all experts read once cost less than copying out B * k of them once the picks reach about
+# half the experts; measured on tiny); gathered while the copies stay under GATHER_BATCH_MAX_BYTES.
+EVERY_EXPERT_MAX_BYTES = 16 * 1024 * 1024
+EVERY_EXPERT_MIN_PICKS = 0.5
+GATHER_BATCH_MAX_BYTES = 64 * 1024 * 1024
 
 
 class MoE:
-    def __init__(self, router: Router, experts: ExpertStore, shared: SwiGLU | None):
+    def __init__(self, router: Router, experts: ExpertStore, shared: Expert | None):
         self.router = router
         self.experts = experts
         self.shared = shared
-        self._every = _every_expert_weights(experts, shared)
+        stacked = experts.stacked
+        self._every = None if stacked is None else _every_expert_weights(stacked, shared)
+        self._gather = stacked is not None and stacked.expert_bytes <= GATHER_MAX_BYTES
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, D] -> [N, D] (plus `residual` [N, D] if given)."""
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
+    ) -> torch.Tensor:
+        """x [N, D] -> [N, D] (plus `residual` [N, D] if given). `decode`: the N rows are one new
+        token of each of N sequences (batched decode), which picks among the decode paths."""
         idx, weights = self.router(x)
-        if x.shape[0] == 1 and self._every is not None:
-            return self._every_expert(x, idx, weights, residual)
-        if x.shape[0] == 1:
-            out = self.experts.decode(x, idx[0], weights[0])
+        N = x.shape[0]
+        if decode:
+            return self._decode_batch(x, idx, weights, residual)
+        if N == 1 and self._every is not None:
+            return self._fused_every(x, idx, weights, residual)
+        if N == 1 and self._gather:
+            out = _gather_one(self.experts.stacked, x, idx[0], weights[0])
+        elif N == 1:
+            out = self._one_by_one(x, idx[0], weights[0])
         else:
-            out = torch.zeros_like(x)
-            self._dispatch(x, idx, weights, out)
+            out = self._grouped(x, idx, weights)
+        return self._finish(x, out, residual)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.shared is not None:
             out += self.shared(x)
         return out if residual is None else residual + out
 
-    def _every_expert(
+    def _decode_batch(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor:
+        """B decode tokens x [B, D]: fused every / every / gathered / grouped (module docstring)."""
+        B, k = idx.shape
+        stacked = self.experts.stacked
+        every = B * k >= EVERY_EXPERT_MIN_PICKS * self.experts.num_experts
+        if every and self._every is not None:
+            return self._fused_every(x, idx, weights, residual)
+        if stacked is None:
+            out = self._grouped(x, idx, weights)
+        elif every and self.experts.num_experts * stacked.expert_bytes <= EVERY_EXPERT_MAX_BYTES:
+            mix = torch.zeros(B, self.experts.num_experts, device=x.device).scatter_(1, idx, weights)
+            out = _every_stacked(stacked, x, mix)
+        elif self._gather and B * k * stacked.expert_bytes <= GATHER_BATCH_MAX_BYTES:
+            out = _gathered(stacked, x, idx, weights)
+        else:
+            out = self._grouped(x, idx, weights)
+        return self._finish(x, out, residual)
+
+    def _fused_every(
         self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor:
         """B decode tokens x [B, D] (one per sequence) through all U = E + shared units: mix
         [B, U] is the router's weight for the chosen experts, 0 for the others, 1 for the shared
         units. idx / weights [B, k]."""
-        gate_up, down_t, mix_base = self._every
+        gate_up, down, mix_base = self._every
         B = x.shape[0]
         mix = mix_base.expand(B, -1).scatter(1, idx, weights.to(mix_base.dtype))  # [B, U]
-        gate, up = linear(x, gate_up).view(B, mix.shape[1], -1).chunk(2, dim=-1)  # [B, U, I] each
+        gate, up = gate_up(x).view(B, mix.shape[1], -1).chunk(2, dim=-1)  # [B, U, I] each
         act = F.silu(gate) * up * mix.unsqueeze(-1)  # [B, U, I]
-        return linear_add(residual, act.view(B, -1), down_t)  # [B, D]
+        return down.add_to(residual, act.view(B, -1))  # [B, D]
 
-    def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    def _one_by_one(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One token x [1, D] through its k experts idx [k] in turn, mixed by weights [k]."""
+        out = torch.zeros_like(x)
+        ids = idx.tolist()
+        experts = self.experts.get(ids)
+        for e, w in zip(ids, weights.tolist(), strict=True):
+            out += experts[e](x) * w
+        return out
+
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Group the N*k (token, expert) pairs by expert; one matmul per hit expert."""
+        out = torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
         tokens = order // idx.shape[1]
         pair_weights = weights.reshape(-1)[order].to(x.dtype)
+        experts = self.experts.get([e for e, n in enumerate(counts) if n])
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             tok = tokens[start : start + n]
-            y = self.experts[e](x.index_select(0, tok)) * pair_weights[start : start + n, None]
+            y = experts[e](x.index_select(0, tok)) * pair_weights[start : start + n, None]
             out.index_add_(0, tok, y)
             start += n
+        return out
+
+
+def _gather_one(
+    stacked: StackedExperts, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """One token x [1, D] through its k experts idx [k] gathered, mixed by weights [k]: -> [1, D]."""
+    xw = x[0].to(stacked.gate_up.dtype)
+    gate, up = torch.matmul(stacked.gate_up.index_select(0, idx), xw).chunk(2, dim=-1)  # [k, I] each
+    act = (F.silu(gate) * up).unsqueeze(-1)  # [k, I, 1]
+    y = torch.matmul(stacked.down.index_select(0, idx), act).squeeze(-1)  # [k, D]
+    return torch.matmul(weights.unsqueeze(0).to(y.dtype), y).to(x.dtype)  # [1, D]
+
+
+def _every_stacked(stacked: StackedExperts, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """x [B, D] through all E experts, mixed by mix [B, E] (zero for the unchosen) -> [B, D]."""
+    E, two_i, D = stacked.gate_up.shape
+    B = x.shape[0]
+    w = stacked.gate_up.view(E * two_i, D)
+    xw = x.to(w.dtype) if x.dtype != w.dtype else x
+    h = F.linear(xw, w).to(x.dtype).view(B, E, two_i)
+    gate, up = h.chunk(2, dim=-1)  # [B, E, I] each
+    act = (F.silu(gate) * up).transpose(0, 1)  # [E, B, I]
+    y = torch.matmul(act.to(stacked.down.dtype), stacked.down.transpose(1, 2))  # [E, B, D]
+    return torch.matmul(mix.unsqueeze(1), y.transpose(0, 1).to(x.dtype)).squeeze(1)  # [B, D]
+
+
+def _gathered(
+    stacked: StackedExperts, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Each token's k experts gathered: x [B, D], idx / weights [B, k] -> [B, D]."""
+    B, k = idx.shape
+    flat = idx.reshape(-1)
+    xw = x.to(stacked.gate_up.dtype)[:, None, :, None]  # [B, 1, D, 1]
+    gate_up = stacked.gate_up.index_select(0, flat).view(B, k, *stacked.gate_up.shape[1:])
+    gate, up = torch.matmul(gate_up, xw).squeeze(-1).chunk(2, dim=-1)  # [B, k, I] each
+    down = stacked.down.index_select(0, flat).view(B, k, *stacked.down.shape[1:])  # [B, k, D, I]
+    y = torch.matmul(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [B, k, D]
+    return torch.matmul(weights.unsqueeze(1).to(y.dtype), y).squeeze(1).to(x.dtype)  # [B, D]
 
 
 def _every_expert_weights(
-    experts: ExpertStore, shared: SwiGLU | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(gate_up [U*2I, D], down^T [U*I, D], mix base [1, U]) for `MoE._every_expert`: the routed
+    stacked: StackedExperts, shared: Expert | None
+) -> tuple[Linear, Linear, torch.Tensor] | None:
+    """(gate_up [U*2I, D], down [D, U*I], mix base [1, U]) for `MoE._fused_every`: the routed
     experts, then the shared expert cut into units of I (a SwiGLU is a sum over its units).
-    None when the layer is too large, or the shared width is not a multiple of I."""
-    E, two_i, D = experts.gate_up.shape
+    None when the layer is too large, the shared width is not a multiple of I, or the shared
+    expert is not in the experts' plain dtype."""
+    E, two_i, D = stacked.gate_up.shape
     I = two_i // 2
-    shared_width = 0 if shared is None else shared.down.shape[1]
-    if shared_width % I or (E * two_i + 3 * shared_width) * D * experts.gate_up.element_size() > (
+    shared_width = 0 if shared is None else shared.width
+    if shared_width % I or (E * two_i + 3 * shared_width) * D * stacked.gate_up.element_size() > (
         EVERY_EXPERT_DECODE_MAX_BYTES
     ):
         return None
-    units = [experts.gate_up.reshape(E * two_i, D)]
-    downs = [experts.down.transpose(0, 1).reshape(D, E * I)]  # [D, E, I] -> unit-major columns
+    units = [stacked.gate_up.reshape(E * two_i, D)]
+    downs = [stacked.down.transpose(0, 1).reshape(D, E * I)]  # [D, E, I] -> unit-major columns
     if shared is not None:
+        if shared.gate_up.dense is None or shared.down.dense is None:
+            return None
         n = shared_width // I
-        gate, up = shared.gate_up.view(2, n, I, D).unbind(0)
+        gate, up = shared.gate_up.dense.view(2, n, I, D).unbind(0)
         units.append(torch.stack([gate, up], dim=1).reshape(n * two_i, D))
-        downs.append(shared.down)
+        downs.append(shared.down.dense)
     mix = torch.cat([torch.zeros(1, E), torch.ones(1, shared_width // I)], dim=1)
-    return torch.cat(units).contiguous(), torch.cat(downs, dim=1).T.contiguous(), mix
+    fmt = dense_format(stacked.gate_up.dtype)
+    down_t = torch.cat(downs, dim=1).T.contiguous()  # [U*I, D]: add_to multiplies by this
+    return fmt(torch.cat(units).contiguous()), fmt(down_t.T), mix

@@ -27,7 +27,9 @@ import torch
 
 from latentkv.config import CacheConfig, ModelConfig
 from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, make_cache
-from latentkv.models.layers import RMSNorm, Rope, linear
+from latentkv.models import batch as batches
+from latentkv.models.layers import RMSNorm, Rope
+from latentkv.weights.base import Linear
 
 
 @dataclass
@@ -35,7 +37,7 @@ class MTPLayer:
     cfg: ModelConfig  # the main config restricted to this one layer (its MLP and indexer kind)
     enorm: RMSNorm
     hnorm: RMSNorm
-    eh_proj: torch.Tensor  # [D, 2D]: [embedding | hidden] -> D
+    eh_proj: Linear  # [D, 2D]: [embedding | hidden] -> D
     block: object  # latentkv.models.model.Block (not imported: model.py imports this module)
     head_norm: RMSNorm  # shared_head.norm
 
@@ -59,7 +61,7 @@ class MTPLayer:
     def forward(
         self,
         embed: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
         rope: Rope,
         next_tokens: torch.Tensor,
         hidden: torch.Tensor,
@@ -69,10 +71,10 @@ class MTPLayer:
         """S positions from `position` on: next_tokens [S] (the token after each position),
         hidden [S, D] (the main model's h there) -> (logits [S, vocab] for the token after next,
         h' [S, D] to chain from). The cache gains S rows."""
-        S = next_tokens.shape[0]
         e = embed.index_select(0, next_tokens).float()  # [S, D]
-        x = linear(torch.cat([self.enorm(e), self.hnorm(hidden.float())], dim=-1), self.eh_proj)
-        x, _ = self.block(x, cache, 0, rope.tables(position, S), None)
-        cache.commit(S)
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.float())], dim=-1))
+        batch = batches.one_sequence(rope, next_tokens, cache, position)
+        x, _ = self.block(x, batch, 0, None)
+        batch.commit()
         h = self.head_norm(x)
-        return linear(h, lm_head), h
+        return lm_head(h), h

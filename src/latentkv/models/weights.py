@@ -4,7 +4,8 @@
 2. dequantize: fp8 block-quantized weights (`weight_scale_inv`) become float;
 3. check: every shape against the config, with the tensor's name in the error;
 4. reshape: `kv_b_proj` split into W_UK / W_UV per head, gate+up fused, experts stacked per layer;
-5. cast: matrices to the chosen weight dtype (f32 or bf16); norms, router and biases stay f32.
+5. format: each matrix becomes a `latentkv.weights.Linear` of the chosen weight format (f32,
+   bf16, or any registered one); norms, the router and the indexer's head weights stay f32.
 
 Layer indices come from the config. The first multi-token-prediction (MTP) layer, layer
 `num_hidden_layers` in DeepSeek-V3's layout, is loaded as the draft layer (`models/mtp.py`);
@@ -20,14 +21,18 @@ from pathlib import Path
 import torch
 
 from latentkv.config import ModelConfig
+from latentkv.experts import ResidentExperts
 from latentkv.models.indexer import Indexer, IndexerWeights
 from latentkv.models.layers import RMSNorm, SwiGLU, softmax_scale
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.models.mla import MLA, MLAWeights
 from latentkv.models.model import Block, Model
-from latentkv.models.moe import ExpertStore, MoE, Router, RouterWeights
+from latentkv.models.moe import MoE, Router, RouterWeights
 from latentkv.models.mtp import MTPLayer
+from latentkv.weights import FORMATS, Linear, make_linear
+from latentkv.weights.heads import HeadLinears
 
+# The table a token id reads (the embedding) in each format; float32 for packed formats.
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 # transformers builds the q-LoRA and kv-a norms without the config's eps: they use 1e-6.
 LORA_NORM_EPS = 1e-6
@@ -36,9 +41,10 @@ LORA_NORM_EPS = 1e-6
 class _Reader:
     """Fetches, dequantizes, checks and casts tensors from a checkpoint."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, block_size: tuple[int, int] | None):
+    def __init__(self, ckpt: Checkpoint, fmt: str, block_size: tuple[int, int] | None):
         self.ckpt = ckpt
-        self.dtype = dtype
+        self.fmt = fmt
+        self.dtype = DTYPES.get(fmt, torch.float32)  # the embedding table's
         self.block_size = block_size
         self.used: set[str] = set()
 
@@ -65,9 +71,17 @@ class _Reader:
             )
         return t
 
-    def matrix(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A weight used in a matmul: cast to the compute dtype (a view when it already is)."""
+    def table(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The embedding table, in the format's dtype (a view when it already is)."""
         return self.raw(name, shape).to(self.dtype).contiguous()
+
+    def linear(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        """A float matrix [out, in] in the chosen weight format."""
+        return make_linear(w.contiguous(), self.fmt, bias=bias)
+
+    def matrix(self, name: str, shape: tuple[int, ...]) -> Linear:
+        """A checkpoint matrix used in a matmul, in the chosen weight format."""
+        return self.linear(self.raw(name, shape))
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Norm weights, biases, router: always float32."""
@@ -93,11 +107,11 @@ def build_model(
     block_size: tuple[int, int] | None = None,
     progress: bool = False,
 ) -> Model:
-    if weight_dtype not in DTYPES:
-        raise ValueError(f"weight dtype {weight_dtype!r} not in {sorted(DTYPES)}")
-    rd = _Reader(ckpt, DTYPES[weight_dtype], block_size)
+    if weight_dtype not in FORMATS:
+        raise ValueError(f"weight dtype {weight_dtype!r} not in {sorted(FORMATS)}")
+    rd = _Reader(ckpt, weight_dtype, block_size)
     D, V = cfg.hidden_size, cfg.vocab_size
-    embed = rd.matrix("model.embed_tokens.weight", (V, D))
+    embed = rd.table("model.embed_tokens.weight", (V, D))
     layers = range(cfg.num_layers)
     if progress:
         from tqdm import tqdm
@@ -106,7 +120,7 @@ def build_model(
     blocks = [_block(cfg, rd, i) for i in layers]
     norm = RMSNorm(rd.vector("model.norm.weight", (D,)), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings or not rd.has("lm_head.weight"):
-        lm_head = embed
+        lm_head = rd.linear(embed)  # tied: f32 and bf16 share the embedding's tensor
     else:
         lm_head = rd.matrix("lm_head.weight", (V, D))
     return Model(cfg, embed, blocks, norm, lm_head, _mtp(cfg, rd))
@@ -151,22 +165,19 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int, prefix: str | None = None) -> 
     mats = [rd.raw(name + ".weight", (rows, D)).float() for name, rows in parts]
     if not cfg.q_lora_rank:  # q comes straight from the fused projection: fold the softmax scale here
         mats[0] = mats[0] * softmax_scale(cfg.rope, cfg.qk_head_dim)
-    w_in = torch.cat(mats).to(rd.dtype)
     biases = [rd.optional_vector(name + ".bias", (rows,)) for name, rows in parts]
     b_in = None
     if any(b is not None for b in biases):
         b_in = torch.cat(
             [b if b is not None else torch.zeros(rows) for b, (_, rows) in zip(biases, parts, strict=False)]
         )
-        b_in = b_in.to(rd.dtype)
     if cfg.mlp_layer_types[i] == "sparse":
         mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.")
     else:
         mlp = _swiglu(rd, p + "mlp.", D, cfg.intermediate_size)
     return Block(
         attn_norm=RMSNorm(rd.vector(p + "input_layernorm.weight", (D,)), cfg.rms_norm_eps),
-        w_in=w_in,
-        b_in=b_in,
+        w_in=rd.linear(torch.cat(mats), b_in),
         split=tuple(rows for _, rows in parts),
         attn=MLA(cfg, _mla_weights(cfg, rd, a)),
         indexer=indexer,
@@ -183,16 +194,15 @@ def _mla_weights(cfg: ModelConfig, rd: _Reader, p: str) -> MLAWeights:
     if cfg.q_lora_rank:
         q_a_norm = RMSNorm(rd.vector(p + "q_a_layernorm.weight", (cfg.q_lora_rank,)), LORA_NORM_EPS)
         # The softmax scale is folded into q_b, so scores come out scaled.
-        q_b = (rd.raw(p + "q_b_proj.weight", (H * (P + R), cfg.q_lora_rank)).float() * scale).to(rd.dtype)
+        q_b = rd.linear(rd.raw(p + "q_b_proj.weight", (H * (P + R), cfg.q_lora_rank)).float() * scale)
     kv_b = rd.raw(p + "kv_b_proj.weight", (H * (P + V), Lkv)).float().view(H, P + V, Lkv)
     return MLAWeights(
         q_a_norm=q_a_norm,
         q_b=q_b,
         kv_a_norm=RMSNorm(rd.vector(p + "kv_a_layernorm.weight", (Lkv,)), LORA_NORM_EPS),
-        w_uk_t=kv_b[:, :P, :].transpose(1, 2).to(rd.dtype).contiguous(),  # [H, Lkv, P]
-        w_uv=kv_b[:, P:, :].to(rd.dtype).contiguous(),  # [H, V, Lkv]
-        o=rd.matrix(p + "o_proj.weight", (D, H * V)),
-        o_bias=rd.optional_vector(p + "o_proj.bias", (D,)),
+        w_uk_t=HeadLinears.from_float(kv_b[:, :P, :].transpose(1, 2), rd.fmt),  # [H, Lkv, P]
+        w_uv=HeadLinears.from_float(kv_b[:, P:, :], rd.fmt),  # [H, V, Lkv]
+        o=rd.linear(rd.raw(p + "o_proj.weight", (D, H * V)), rd.optional_vector(p + "o_proj.bias", (D,))),
     )
 
 
@@ -204,18 +214,18 @@ def _indexer_weights(cfg: ModelConfig, rd: _Reader, p: str) -> IndexerWeights:
     # The score scales are folded in: relu(q.k / sqrt(D_i)) = relu((q / sqrt(D_i)).k), and the
     # per-head weights' 1/sqrt(h_i) goes into weights_proj.
     return IndexerWeights(
-        wq_b=(rd.raw(p + "wq_b.weight", (Hi * Di, q_in)).float() * Di**-0.5).to(rd.dtype),
+        wq_b=rd.linear(rd.raw(p + "wq_b.weight", (Hi * Di, q_in)).float() * Di**-0.5),
         k_norm_weight=rd.vector(p + "k_norm.weight", (Di,)),
         k_norm_bias=rd.vector(p + "k_norm.bias", (Di,)),
-        weights_proj=rd.vector(p + "weights_proj.weight", (Hi, D)) * Hi**-0.5,
+        weights_proj=make_linear(rd.vector(p + "weights_proj.weight", (Hi, D)) * Hi**-0.5, "f32"),
     )
 
 
 def _swiglu(rd: _Reader, p: str, D: int, inter: int) -> SwiGLU:
     gate = rd.raw(p + "gate_proj.weight", (inter, D))
     up = rd.raw(p + "up_proj.weight", (inter, D))
-    gate_up = torch.cat([gate, up], dim=0).to(rd.dtype)  # [2I, D]
-    return SwiGLU(gate_up, rd.matrix(p + "down_proj.weight", (D, inter)))
+    gate_up = torch.cat([gate, up], dim=0)  # [2I, D]
+    return SwiGLU(rd.linear(gate_up), rd.matrix(p + "down_proj.weight", (D, inter)))
 
 
 def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
@@ -223,7 +233,7 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
     router = Router(
         cfg,
         RouterWeights(
-            weight=rd.vector(p + "gate.weight", (E, D)),
+            weight=make_linear(rd.vector(p + "gate.weight", (E, D)), "f32"),
             bias=(
                 rd.vector(p + "gate.e_score_correction_bias", (E,))
                 if rd.has(p + "gate.e_score_correction_bias")
@@ -232,8 +242,8 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
         ),
     )
     if rd.has(p + "experts.gate_up_proj"):  # transformers' fused in-memory layout
-        gate_up = rd.matrix(p + "experts.gate_up_proj", (E, 2 * I, D))
-        down = rd.matrix(p + "experts.down_proj", (E, D, I))
+        gate_up = rd.raw(p + "experts.gate_up_proj", (E, 2 * I, D))
+        down = rd.raw(p + "experts.down_proj", (E, D, I))
     else:  # per-expert tensors, as checkpoints ship them: stacked here (the one copy)
         gate_up = torch.empty(E, 2 * I, D, dtype=rd.dtype)
         down = torch.empty(E, D, I, dtype=rd.dtype)
@@ -245,4 +255,4 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
     shared = None
     if cfg.n_shared_experts:
         shared = _swiglu(rd, p + "shared_experts.", D, I * cfg.n_shared_experts)
-    return MoE(router, ExpertStore(gate_up, down), shared)
+    return MoE(router, ResidentExperts.from_float(gate_up, down, rd.fmt), shared)

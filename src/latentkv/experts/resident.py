@@ -1,0 +1,54 @@
+"""Every expert of a layer resident in memory: today's stacked tensors behind the store contract."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from latentkv.experts.base import Expert, StackedExperts
+from latentkv.weights.base import format_class
+
+
+class ResidentExperts:
+    """All E experts held in memory. In a plain dtype (f32, bf16) they are views of two stacked
+    tensors, which the MoE fast paths read directly; a packed format holds one Linear pair per
+    expert and no stacked form."""
+
+    def __init__(self, experts: list[Expert], stacked: StackedExperts | None = None):
+        self.experts = experts
+        self.stacked = stacked
+        self.num_experts = len(experts)
+
+    @classmethod
+    def from_float(cls, gate_up: torch.Tensor, down: torch.Tensor, fmt: str, **params) -> ResidentExperts:
+        """gate_up [E, 2I, D] and down [E, D, I] (float) -> every expert in format `fmt`."""
+        fmt_cls = format_class(fmt)
+        dtype = getattr(fmt_cls, "dtype", None)
+        if dtype is not None and not params:
+            stacked = StackedExperts(gate_up.to(dtype).contiguous(), down.to(dtype).contiguous())
+            experts = [
+                Expert(fmt_cls(stacked.gate_up[e]), fmt_cls(stacked.down[e])) for e in range(gate_up.shape[0])
+            ]
+            return cls(experts, stacked)
+        experts = [
+            Expert(fmt_cls.from_float(gate_up[e], **params), fmt_cls.from_float(down[e], **params))
+            for e in range(gate_up.shape[0])
+        ]
+        return cls(experts)
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def get(self, ids: Sequence[int]) -> Mapping[int, Expert]:
+        return {e: self.experts[e] for e in ids}
+
+    def prefetch(self, ids: Sequence[int]) -> None:
+        """Everything is resident: nothing to do."""
+
+    @property
+    def nbytes(self) -> int:
+        if self.stacked is not None:
+            s = self.stacked
+            return s.gate_up.numel() * s.gate_up.element_size() + s.down.numel() * s.down.element_size()
+        return sum(e.nbytes for e in self.experts)

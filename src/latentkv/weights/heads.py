@@ -1,0 +1,61 @@
+"""One linear layer per attention head (MLA's W_UK and W_UV), over any weight format.
+
+`HeadLinears` holds H `Linear`s of one format. When the format is a plain tensor (f32, bf16)
+the H matrices are views of one stacked [H, N, K] tensor and the product is one batched
+matmul, or one matrix-vector product per head for a few rows of big heads (see
+PER_HEAD_MAX_ROWS); a packed format runs each head's own `Linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from latentkv.weights.base import Linear, format_class
+
+# Per-head products with at most this many rows and at least this many weight bytes run as
+# one matrix-vector product per head: batched matmul with a single row per batch is several
+# times slower than the memory bandwidth allows on the CPU (64 heads of GLM-5: ~8 ms vs ~2).
+PER_HEAD_MAX_ROWS = 4
+PER_HEAD_MIN_BYTES = 256 * 1024
+
+
+class HeadLinears:
+    """H linear layers K -> N: x [H, S, K] -> [H, S, N] (float32 in and out)."""
+
+    def __init__(self, heads: list[Linear], stacked: torch.Tensor | None = None):
+        self.heads = heads
+        self.stacked = stacked  # [H, N, K] in the format's dtype when the format is dense
+        self.format = heads[0].format
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, fmt: str, **params) -> HeadLinears:
+        """w: float [H, N, K] -> one Linear per head in format `fmt`."""
+        fmt_cls = format_class(fmt)
+        dtype = getattr(fmt_cls, "dtype", None)
+        if dtype is not None and not params:  # dense: the heads are views of one stacked tensor
+            stacked = w.to(dtype).contiguous()
+            return cls([fmt_cls(stacked[h]) for h in range(stacked.shape[0])], stacked)
+        return cls([fmt_cls.from_float(w[h], **params) for h in range(w.shape[0])])
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self.heads)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [H, N, K]."""
+        return torch.stack([h.dequantize() for h in self.heads])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.stacked
+        if w is None:
+            return torch.stack([head(x[h]) for h, head in enumerate(self.heads)])
+        xw = x.to(w.dtype) if x.dtype != w.dtype else x
+        if x.shape[1] <= PER_HEAD_MAX_ROWS and w.numel() * w.element_size() >= PER_HEAD_MIN_BYTES:
+            out = torch.stack([F.linear(xw[h], w[h]) for h in range(w.shape[0])])
+        else:
+            out = torch.matmul(xw, w.transpose(1, 2))
+        return out.to(x.dtype) if out.dtype != x.dtype else out
