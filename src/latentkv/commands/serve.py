@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 
 from latentkv.cli import UserError
-from latentkv.commands.common import add_model_arguments, check_tier, engine_config
+from latentkv.commands.common import (
+    add_model_arguments,
+    add_speculative_arguments,
+    check_tier,
+    engine_config,
+    speculative_config,
+)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -80,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "use (default: all but one) and the HTTP process on the others (default: off, placement "
         "is the OS's; give several servers on one machine their own CPUs with taskset instead)",
     )
+    add_speculative_arguments(p)
     p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
     )
@@ -125,6 +132,7 @@ def server_config(args: argparse.Namespace):
     except (ModelNotFound, ConfigError) as exc:
         raise UserError(str(exc)) from None
     check_tier(model_cfg, engine.cache)
+    spec = speculative_config(args, args.model)  # a model without an MTP layer is refused here
     context = model_cfg.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
         raise UserError(
@@ -144,6 +152,7 @@ def server_config(args: argparse.Namespace):
             kv_dir=args.kv_dir,
             engine_process=args.engine_process,
             pin_cpus=args.pin_cpus,
+            speculative_draft_tokens=spec.draft_tokens if spec is not None else 0,
         )
     except ConfigError as exc:
         raise UserError(str(exc)) from None

@@ -259,35 +259,65 @@ class SpeculativeDecoder:
     def start(self, prompt: list[int]) -> int:
         """Prefill the prompt; returns the first generated token."""
         logits, h = self.model.forward(torch.tensor(prompt, dtype=torch.long), self.cache, hidden=True)
-        self.pending = self._pick(logits[-1])
-        self.back_tokens = prompt[1:] + [self.pending]
-        self.back_hidden = [h]
-        return self.pending
+        first = self._pick(logits[-1])
+        self.begin(prompt, h, first)
+        return first
+
+    def begin(self, prompt: list[int], hidden: torch.Tensor, first: int) -> None:
+        """After a prefill of `prompt` done elsewhere (a server's batched pass): its hidden
+        states [S, D] and the first sampled token seed the draft layer."""
+        self.draft_start = self.cache.length - len(prompt)
+        self.pending = first
+        self.back_tokens = prompt[1:] + [first]
+        self.back_hidden = [hidden]
 
     def step(self, remaining: int) -> list[int]:
         """Decode the next tokens (at most `remaining`, >= 1): one round or one plain step."""
+        t0 = self.clock()
+        feed = self.plan(remaining)
+        logits, h = self.model.forward(torch.tensor(feed), self.cache, all_logits=True, hidden=True)
+        tokens = self.settle(logits, h)
+        self.record(len(feed) - 1, len(tokens), self.clock() - t0)
+        return tokens
+
+    def plan(self, remaining: int) -> list[int]:
+        """The tokens this step feeds the main model: [pending] for a plain step, or [pending,
+        d_1..d_n] for a round (drafted now). `settle` takes the verify pass's output."""
         room = self.model.cfg.max_position_embeddings - self.cache.length - 1
         n = min(self.cfg.draft_tokens, room, remaining - 1)
-        t0 = self.clock()
-        if n >= 1 and self.governor.draft_next():
-            tokens = self._round(n)
-            seconds = self.clock() - t0
-            self.governor.record_round(len(tokens), seconds)
-            self.stats.record_round(n, len(tokens) - 1, seconds)
-            return tokens
-        token = self._plain()
-        seconds = self.clock() - t0
-        self.governor.record_plain(seconds)
-        self.stats.plain_steps += 1
-        self.stats.plain_seconds += seconds
-        return [token]
+        self._verify_start = self.cache.length
+        self._drafts, self._qs = self._draft(n) if n >= 1 and self.governor.draft_next() else ([], [])
+        self._chained = self.draft_cache.length - max(0, len(self._drafts) - 1)
+        return [self.pending, *self._drafts]
 
-    def _plain(self) -> int:
-        logits, h = self.model.forward(torch.tensor([self.pending]), self.cache, hidden=True)
-        self.pending = self._pick(logits[-1])
-        self.back_tokens.append(self.pending)
-        self.back_hidden.append(h)
-        return self.pending
+    def settle(self, logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
+        """logits [n+1, vocab] and hidden [n+1, D] of the fed positions -> the tokens produced
+        (the kept drafts and one more); caches rolled back past the rejected drafts."""
+        drafts = self._drafts
+        if self.sampling.greedy:
+            kept, token = accept_greedy(logits, drafts)
+        elif drafts:
+            p = torch.stack([probabilities(row, self.sampling) for row in logits])
+            kept, token = accept_sampled(p, torch.stack(self._qs), drafts, self.generator, self.rule)
+        else:
+            kept, token = 0, self._pick(logits[0])
+        if drafts:
+            self.cache.trim(self._verify_start + kept + 1)
+            self.draft_cache.trim(self._chained)
+        self.pending = token
+        self.back_tokens += [*drafts[:kept], token]
+        self.back_hidden.append(hidden[: kept + 1])
+        return [*drafts[:kept], token]
+
+    def record(self, drafted: int, produced: int, seconds: float) -> None:
+        """Account a step of `seconds` (the pause rule and the statistics)."""
+        if drafted:
+            self.governor.record_round(produced, seconds)
+            self.stats.record_round(drafted, produced - 1, seconds)
+        else:
+            self.governor.record_plain(seconds)
+            self.stats.plain_steps += 1
+            self.stats.plain_seconds += seconds
 
     def _draft(self, n: int) -> tuple[list[int], list[torch.Tensor]]:
         """n draft tokens (and, when sampling, the distributions q they were drawn from)."""
@@ -314,26 +344,6 @@ class SpeculativeDecoder:
 
     def _draft_position(self) -> int:
         return self.draft_start + self.draft_cache.length
-
-    def _round(self, n: int) -> list[int]:
-        """Draft n, verify n + 1 positions in one forward, keep the accepted prefix, roll back."""
-        start = self.cache.length
-        drafts, qs = self._draft(n)
-        chained = self.draft_cache.length - (n - 1)  # rows past this were drafted from estimates
-        logits, h = self.model.forward(
-            torch.tensor([self.pending, *drafts]), self.cache, all_logits=True, hidden=True
-        )
-        if self.sampling.greedy:
-            kept, token = accept_greedy(logits, drafts)
-        else:
-            p = torch.stack([probabilities(row, self.sampling) for row in logits])
-            kept, token = accept_sampled(p, torch.stack(qs), drafts, self.generator, self.rule)
-        self.cache.trim(start + kept + 1)
-        self.draft_cache.trim(chained)
-        self.pending = token
-        self.back_tokens = [*drafts[:kept], token]
-        self.back_hidden = [h[: kept + 1]]
-        return self.back_tokens.copy()
 
 
 def speculative_steps(

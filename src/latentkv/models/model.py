@@ -190,24 +190,47 @@ class Model:
         return self._run(batches.decode(self.rope, self.layout, tokens, caches, pool))
 
     @torch.inference_mode()
-    def prefill_batch(self, prompts: Sequence[torch.Tensor], caches: Sequence[Cache]) -> torch.Tensor:
+    def verify_batch(
+        self, segments: Sequence[torch.Tensor], caches: Sequence[Cache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding's verify step for B sequences in one pass: one int64 segment
+        [S_b] per cache (the pending token and its drafts) -> (logits [N, vocab], h [N, D]) of
+        every position, segments in order (N = sum S_b); cache b gains S_b rows."""
+        self._check_segments(segments, caches)
+        if len(caches) == 1:
+            return self.forward(segments[0], caches[0], all_logits=True, hidden=True)
+        return self._run(batches.prefill(self.rope, segments, caches), last_only=False, hidden=True)
+
+    def _check_segments(
+        self, segments: Sequence[torch.Tensor], caches: Sequence[Cache], what: str = "segment"
+    ) -> None:
+        """One non-empty int64 [S_b] per cache, and `_check`'s rules for the whole batch."""
+        if len(segments) != len(caches):
+            raise ValueError(
+                f"{len(segments)} {what}s for {len(caches)} caches (need one each, at least one)"
+            )
+        for seg in segments:
+            if seg.dim() != 1 or seg.dtype != torch.long or seg.shape[0] == 0:
+                raise ValueError(
+                    f"each {what} must be a non-empty int64 [S], got {seg.dtype} {tuple(seg.shape)}"
+                )
+        tokens = torch.cat(list(segments)) if segments else torch.zeros(0, dtype=torch.long)
+        self._check(tokens, caches, [seg.shape[0] for seg in segments])
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self, prompts: Sequence[torch.Tensor], caches: Sequence[Cache], hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Prefill B sequences in one pass: one int64 prompt [S_b] per cache (any tier, any
         length so far) -> logits [B, vocab] of each prompt's last token; cache b gains S_b rows.
         Nothing is committed if a pass fails. On a small model a short prefill is bound by
         per-op overhead, so B prompts in one pass cost much less than B passes (builtin:tiny, 8
-        prompts of 32 tokens: 2.3x faster; `benchmarks/prefill_batch.py`)."""
-        if len(prompts) != len(caches):
-            raise ValueError(f"{len(prompts)} prompts for {len(caches)} caches (need one each, at least one)")
-        for prompt in prompts:
-            if prompt.dim() != 1 or prompt.dtype != torch.long or prompt.shape[0] == 0:
-                raise ValueError(
-                    f"each prompt must be a non-empty int64 [S], got {prompt.dtype} {tuple(prompt.shape)}"
-                )
-        tokens = torch.cat(list(prompts)) if prompts else torch.zeros(0, dtype=torch.long)
-        self._check(tokens, caches, [p.shape[0] for p in prompts])
+        prompts of 32 tokens: 2.3x faster; `benchmarks/prefill_batch.py`). With `hidden`, also
+        every prompt token's lm_head input h [sum S_b, D] (what the MTP draft layer reads)."""
+        self._check_segments(prompts, caches, "prompt")
         if len(caches) == 1:
-            return self.forward(prompts[0], caches[0])
-        return self._run(batches.prefill(self.rope, prompts, caches))
+            return self.forward(prompts[0], caches[0], hidden=hidden)
+        return self._run(batches.prefill(self.rope, prompts, caches), hidden=hidden)
 
     def _check(self, tokens: torch.Tensor, caches: Sequence[Cache], sizes: Sequence[int]) -> list[int]:
         return check_batch(
