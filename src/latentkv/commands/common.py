@@ -281,7 +281,7 @@ def speculative_config(args: argparse.Namespace, model_arg: str | None = None):
             raise UserError("--draft-tokens needs --speculative mtp")
         return None
     try:
-        spec = SpeculativeConfig(args.speculative, args.draft_tokens or 1)
+        spec = SpeculativeConfig(args.speculative, 1 if args.draft_tokens is None else args.draft_tokens)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if model_arg is not None:
