@@ -62,7 +62,10 @@ def test_bench_decode_refuses_a_model_without_mtp(capsys):
 
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--draft-tokens", "2"], "needs --speculative mtp"), (["--speculative", "mtp", "--draft-tokens", "0"], "1..8")],
+    [
+        (["--draft-tokens", "2"], "needs --speculative mtp"),
+        (["--speculative", "mtp", "--draft-tokens", "0"], "1..8"),
+    ],
 )
 def test_bad_flags_exit_2(capsys, flags, message):
     code, _, err = _run(capsys, "generate", "builtin:fixture", "--prompt-ids", "5,6", *flags)

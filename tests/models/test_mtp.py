@@ -144,3 +144,26 @@ def test_mtp_cache_in_every_tier(fixture_model, helpers, tier):
     top = f32.argmax(-1)
     assert (got.argmax(-1) == top).float().mean().item() >= 0.5
     assert torch.isfinite(got).all()
+
+
+def test_draft_batch_equals_one_sequence_passes(fixture_model, helpers):
+    """Three sequences' draft-layer passes in one batch (ragged, each cache at its own offset):
+    each sequence's last logits are its own pass's, to float32 rounding."""
+    m = fixture_model
+    seqs = [helpers.random_ids(n, seed=1710 + n, vocab=m.cfg.vocab_size) for n in (9, 14, 5)]
+    hidden = [m.forward(ids, m.make_cache(), hidden=True)[1] for ids in seqs]
+    starts = [0, 3, 1]  # the draft caches start at these positions (a resumed conversation's)
+    alone, caches = [], []
+    for ids, h, start in zip(seqs, hidden, starts, strict=True):
+        logits, _ = m.draft(ids[start + 1 :], h[start:-1], m.make_draft_cache(), start)
+        alone.append(logits[-1])
+        caches.append(m.make_draft_cache())
+    logits, _ = m.draft_batch(
+        [ids[start + 1 :] for ids, start in zip(seqs, starts, strict=True)],
+        [h[start:-1] for h, start in zip(hidden, starts, strict=True)],
+        caches,
+        starts,
+    )
+    assert logits.shape == (3, m.cfg.vocab_size)
+    torch.testing.assert_close(logits, torch.stack(alone), rtol=0, atol=1e-4)
+    assert [c.length for c in caches] == [len(ids) - 1 - s for ids, s in zip(seqs, starts, strict=True)]

@@ -59,7 +59,13 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.engine import sampling
-from latentkv.engine.speculative import SpeculativeConfig, SpeculativeDecoder, SpeculativeStats, check_model
+from latentkv.engine.speculative import (
+    SpeculativeConfig,
+    SpeculativeDecoder,
+    SpeculativeStats,
+    check_model,
+    draft_together,
+)
 from latentkv.kv.cache import LatentCache
 from latentkv.kv.slots import SlotPool
 
@@ -643,15 +649,17 @@ class Scheduler:
         """Speculative decoding: each running sequence drafts (or, paused, feeds its pending
         token alone), one batched pass verifies every sequence's segment, and each keeps its
         accepted prefix (`latentkv.engine.speculative`)."""
-        feeds = {}
+        counts = {}
         for seq in list(self._running):
-            feed = self._guarded(seq, lambda s: s.drafter.plan(s.params.max_tokens - len(s.generated)))
-            if feed is not None:
-                feeds[id(seq)] = (seq, feed)
-        seqs = [seq for seq, _ in feeds.values()]
+            n = self._guarded(seq, lambda s: s.drafter.decide(s.params.max_tokens - len(s.generated)))
+            if n is not None:
+                counts[id(seq)] = (seq, n)
+        seqs = [seq for seq, _ in counts.values()]
         if not seqs:
             return
-        segments = [torch.tensor(feed, dtype=torch.long) for _, feed in feeds.values()]
+        # every sequence's draft-layer passes together (a failure here is the worker's: all fail)
+        draft_together(self.model, [s.drafter for s in seqs], [n for _, n in counts.values()])
+        segments = [torch.tensor(s.drafter.feed(), dtype=torch.long) for s in seqs]
         t0 = time.perf_counter()
         try:
             logits, h = self.model.verify_batch(segments, [s.cache for s in seqs])

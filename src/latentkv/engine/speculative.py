@@ -250,6 +250,10 @@ class SpeculativeDecoder:
         self.back_tokens: list[int] = []  # backlog: the token after each position not yet drafted from
         self.back_hidden: list[torch.Tensor] = []  # and the main model's hidden states there
         self.pending = -1  # the last token produced, not yet in the main cache
+        self._drafts: list[int] = []  # this step's drafts
+        self._qs: list[torch.Tensor] = []  # the distributions they were drawn from (sampling)
+        self._draft_h: torch.Tensor | None = None  # the draft layer's last state, to chain from
+        self._verify_start = self._chained = 0
 
     def _pick(self, logits: torch.Tensor) -> int:
         if self.sampling.greedy:
@@ -283,11 +287,20 @@ class SpeculativeDecoder:
     def plan(self, remaining: int) -> list[int]:
         """The tokens this step feeds the main model: [pending] for a plain step, or [pending,
         d_1..d_n] for a round (drafted now). `settle` takes the verify pass's output."""
+        draft_together(self.model, [self], [self.decide(remaining)])
+        return self.feed()
+
+    def decide(self, remaining: int) -> int:
+        """How many tokens to draft this step (0: a plain step), at most `remaining` - 1."""
         room = self.model.cfg.max_position_embeddings - self.cache.length - 1
         n = min(self.cfg.draft_tokens, room, remaining - 1)
         self._verify_start = self.cache.length
-        self._drafts, self._qs = self._draft(n) if n >= 1 and self.governor.draft_next() else ([], [])
-        self._chained = self.draft_cache.length - max(0, len(self._drafts) - 1)
+        self._drafts, self._qs = [], []
+        self._chained = self.draft_cache.length
+        return n if n >= 1 and self.governor.draft_next() else 0
+
+    def feed(self) -> list[int]:
+        """[pending, *drafts] once `draft_together` has drafted."""
         return [self.pending, *self._drafts]
 
     def settle(self, logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
@@ -319,31 +332,49 @@ class SpeculativeDecoder:
             self.stats.plain_steps += 1
             self.stats.plain_seconds += seconds
 
-    def _draft(self, n: int) -> tuple[list[int], list[torch.Tensor]]:
-        """n draft tokens (and, when sampling, the distributions q they were drawn from)."""
+    def _backlog(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions the draft layer has not read: (next tokens [S], hidden states [S, D])."""
         tokens = torch.tensor(self.back_tokens, dtype=torch.long)
         hidden = torch.cat(self.back_hidden)
-        logits, h = self.model.draft(tokens, hidden, self.draft_cache, self._draft_position())
         self.back_tokens, self.back_hidden = [], []
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
-        for j in range(n):
-            if j:
-                logits, h = self.model.draft(
-                    torch.tensor(drafts[-1:]), h[-1:], self.draft_cache, self._draft_position()
-                )
-            if not self.sampling.greedy:
-                qs.append(probabilities(logits[-1], self.sampling))
-            drafts.append(self._pick_draft(logits[-1], qs))
-        return drafts, qs
+        return tokens, hidden
 
-    def _pick_draft(self, logits: torch.Tensor, qs: list[torch.Tensor]) -> int:
+    def _take_draft(self, logits: torch.Tensor) -> None:
+        """Draw the next draft from logits [vocab] (keeping q when sampling)."""
         if self.sampling.greedy:
-            return int(logits.argmax())
-        return int(torch.multinomial(qs[-1], 1, generator=self.generator))
+            self._drafts.append(int(logits.argmax()))
+            return
+        self._qs.append(probabilities(logits, self.sampling))
+        self._drafts.append(int(torch.multinomial(self._qs[-1], 1, generator=self.generator)))
 
     def _draft_position(self) -> int:
         return self.draft_start + self.draft_cache.length
+
+
+def draft_together(model, decoders: list[SpeculativeDecoder], counts: list[int]) -> None:
+    """Draft counts[b] tokens for decoders[b] (0: none), the B sequences' draft-layer passes
+    batched: one over every backlog, then one per further draft position; a single sequence
+    uses the one-sequence pass. Each decoder's drafts are then in `feed()`."""
+    active = [(dec, n) for dec, n in zip(decoders, counts, strict=True) if n >= 1]
+    for j in range(max((n for _, n in active), default=0)):
+        group = [dec for dec, n in active if n > j]
+        if j == 0:
+            tokens, hidden = zip(*(dec._backlog() for dec in group), strict=True)
+        else:
+            tokens = [torch.tensor(dec._drafts[-1:]) for dec in group]
+            hidden = [dec._draft_h for dec in group]
+        positions = [dec._draft_position() for dec in group]
+        caches = [dec.draft_cache for dec in group]
+        if len(group) == 1:
+            logits, h = model.draft(tokens[0], hidden[0], caches[0], positions[0])
+            logits, h = logits[-1:], h[-1:]
+        else:
+            logits, h = model.draft_batch(list(tokens), list(hidden), caches, positions)
+        for b, dec in enumerate(group):
+            if j == 0:
+                dec._chained = dec.draft_cache.length  # rows past here come from estimated states
+            dec._draft_h = h[b : b + 1]
+            dec._take_draft(logits[b])
 
 
 def speculative_steps(

@@ -153,6 +153,22 @@ class Model:
             raise ValueError("this model has no MTP (multi-token prediction) layer")
         return self.mtp.forward(self.embed, self.lm_head, self.rope, next_tokens, hidden, cache, position)
 
+    @torch.inference_mode()
+    def draft_batch(
+        self,
+        next_tokens: list[torch.Tensor],
+        hidden: list[torch.Tensor],
+        caches: list[Cache],
+        positions: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft` for B sequences in one pass (see `MTPLayer.forward_batch`): -> (logits
+        [B, vocab], h' [B, D]) of each sequence's last position."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP (multi-token prediction) layer")
+        return self.mtp.forward_batch(
+            self.embed, self.lm_head, self.rope, next_tokens, hidden, caches, positions
+        )
+
     def make_draft_cache(self, cache: CacheConfig | None = None) -> Cache:
         """The MTP layer's own cache, in the same tier as the main one."""
         if self.mtp is None:

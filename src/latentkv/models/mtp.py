@@ -78,3 +78,25 @@ class MTPLayer:
         batch.commit()
         h = self.head_norm(x)
         return lm_head(h), h
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        embed: torch.Tensor,
+        lm_head: Linear,
+        rope: Rope,
+        next_tokens: list[torch.Tensor],
+        hidden: list[torch.Tensor],
+        caches: list[LatentCache | PackedLatentCache],
+        positions: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for B sequences in one pass (segment b: next_tokens[b] [S_b], hidden[b]
+        [S_b, D] from positions[b] on) -> (logits [B, vocab], h' [B, D]) of each segment's last
+        position. Cache b gains S_b rows."""
+        e = embed.index_select(0, torch.cat(next_tokens)).float()  # [N, D]
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(torch.cat(hidden).float())], dim=-1))
+        batch = batches.prefill(rope, next_tokens, caches, positions)
+        x, _ = self.block(x, batch, 0, None)
+        batch.commit()
+        h = self.head_norm(x.index_select(0, batch.last_rows))
+        return lm_head(h), h
