@@ -291,8 +291,8 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
 
 # --- runtime configuration ----------------------------------------------------------------
 
-# The tiers, named as vLLM's --kv-cache-dtype; kept in step with latentkv.kv.codecs.TIER_NAMES
-# (a test checks it) so this module stays free of imports from the rest of the package.
+# The tiers, named as vLLM's --kv-cache-dtype: the one list (latentkv.kv.codecs.tiers derives
+# each one's codecs from the name), here so this module stays free of imports from the package.
 # The mixed tiers (tq4-r8: tq4 latent, fp8 rope key; -r16: bf16 rope key) follow the single-codec ones.
 KV_CACHE_DTYPES = (
     "f32",

@@ -66,7 +66,6 @@ from latentkv.engine.speculative import (
     check_model,
     draft_together,
 )
-from latentkv.kv.cache import LatentCache
 from latentkv.kv.slots import SlotPool
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -345,7 +344,7 @@ class Scheduler:
         per_token = probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
         self._capacity = per_token * self.max_model_len * max_num_seqs
         # float32 caches of running sequences live side by side (one write per layer and step)
-        self._pool = SlotPool(probe.layout, max_num_seqs) if type(probe) is LatentCache else None
+        self._pool = SlotPool(probe.layout, max_num_seqs) if probe.tier.poolable else None
         self._header = None  # the KV file header, built on the first session request
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Sequence] = collections.deque()

@@ -117,7 +117,7 @@ def scores(codec: Codec, q: torch.Tensor, enc: EncodedRows, *, tile: int = DEFAU
     qb = q.reshape(-1, codec.width).to(torch.float32)  # [M, n]
     if consumer.rotated:
         qb = codec.rotation.rotate(qb)
-    out = torch.empty(qb.shape[0], len(enc), dtype=torch.float32)  # [M, T]
+    out = torch.empty(qb.shape[0], len(enc), dtype=torch.float32, device=q.device)  # [M, T]
     for start, stop in _spans(len(enc), tile, consumer):
         values, factor = consumer.read(codec, enc.rows(start, stop))  # [Tt, n], [Tt]
         block = qb @ values.T  # [M, Tt]
@@ -135,7 +135,9 @@ def context(codec: Codec, w: torch.Tensor, enc: EncodedRows, *, tile: int = DEFA
         raise ValueError(f"weights over {w.shape[-1]} tokens for {len(enc)} rows")
     lead = w.shape[:-1]
     wb = w.reshape(math.prod(lead), len(enc)).to(torch.float32)  # [M, T]
-    acc = torch.zeros(wb.shape[0], codec.width, dtype=torch.float32)  # [M, n] in the working basis
+    acc = torch.zeros(
+        wb.shape[0], codec.width, dtype=torch.float32, device=w.device
+    )  # [M, n] in the working basis
     for start, stop in _spans(len(enc), tile, consumer):
         values, factor = consumer.read(codec, enc.rows(start, stop))  # [Tt, n], [Tt]
         wt = wb[:, start:stop]
@@ -252,9 +254,12 @@ def _attend(
         if cons_c.rotated:
             out = codec_c.rotation.unrotate(out)
         return out.view(H, S, n), lse
-    best = torch.full((M, 1), float("-inf"))  # running max of the scores
-    norm = torch.zeros(M, 1)  # running sum of exp(score - best)
-    acc = torch.zeros(M, n)  # running sum of exp(score - best) * factor * values, working basis
+    device = query.device
+    best = torch.full((M, 1), float("-inf"), device=device)  # running max of the scores
+    norm = torch.zeros(M, 1, device=device)  # running sum of exp(score - best)
+    acc = torch.zeros(
+        M, n, device=device
+    )  # running sum of exp(score - best) * factor * values, working basis
     for start in range(0, len(c), tile):
         stop = min(start + tile, len(c))
         vc, fc = cons_c.read(codec_c, c.rows(start, stop))  # [Tt, n_c], [Tt]

@@ -4,7 +4,10 @@ Per token per layer the cache holds `c` (kv_lora_rank values, the RMS-normed lat
 (qk_rope_head_dim values, the RoPE'd shared key). Never per-head K/V. DSA models also keep the
 indexer's keys (float32) for every layer that runs its own indexer ("full" layers).
 
-Two storages share one small interface (append / commit / view / trim / nbytes / state):
+One cache type, `SequenceCache`, in two storages behind one small interface (append / commit /
+view / trim / nbytes / state / stored_rows); what a caller needs to know of its tier (bytes per
+row, whether it compiles or fits the slot pool, which caches are stored alike) is `cache.tier`,
+a `KVTier` resolved once (`resolve_tier`), never the class:
 
     LatentCache        f32, rows [c | r] side by side: the reference, byte-identical to the
                        engine before any tier existed
@@ -30,7 +33,7 @@ and the logits that follow are not bit-identical to an uninterrupted run's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -49,15 +52,16 @@ class CacheLayout:
     kv_lora_rank: int
     index_layers: tuple[int, ...]  # layers with their own indexer key cache
     index_head_dim: int
+    device: str = field(default="cpu", compare=False)  # where the rows live (not part of the identity)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig) -> CacheLayout:
+    def for_model(cls, cfg: ModelConfig, device: str = "cpu") -> CacheLayout:
         index_layers: tuple[int, ...] = ()
         index_dim = 0
         if cfg.dsa is not None:
             index_layers = tuple(i for i, t in enumerate(cfg.dsa.indexer_types) if t == "full")
             index_dim = cfg.dsa.index_head_dim
-        return cls(cfg.num_layers, cfg.kv_row_width, cfg.kv_lora_rank, index_layers, index_dim)
+        return cls(cfg.num_layers, cfg.kv_row_width, cfg.kv_lora_rank, index_layers, index_dim, str(device))
 
 
 class _Buffer:
@@ -71,9 +75,11 @@ class _Buffer:
     # kind of tensor for the compiled step's guards. Writes happen in inference mode (a
     # compiled step is traced in it already and must not enter it again).
 
-    def __init__(self, width: int, dtype: torch.dtype = torch.float32, capacity: int = 64):
+    def __init__(
+        self, width: int, dtype: torch.dtype = torch.float32, capacity: int = 64, device: str = "cpu"
+    ):
         with torch.inference_mode():
-            self.data = _dynamic_rows(torch.empty(capacity, width, dtype=dtype))
+            self.data = _dynamic_rows(torch.empty(capacity, width, dtype=dtype, device=device))
         self.pool = None  # a `latentkv.kv.slots.SlotPool` whose slot `data` is, if any
 
     def bind(self, data: torch.Tensor, pool=None) -> None:
@@ -89,7 +95,10 @@ class _Buffer:
         if end > self.data.shape[0]:
             with torch.inference_mode():
                 grown = torch.empty(
-                    max(end, 2 * self.data.shape[0]), self.data.shape[1], dtype=self.data.dtype
+                    max(end, 2 * self.data.shape[0]),
+                    self.data.shape[1],
+                    dtype=self.data.dtype,
+                    device=self.data.device,
                 )
                 grown[:keep] = self.data[:keep]
             self.data = _dynamic_rows(grown)
@@ -261,7 +270,7 @@ class WindowedRows:
                 f"a cache with a recent window needs the positions of these {count} queries (its "
                 f"reader was made for the {self.query_count} tokens from position {self.query_start})"
             )
-        return torch.arange(self.query_start, self.query_start + count)
+        return torch.arange(self.query_start, self.query_start + count, device=self.recent.device)
 
     def _split(self, qpos: torch.Tensor) -> _Split:
         """Which rows the queries at positions qpos [S] read from the tier, which in float32."""
@@ -270,8 +279,8 @@ class WindowedRows:
             old_end = min(max(int(qpos.max()) - self.window + 1, 0), T)
             new_start = min(max(int(first_exact.min()), 0), T)
             old_cols, new_cols = slice(0, old_end), slice(new_start, T)
-            old, old_pos = self.packed.rows(0, old_end), torch.arange(old_end)
-            new_pos = torch.arange(new_start, T)
+            old, old_pos = self.packed.rows(0, old_end), torch.arange(old_end, device=qpos.device)
+            new_pos = torch.arange(new_start, T, device=qpos.device)
         else:  # DSA's selection, in its own order
             is_old = self.positions[None, :] < first_exact[:, None]  # [S, T]
             old_cols = is_old.any(dim=0).nonzero().squeeze(1)
@@ -349,8 +358,9 @@ def _mask(
 # --- caches ------------------------------------------------------------------------------
 
 
-class _SequenceCache:
-    """Length bookkeeping and the DSA indexer keys, shared by every storage.
+class SequenceCache:
+    """The cache of one sequence in any tier: length bookkeeping and the DSA indexer keys here,
+    the rows in a storage subclass (`LatentCache`, `PackedLatentCache`).
 
     Writes during a forward pass land after `length`; `commit(n)` makes them part of the
     cache once every layer has written its n rows. Readers returned by `append` see the
@@ -363,7 +373,10 @@ class _SequenceCache:
     def __init__(self, layout: CacheLayout):
         self.layout = layout
         self.length = 0
-        self._index = {layer: _Buffer(layout.index_head_dim) for layer in layout.index_layers}
+        self._tier: KVTier | None = None
+        self._index = {
+            layer: _Buffer(layout.index_head_dim, device=layout.device) for layer in layout.index_layers
+        }
 
     def append_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Store indexer keys [S, D] for this pass; return all keys so far [T, D]."""
@@ -372,6 +385,24 @@ class _SequenceCache:
 
     def index_keys(self, layer: int) -> torch.Tensor:
         return self._index[layer].data[: self.length]
+
+    @property
+    def tier(self) -> KVTier:
+        """The tier these rows are stored in (resolved once)."""
+        if self._tier is None:
+            self._tier = self._own_tier()
+        return self._tier
+
+    def _own_tier(self) -> KVTier:
+        raise NotImplementedError
+
+    def append(self, layer: int, rows: torch.Tensor) -> RowReader:
+        raise NotImplementedError
+
+    @staticmethod
+    def append_each(caches: Sequence[SequenceCache], layer: int, rows: torch.Tensor) -> list[RowReader]:
+        """`append` of row b of rows [B, Lkv+R] to caches[b] (caches stored alike: one tier key)."""
+        return [cache.append(layer, rows[b : b + 1]) for b, cache in enumerate(caches)]
 
     def commit(self, n: int) -> None:
         self.length += n
@@ -416,17 +447,20 @@ class _SequenceCache:
             self._index[i].write(0, state[f"index.{i}"])
 
 
-class LatentCache(_SequenceCache):
+class LatentCache(SequenceCache):
     """Float32 rows [c | r]: the reference storage."""
 
     codec = "f32"
 
     def __init__(self, layout: CacheLayout):
         super().__init__(layout)
-        self._rows = [_Buffer(layout.row_width) for _ in range(layout.num_layers)]
+        self._rows = [_Buffer(layout.row_width, device=layout.device) for _ in range(layout.num_layers)]
 
     def _buffers_in_use(self) -> list[_Buffer]:
         return [*self._rows, *super()._buffers_in_use()]
+
+    def _own_tier(self) -> KVTier:
+        return resolve_tier(self.layout)
 
     def append(self, layer: int, rows: torch.Tensor) -> F32Rows:
         """Store rows [S, Lkv+R] for the tokens of this pass; return a reader over every row so far."""
@@ -442,6 +476,12 @@ class LatentCache(_SequenceCache):
 
     def codec_params(self) -> dict:
         return {"name": "f32"}
+
+    def stored_rows(self, layer: int, start: int, end: int) -> list[tuple[str, torch.Tensor]]:
+        """(part name, rows [n, k]) of positions [start, end) as the KV file records them."""
+        rows = self.view(layer)[start:end]  # [n, Lkv+R] f32
+        n = self.layout.kv_lora_rank
+        return [(f"c_codes.{layer}", rows[:, :n]), (f"r_codes.{layer}", rows[:, n:])]
 
     def allocated_nbytes(self) -> int:
         """Bytes the committed rows occupy, measured from the row tensors themselves."""
@@ -464,7 +504,7 @@ class LatentCache(_SequenceCache):
         return cache
 
 
-class PackedLatentCache(_SequenceCache):
+class PackedLatentCache(SequenceCache):
     """Rows encoded by a codec: c and r each as (uint8 codes, float32 scales) per token; with
     `recent_window` W > 0, also the float32 rows of the last W tokens (see the module docstring)."""
 
@@ -488,11 +528,13 @@ class PackedLatentCache(_SequenceCache):
         self.recent_window = recent_window
         self.spare = 0  # exact rows held past the window, so a trim of that many stays exact
         # the exact rows of the last <= W (+ spare) committed tokens, per layer: positions length - len .. length - 1
-        self._recent = [torch.empty(0, layout.row_width) for _ in range(layout.num_layers)]
+        self._recent = [
+            torch.empty(0, layout.row_width, device=layout.device) for _ in range(layout.num_layers)
+        ]
         self._pending: list[torch.Tensor | None] = [None] * layout.num_layers  # held + this pass's rows
         self._buffers = [
             tuple(
-                _Buffer(width, dtype)
+                _Buffer(width, dtype, device=layout.device)
                 for width, dtype in (
                     (codec_c.code_bytes, torch.uint8),
                     (codec_c.scale_count, torch.float32),
@@ -505,6 +547,9 @@ class PackedLatentCache(_SequenceCache):
 
     def _buffers_in_use(self) -> list[_Buffer]:
         return [b for layer in self._buffers for b in layer] + super()._buffers_in_use()
+
+    def _own_tier(self) -> KVTier:
+        return KVTier(self.codec, self.codec_c, self.codec_r, self.layout, self.recent_window)
 
     def append(self, layer: int, rows: torch.Tensor) -> PackedRows:
         """Encode rows [S, Lkv+R] of this pass; return a reader over every row so far."""
@@ -600,6 +645,16 @@ class PackedLatentCache(_SequenceCache):
     def codec_params(self) -> dict:
         return {"c": self.codec_c.params(), "r": self.codec_r.params()}
 
+    def stored_rows(self, layer: int, start: int, end: int) -> list[tuple[str, torch.Tensor]]:
+        """(part name, rows [n, k]) of positions [start, end) as the KV file records them."""
+        rows = self.view(layer)
+        return [
+            (f"c_codes.{layer}", rows.c.codes[start:end]),
+            (f"c_scales.{layer}", rows.c.scales[start:end]),
+            (f"r_codes.{layer}", rows.r.codes[start:end]),
+            (f"r_scales.{layer}", rows.r.scales[start:end]),
+        ]
+
     def allocated_nbytes(self) -> int:
         """Bytes the row buffers hold for the committed tokens, measured from the tensors themselves."""
         total = 0
@@ -665,10 +720,85 @@ def codecs_for(layout: CacheLayout, cfg: CacheConfig) -> tuple[Codec, Codec]:
     return codec_c, codec_r
 
 
-def make_cache(layout: CacheLayout, cfg: CacheConfig | None = None) -> LatentCache | PackedLatentCache:
-    """An empty cache of the configured tier (f32, the reference, when none is given)."""
+@dataclass(frozen=True, eq=False)
+class KVTier:
+    """A `--kv-cache-dtype` resolved for one model's rows, once: its codecs (with every parameter
+    that changes the bytes), bytes per row, what it can do, and the cache it makes."""
+
+    name: str
+    codec_c: Codec
+    codec_r: Codec
+    layout: CacheLayout
+    recent_window: int = 0
+
+    @property
+    def exact(self) -> bool:
+        """Rows kept as float32 [c | r] as they are (f32, the reference storage)."""
+        return self.name == "f32"
+
+    @property
+    def compilable(self) -> bool:
+        """Whether `--compile` traces a step over caches of this tier."""
+        return TIERS[self.name].compilable and not self.recent_window
+
+    @property
+    def poolable(self) -> bool:
+        """Whether caches of this tier can be placed in a `kv.slots.SlotPool` (float32 rows)."""
+        return self.exact
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        return self.codec_c.bytes_per_row + self.codec_r.bytes_per_row
+
+    def params(self) -> dict:
+        """Each part's codec parameters (what the KV file records)."""
+        return {"c": self.codec_c.params(), "r": self.codec_r.params()}
+
+    @property
+    def key(self) -> tuple:
+        """Equal for caches stored alike (same storage and codec parameters): a batch reads and
+        encodes those together."""
+        return (self.exact, repr(self.params()))
+
+    def make_cache(self) -> SequenceCache:
+        """An empty cache of this tier."""
+        if self.exact:  # every row is already exact: a recent window changes nothing
+            cache: SequenceCache = LatentCache(self.layout)
+        else:
+            cache = PackedLatentCache(
+                self.layout, self.codec_c, self.codec_r, tier=self.name, recent_window=self.recent_window
+            )
+        cache._tier = self
+        return cache
+
+    def from_state(self, state: dict[str, torch.Tensor]) -> SequenceCache:
+        """A cache of this tier holding a `state()` of one (rows stored in this tier)."""
+        if self.exact:
+            cache: SequenceCache = LatentCache.from_state(self.layout, state)
+        else:
+            cache = PackedLatentCache.from_state(
+                self.layout,
+                self.codec_c,
+                self.codec_r,
+                state,
+                tier=self.name,
+                recent_window=self.recent_window,
+            )
+        cache._tier = self
+        return cache
+
+
+def resolve_tier(layout: CacheLayout, cfg: CacheConfig | None = None) -> KVTier:
+    """The tier of `cfg` (f32 when None) for `layout`'s rows; ValueError if it cannot store them."""
     if cfg is None or cfg.kv_cache_dtype == "f32":
-        return LatentCache(layout)  # every row is already exact: a recent window changes nothing
-    return PackedLatentCache(
-        layout, *codecs_for(layout, cfg), tier=cfg.kv_cache_dtype, recent_window=cfg.recent_window
-    )
+        f32 = (
+            get_codec("f32", layout.kv_lora_rank),
+            get_codec("f32", layout.row_width - layout.kv_lora_rank),
+        )
+        return KVTier("f32", *f32, layout)
+    return KVTier(cfg.kv_cache_dtype, *codecs_for(layout, cfg), layout, cfg.recent_window)
+
+
+def make_cache(layout: CacheLayout, cfg: CacheConfig | None = None) -> SequenceCache:
+    """An empty cache of the configured tier (f32, the reference, when none is given)."""
+    return resolve_tier(layout, cfg).make_cache()

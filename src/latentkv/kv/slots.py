@@ -53,7 +53,7 @@ class SlotPool:
     def place(self, cache: LatentCache) -> bool:
         """Move a float32 cache's rows into a free slot; False (cache untouched) when the cache
         is of another tier, there is no free slot, or its rows would not fit under max_bytes."""
-        if type(cache) is not LatentCache or cache.layout != self.layout or id(cache) in self._slot:
+        if not cache.tier.poolable or cache.layout != self.layout or id(cache) in self._slot:
             return False
         if self._evicted or None not in self._owner:
             return False
@@ -146,10 +146,11 @@ class SlotPool:
         layout = self.layout
         with torch.inference_mode():
             self.rows = [
-                torch.zeros(self.slots, capacity, layout.row_width) for _ in range(layout.num_layers)
+                torch.zeros(self.slots, capacity, layout.row_width, device=layout.device)
+                for _ in range(layout.num_layers)
             ]
             self.keys = {
-                layer: torch.zeros(self.slots, capacity, layout.index_head_dim)
+                layer: torch.zeros(self.slots, capacity, layout.index_head_dim, device=layout.device)
                 for layer in layout.index_layers
             }
         self.capacity = capacity
@@ -174,7 +175,7 @@ class SlotPool:
     def flat_index(self, slots: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Row numbers of each sequence's `position` in its slot, in any layer's tensor viewed as
         [slots * capacity, width] (`write`): one index for every layer of a step."""
-        return torch.tensor(slots) * self.capacity + positions
+        return torch.tensor(slots, device=positions.device) * self.capacity + positions
 
     @staticmethod
     def write(tensor: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor) -> None:

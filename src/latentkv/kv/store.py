@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, codecs_for, make_cache
-from latentkv.kv.codecs import Codec, get_codec
+from latentkv.kv.cache import CacheLayout, KVTier, SequenceCache, make_cache, resolve_tier
+from latentkv.kv.codecs import Codec
 from latentkv.kv.store_compat import (
     REENCODE,
     SAME,
@@ -58,7 +58,7 @@ from latentkv.kv.store_header import (
     RecordLayout,
 )
 
-Cache = LatentCache | PackedLatentCache
+Cache = SequenceCache
 
 
 class KVMismatch(KVFileError):
@@ -91,24 +91,18 @@ def header_for(cfg: ModelConfig, cache: Cache, checkpoint: str) -> KVHeader:
 
 
 def codec_spec_of(cache: Cache) -> CodecSpec:
-    """What `cache` writes: its tier, codec params (`codec_params()`) and sizes for c and r."""
-    if isinstance(cache, PackedLatentCache):
-        params = cache.codec_params()
-        return CodecSpec(
-            cache.codec,
-            _part(cache.codec_c, params["c"]),
-            _part(cache.codec_r, params["r"]),
-        )
-    return codec_spec(cache.layout, CacheConfig("f32"))
+    """What `cache` writes: its tier, codec params and sizes for c and r."""
+    return _spec(cache.tier)
 
 
 def codec_spec(layout: CacheLayout, cfg: CacheConfig) -> CodecSpec:
     """What a cache of tier `cfg` for `layout` writes (f32: the row [c | r] as two f32 parts)."""
-    if cfg.kv_cache_dtype == "f32":
-        c, r = get_codec("f32", layout.kv_lora_rank), get_codec("f32", layout.row_width - layout.kv_lora_rank)
-    else:
-        c, r = codecs_for(layout, cfg)
-    return CodecSpec(cfg.kv_cache_dtype, _part(c, c.params()), _part(r, r.params()))
+    return _spec(resolve_tier(layout, cfg))
+
+
+def _spec(tier: KVTier) -> CodecSpec:
+    c, r = tier.codec_c, tier.codec_r
+    return CodecSpec(tier.name, _part(c, c.params()), _part(r, r.params()))
 
 
 def _part(codec: Codec, params: dict[str, Any]) -> PartFormat:
@@ -147,16 +141,8 @@ class LoadResult:
         layout = layout_of(self.header)
         cfg = cache_config or _own_config(self.header.codec)
         verdict = compare_codec(self.header.codec, codec_spec(layout, cfg))
-        if verdict.action == SAME and is_f32(self.header.codec):
-            return LatentCache.from_state(layout, self.state)
         if verdict.action == SAME:
-            return PackedLatentCache.from_state(
-                layout,
-                *codecs_for(layout, cfg),
-                self.state,
-                tier=cfg.kv_cache_dtype,
-                recent_window=cfg.recent_window,
-            )
+            return resolve_tier(layout, cfg).from_state(self.state)
         if verdict.action == REENCODE:
             return _reencode(layout, cfg, self.state, len(self.tokens))
         raise KVMismatch(verdict)
@@ -319,16 +305,7 @@ def pack_records(layout: RecordLayout, tokens: list[int], cache: Cache, start: i
 def _cache_fields(cache: Cache, start: int, end: int):
     """(record field name, rows [n, k]) for every stored part of positions [start, end)."""
     for layer in range(cache.layout.num_layers):
-        if isinstance(cache, PackedLatentCache):
-            rows = cache.view(layer)
-            yield f"c_codes.{layer}", rows.c.codes[start:end]
-            yield f"c_scales.{layer}", rows.c.scales[start:end]
-            yield f"r_codes.{layer}", rows.r.codes[start:end]
-            yield f"r_scales.{layer}", rows.r.scales[start:end]
-        else:
-            rows = cache.view(layer)[start:end]  # [n, Lkv+R] f32
-            yield f"c_codes.{layer}", rows[:, : cache.layout.kv_lora_rank]
-            yield f"r_codes.{layer}", rows[:, cache.layout.kv_lora_rank :]
+        yield from cache.stored_rows(layer, start, end)
     for layer in cache.layout.index_layers:
         yield f"index.{layer}", cache.index_keys(layer)[start:end]
 

@@ -34,7 +34,7 @@ import torch
 
 from latentkv.attention import AttentionBackend, backend_for
 from latentkv.attention import base as attention_base
-from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, RowReader
+from latentkv.kv.cache import CacheLayout, RowReader, SequenceCache
 from latentkv.kv.slots import SlotPool
 from latentkv.models.layers import Rope, RotaryTables
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from latentkv.models.indexer import Indexer
     from latentkv.models.mla import MLA
 
-Cache = LatentCache | PackedLatentCache
+Cache = SequenceCache
 
 
 @dataclass
@@ -60,7 +60,8 @@ class Batch:
     @property
     def last_rows(self) -> torch.Tensor:
         """Each segment's last row [B]."""
-        return torch.tensor([o + n - 1 for o, n in zip(self.offsets, self.sizes, strict=True)])
+        last = [o + n - 1 for o, n in zip(self.offsets, self.sizes, strict=True)]
+        return torch.tensor(last, device=self.tokens.device)
 
     def commit(self) -> None:
         for cache, n in zip(self.caches, self.sizes, strict=True):
@@ -83,7 +84,8 @@ def prefill(
     sizes = [p.shape[0] for p in prompts]
     starts = [c.length for c in caches] if starts is None else list(starts)
     offsets = [sum(sizes[:b]) for b in range(len(sizes))]
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, sizes, strict=True)])
+    device = prompts[0].device
+    positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, sizes, strict=True)])
     tables = rope.at(positions)
     parts = [slice(o, o + n) for o, n in zip(offsets, sizes, strict=True)]
     ropes = [RotaryTables(tables.cos[p], tables.sin[p]) for p in parts]  # each sequence's own positions
@@ -98,11 +100,14 @@ def decode(
     lengths = [c.length for c in caches]
     ends = [n + 1 for n in lengths]
     T = max(ends)
-    positions = torch.tensor(lengths, dtype=torch.long)
+    device = tokens.device
+    positions = torch.tensor(lengths, dtype=torch.long, device=device)
     tables = rope.at(positions)
     blocked = None
     if min(ends) < T:
-        blocked = torch.arange(T)[None, :] >= torch.tensor(ends)[:, None]  # [B, T]
+        blocked = (
+            torch.arange(T, device=device)[None, :] >= torch.tensor(ends, device=device)[:, None]
+        )  # [B, T]
     slots = pool_slots(layout, pool, caches, T)
     if slots is None:
         store: _OwnBuffers | _Slots = _OwnBuffers(caches, _tier_groups(caches))
@@ -204,11 +209,13 @@ class _OwnBuffers:
         readers: list[RowReader | None] = [None] * len(self.caches)
         for members in self.groups:
             group = [self.caches[b] for b in members]
-            if len(group) > 1 and isinstance(group[0], PackedLatentCache):
-                part = rows if len(members) == len(self.caches) else rows[torch.tensor(members)]
-                got = PackedLatentCache.append_each(group, layer, part)
+            if len(members) == len(self.caches):
+                part = rows
+            elif len(members) == 1:
+                part = rows[members[0] : members[0] + 1]
             else:
-                got = [cache.append(layer, rows[b : b + 1]) for b, cache in zip(members, group, strict=True)]
+                part = rows[torch.tensor(members, device=rows.device)]
+            got = group[0].append_each(group, layer, part)  # packed caches encode a group in one call
             for b, reader in zip(members, got, strict=True):
                 readers[b] = reader
         return readers
@@ -229,7 +236,7 @@ class _OwnBuffers:
         H, B, _ = query.shape
         out = None
         for members, backend in zip(self.groups, self.backends, strict=True):
-            index = torch.tensor(members)
+            index = torch.tensor(members, device=query.device)
             part = backend.attend_batch(
                 query[:, index], [readers[b] for b in members], None if blocked is None else blocked[index]
             )
@@ -247,7 +254,9 @@ class _Slots:
         self.pool, self.T = pool, T
         self.flat = pool.flat_index(slots, positions)
         contiguous = slots[-1] - slots[0] == len(slots) - 1  # (slots are in order: see decode_batch)
-        self.index = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots)
+        self.index = (
+            slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=positions.device)
+        )
         self.backend = backend_for("f32")
 
     def rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
@@ -283,10 +292,10 @@ def pool_slots(
 
 
 def _tier_groups(caches: Sequence[Cache]) -> list[list[int]]:
-    """Indices of the caches stored alike (same class and codec parameters), in batch order."""
+    """Indices of the caches stored alike (one tier key), in batch order."""
     groups: dict[tuple, list[int]] = {}
     for b, cache in enumerate(caches):
-        groups.setdefault((type(cache).__name__, repr(cache.codec_params())), []).append(b)
+        groups.setdefault(cache.tier.key, []).append(b)
     return list(groups.values())
 
 

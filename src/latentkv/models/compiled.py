@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from latentkv.kv.codecs.tiers import COMPILABLE, TIERS
+
 if TYPE_CHECKING:
     from latentkv.config import CacheConfig, ModelConfig
     from latentkv.kv.cache import LatentCache, PackedLatentCache
@@ -57,15 +59,14 @@ def _cxx() -> str | None:
     return None
 
 
-# Tiers whose step traces into one graph. The rotated and polar codecs' bit unpacking breaks
-# the graph in many places, and their compiled step is slower than the eager one.
-COMPILABLE_TIERS = ("f32", "bf16", "fp8")
+# Tiers whose step traces into one graph (the tier table says which: kv/codecs/tiers.py).
+COMPILABLE_TIERS = COMPILABLE
 
 
 def check_compilable(cache: CacheConfig | None) -> None:
     """Raise CompileUnavailable unless a step over this cache tier can be compiled here."""
     tier = cache.kv_cache_dtype if cache is not None else "f32"
-    if tier not in COMPILABLE_TIERS or (cache is not None and cache.recent_window):
+    if not TIERS[tier].compilable or (cache is not None and cache.recent_window):
         raise CompileUnavailable(
             f"--compile supports the KV tiers {', '.join(COMPILABLE_TIERS)} (without a recent window); "
             f"{tier} decodes eagerly: drop --compile or pick one of those tiers"
@@ -106,10 +107,11 @@ class CompiledDecode:
         dsa = model.cfg.dsa
         if dsa is not None and dsa.index_topk + 2 <= model.cfg.max_position_embeddings:
             lengths.append(dsa.index_topk + 1)  # past index_topk the indexer selects: another graph
-        token = torch.zeros(1, dtype=torch.long)
+        device = model.rope.inv_freq.device
+        token = torch.zeros(1, dtype=torch.long, device=device)
         for length in lengths:
             cache = make_cache()
-            model.forward(torch.zeros(length, dtype=torch.long), cache)
+            model.forward(torch.zeros(length, dtype=torch.long, device=device), cache)
             with torch.inference_mode():  # an eager step first: it builds the RoPE patterns the graph reads
                 model._forward(token, cache)
             for _ in range(2):  # the second call checks the first graph serves the next length

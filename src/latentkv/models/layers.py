@@ -87,15 +87,19 @@ def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
 class Rope:
     """cos/sin tables for one rotary width, grown on demand; positions index rows."""
 
-    def __init__(self, rope: RopeConfig, dim: int):
-        self.inv_freq, self.attention_scaling = rope_inv_freq(rope, dim)
+    def __init__(self, rope: RopeConfig, dim: int, device: torch.device | str = "cpu"):
+        inv_freq, self.attention_scaling = rope_inv_freq(rope, dim)
+        self.inv_freq = inv_freq.to(device)
         self.dim = dim
-        self._cos = torch.empty(0, dim // 2)
-        self._sin = torch.empty(0, dim // 2)
+        self._cos = torch.empty(0, dim // 2, device=device)
+        self._sin = torch.empty(0, dim // 2, device=device)
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self._cos.shape[0], 256)
-        freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [n, dim/2]
+        freqs = (
+            torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)[:, None]
+            * self.inv_freq[None, :]
+        )  # [n, dim/2]
         self._cos = freqs.cos() * self.attention_scaling
         self._sin = freqs.sin() * self.attention_scaling
 
@@ -165,8 +169,8 @@ class RotaryTables:
         if key not in self._mats:
             if self._values is None:  # out[i] = a c - b s ; out[i + h] = b c + a s
                 self._values = torch.cat([self.cos, -self.sin, self.cos, self.sin], dim=1)  # [S, 4 half]
-            rotated, passed = _rotation_pattern(interleaved, self.half, width, offset)
-            m = torch.zeros(self.S, width * width)
+            rotated, passed = _rotation_pattern(interleaved, self.half, width, offset, self.cos.device)
+            m = torch.zeros(self.S, width * width, device=self.cos.device)
             m.index_copy_(1, rotated, self._values)
             if passed.numel():
                 m.index_fill_(1, passed, 1.0)
@@ -176,17 +180,17 @@ class RotaryTables:
 
 # (interleaved, half, width, offset) -> _rotation_pattern's result. A plain dict rather than
 # functools.cache, which torch.compile (`--compile`) traces through with a warning.
-_PATTERNS: dict[tuple[bool, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_PATTERNS: dict[tuple[bool, int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _rotation_pattern(
-    interleaved: bool, half: int, width: int, offset: int
+    interleaved: bool, half: int, width: int, offset: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat [width * width] indices of a rotation matrix's entries: the rotated ones in the order
     cos | -sin | cos | sin (as `RotaryTables.matrix` fills them), then the pass-through ones."""
-    key = (interleaved, half, width, offset)
+    key = (interleaved, half, width, offset, device)
     if key not in _PATTERNS:
-        _PATTERNS[key] = _build_rotation_pattern(*key)
+        _PATTERNS[key] = tuple(t.to(device) for t in _build_rotation_pattern(*key[:4]))
     return _PATTERNS[key]
 
 

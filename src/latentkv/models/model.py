@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, make_cache
+from latentkv.kv.cache import CacheLayout, SequenceCache, make_cache
 from latentkv.kv.slots import SlotPool
 from latentkv.models import batch as batches
 from latentkv.models.batch import Batch, check_batch
@@ -29,7 +29,7 @@ from latentkv.models.moe import MoE
 from latentkv.models.mtp import MTPLayer
 from latentkv.weights.base import Linear
 
-Cache = LatentCache | PackedLatentCache
+Cache = SequenceCache
 
 
 @dataclass
@@ -73,8 +73,9 @@ class Model:
         self.norm = norm
         self.lm_head = lm_head  # [vocab, D]
         self.mtp = mtp  # the multi-token-prediction draft layer, when the checkpoint ships one
-        self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
-        self.layout = CacheLayout.for_model(cfg)
+        self.device = embed.device  # where every weight lives (chosen by the loader)
+        self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim, self.device)
+        self.layout = CacheLayout.for_model(cfg, self.device)
         self.compiled: CompiledDecode | None = None
 
     def compile_decode(self, cache: CacheConfig | None = None, progress: bool = True) -> float:
@@ -202,7 +203,7 @@ class Model:
         ):  # run in slot order: the pool is then read by a slice
             order = sorted(range(len(caches)), key=slots.__getitem__)
             logits = self.decode_batch(tokens[order], [caches[b] for b in order], pool)
-            return logits[torch.tensor(order).argsort()]
+            return logits[torch.tensor(order, device=logits.device).argsort()]
         return self._run(batches.decode(self.rope, self.layout, tokens, caches, pool))
 
     @torch.inference_mode()

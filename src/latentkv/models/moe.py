@@ -241,7 +241,10 @@ def _every_expert_weights(
         gate, up = shared.gate_up.dense.view(2, n, I, D).unbind(0)
         units.append(torch.stack([gate, up], dim=1).reshape(n * two_i, D))
         downs.append(shared.down.dense)
-    mix = torch.cat([torch.zeros(1, E), torch.ones(1, shared_width // I)], dim=1)
+    device = stacked.gate_up.device
+    mix = torch.cat(
+        [torch.zeros(1, E, device=device), torch.ones(1, shared_width // I, device=device)], dim=1
+    )
     fmt = dense_format(stacked.gate_up.dtype)
     down_t = torch.cat(downs, dim=1).T.contiguous()  # [U*I, D]: add_to multiplies by this
     return fmt(torch.cat(units).contiguous()), fmt(down_t.T), mix

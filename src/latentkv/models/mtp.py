@@ -21,12 +21,13 @@ attention is causal within the rows the cache holds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, make_cache
+from latentkv.kv.cache import CacheLayout, SequenceCache, make_cache
 from latentkv.models import batch as batches
 from latentkv.models.layers import RMSNorm, Rope
 from latentkv.weights.base import Linear
@@ -43,19 +44,15 @@ class MTPLayer:
 
     @property
     def layout(self) -> CacheLayout:
-        return CacheLayout.for_model(self.cfg)
+        return CacheLayout.for_model(self.cfg, self.enorm.weight.device)
 
-    def make_cache(self, cache: CacheConfig | None = None) -> LatentCache | PackedLatentCache:
+    def make_cache(self, cache: CacheConfig | None = None) -> SequenceCache:
         """The draft layer's own latent rows (and DSA indexer keys), in the tier of `cache`."""
         return make_cache(self.layout, cache)
 
-    def cache_like(self, cache: LatentCache | PackedLatentCache) -> LatentCache | PackedLatentCache:
-        """An empty draft cache stored as `cache` is (same tier, codecs and recent window)."""
-        if isinstance(cache, PackedLatentCache):
-            return PackedLatentCache(
-                self.layout, cache.codec_c, cache.codec_r, tier=cache.codec, recent_window=cache.recent_window
-            )
-        return LatentCache(self.layout)
+    def cache_like(self, cache: SequenceCache) -> SequenceCache:
+        """An empty draft cache stored as `cache` is (its tier: codecs and recent window)."""
+        return dataclasses.replace(cache.tier, layout=self.layout).make_cache()
 
     @torch.inference_mode()
     def forward(
@@ -65,7 +62,7 @@ class MTPLayer:
         rope: Rope,
         next_tokens: torch.Tensor,
         hidden: torch.Tensor,
-        cache: LatentCache | PackedLatentCache,
+        cache: SequenceCache,
         position: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """S positions from `position` on: next_tokens [S] (the token after each position),
@@ -87,7 +84,7 @@ class MTPLayer:
         rope: Rope,
         next_tokens: list[torch.Tensor],
         hidden: list[torch.Tensor],
-        caches: list[LatentCache | PackedLatentCache],
+        caches: list[SequenceCache],
         positions: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for B sequences in one pass (segment b: next_tokens[b] [S_b], hidden[b]

@@ -41,8 +41,9 @@ LORA_NORM_EPS = 1e-6
 class _Reader:
     """Fetches, dequantizes, checks and casts tensors from a checkpoint."""
 
-    def __init__(self, ckpt: Checkpoint, fmt: str, block_size: tuple[int, int] | None):
+    def __init__(self, ckpt: Checkpoint, fmt: str, block_size: tuple[int, int] | None, device: str = "cpu"):
         self.ckpt = ckpt
+        self.device = torch.device(device)
         self.fmt = fmt
         self.dtype = DTYPES.get(fmt, torch.float32)  # the embedding table's
         self.block_size = block_size
@@ -69,7 +70,7 @@ class _Reader:
                 f"{name} has shape {tuple(t.shape)} but the config implies {tuple(shape)}; "
                 "is config.json the one these weights were saved with?"
             )
-        return t
+        return t.to(self.device)  # (no copy on the CPU)
 
     def table(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The embedding table, in the format's dtype (a view when it already is)."""
@@ -91,13 +92,17 @@ class _Reader:
         return self.vector(name, shape) if self.has(name) else None
 
 
-def load_model(directory: str | Path, weight_dtype: str = "f32", progress: bool = False) -> Model:
+def load_model(
+    directory: str | Path, weight_dtype: str = "f32", progress: bool = False, device: str = "cpu"
+) -> Model:
+    """The model in `directory` with its matrices in `weight_dtype`, every tensor on `device`
+    (the one device the model, its caches and its passes then use)."""
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
     ckpt = Checkpoint(directory, progress=progress)
-    return build_model(cfg, ckpt, weight_dtype, tuple(block) if block else None, progress)
+    return build_model(cfg, ckpt, weight_dtype, tuple(block) if block else None, progress, device)
 
 
 def build_model(
@@ -106,10 +111,11 @@ def build_model(
     weight_dtype: str = "f32",
     block_size: tuple[int, int] | None = None,
     progress: bool = False,
+    device: str = "cpu",
 ) -> Model:
     if weight_dtype not in FORMATS:
         raise ValueError(f"weight dtype {weight_dtype!r} not in {sorted(FORMATS)}")
-    rd = _Reader(ckpt, weight_dtype, block_size)
+    rd = _Reader(ckpt, weight_dtype, block_size, device)
     D, V = cfg.hidden_size, cfg.vocab_size
     embed = rd.table("model.embed_tokens.weight", (V, D))
     layers = range(cfg.num_layers)
@@ -169,7 +175,10 @@ def _block(cfg: ModelConfig, rd: _Reader, i: int, prefix: str | None = None) -> 
     b_in = None
     if any(b is not None for b in biases):
         b_in = torch.cat(
-            [b if b is not None else torch.zeros(rows) for b, (_, rows) in zip(biases, parts, strict=False)]
+            [
+                b if b is not None else torch.zeros(rows, device=rd.device)
+                for b, (_, rows) in zip(biases, parts, strict=False)
+            ]
         )
     if cfg.mlp_layer_types[i] == "sparse":
         mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.")
@@ -237,7 +246,7 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
             bias=(
                 rd.vector(p + "gate.e_score_correction_bias", (E,))
                 if rd.has(p + "gate.e_score_correction_bias")
-                else torch.zeros(E)
+                else torch.zeros(E, device=rd.device)
             ),
         ),
     )
@@ -245,8 +254,8 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str) -> MoE:
         gate_up = rd.raw(p + "experts.gate_up_proj", (E, 2 * I, D))
         down = rd.raw(p + "experts.down_proj", (E, D, I))
     else:  # per-expert tensors, as checkpoints ship them: stacked here (the one copy)
-        gate_up = torch.empty(E, 2 * I, D, dtype=rd.dtype)
-        down = torch.empty(E, D, I, dtype=rd.dtype)
+        gate_up = torch.empty(E, 2 * I, D, dtype=rd.dtype, device=rd.device)
+        down = torch.empty(E, D, I, dtype=rd.dtype, device=rd.device)
         for e in range(E):
             q = f"{p}experts.{e}."
             gate_up[e, :I] = rd.raw(q + "gate_proj.weight", (I, D))

@@ -17,38 +17,47 @@ r is 64 of GLM-5's 576 values, so keeping it at 8 or 16 bits costs 32 to 92 byte
 whether that buys quality is measured in docs/kv-tiers.md. The suffix names r's storage:
 `-r8` fp8 e4m3 (per-row scale), `-r16` bf16. The KV file records the tier name and both
 codecs' params, so a file written under one tier is refused under any other.
+
+The names themselves are listed once, in `latentkv.config.KV_CACHE_DTYPES` (the flags' module,
+which imports nothing else of the package); this table derives each name's codecs from it. A
+tier resolved for one model's rows (codecs with their parameters, bytes per row, cache
+factory) is `latentkv.kv.cache.KVTier`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from latentkv.config import KV_CACHE_DTYPES
+
+# Tiers whose one-token step traces into one torch.compile graph (`--compile`). The rotated and
+# polar codecs' bit unpacking breaks the graph in many places, and their compiled step is slower
+# than the eager one.
+COMPILABLE = ("f32", "bf16", "fp8")
+
 
 @dataclass(frozen=True)
 class Tier:
-    """One `--kv-cache-dtype`: the codec names of its two parts."""
+    """One `--kv-cache-dtype`: the codec names of its two parts, and what it can do."""
 
     name: str
     c: str  # codec of the latent c (kv_lora_rank values)
     r: str  # codec of the rope key r (qk_rope_head_dim values)
 
-
-def _same(name: str) -> Tier:
-    return Tier(name, name, name)
+    @property
+    def compilable(self) -> bool:
+        """Whether `--compile` traces a step over this tier (without a recent window)."""
+        return self.name in COMPILABLE
 
 
 _R_SUFFIXES = {"r8": "fp8", "r16": "bf16"}
-MIXED_BASES = ("tq4", "tq3", "polar4")
 
-TIERS: dict[str, Tier] = {
-    **{
-        n: _same(n)
-        for n in ("f32", "bf16", "fp8", *(f"tq{b}" for b in range(2, 7)), *(f"polar{b}" for b in range(2, 7)))
-    },
-    **{
-        f"{base}-{suffix}": Tier(f"{base}-{suffix}", base, r)
-        for base in MIXED_BASES
-        for suffix, r in _R_SUFFIXES.items()
-    },
-}
+
+def _tier(name: str) -> Tier:
+    """`tq4-r8` -> Tier(c="tq4", r="fp8"); a plain codec name stores both parts."""
+    base, _, suffix = name.partition("-")
+    return Tier(name, base, _R_SUFFIXES[suffix]) if suffix else Tier(name, name, name)
+
+
+TIERS: dict[str, Tier] = {name: _tier(name) for name in KV_CACHE_DTYPES}
 TIER_NAMES: tuple[str, ...] = tuple(TIERS)
