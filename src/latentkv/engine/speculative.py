@@ -64,7 +64,7 @@ class SpeculativeConfig:
 
 def check_model(model) -> None:
     """Refuse, in one line, a model without an MTP layer."""
-    if getattr(model, "mtp", None) is None:
+    if model.mtp is None:
         raise ValueError(
             "--speculative mtp needs a model with an MTP (multi-token prediction) layer: this "
             "checkpoint has none (num_nextn_predict_layers is 0 or its tensors are missing)"
@@ -101,8 +101,9 @@ class SpeculativeStats:
 
     @property
     def acceptance(self) -> list[float]:
-        """Per draft position j: P(d_j kept | d_j drafted) (d_j is drafted only after d_{j-1} was kept
-        or, for j > 1, within the same round: proposed counts every drafted token)."""
+        """Per draft position j: the fraction of the drafted tokens at position j that were kept
+        (a round's d_j counts as drafted whether or not an earlier draft was rejected, so with N
+        drafts every round, tokens per verify = 1 + the sum of these)."""
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed, strict=True)]
 
     @property
