@@ -51,7 +51,8 @@ class MLAWeights:
 
 
 class MLA:
-    """One layer's attention. `project` makes queries and cache rows; `attend` reads the cache.
+    """One layer's attention. `project` makes queries and cache rows; `context` reads the cache;
+    `output` projects the context back to the model width.
 
     The input projections (W_DQ, W_DKV, and the indexer's W_k) are one fused matmul owned by
     the block; `project` receives their outputs. The softmax scale is folded into q_b.
@@ -101,24 +102,6 @@ class MLA:
         q = rope.rotate(q, self.interleaved, offset=self.Lkv)
         return q.view(self.H, 1, self.Lkv + self.R) if S == 1 else q.transpose(0, 1)
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        rows: RowReader,
-        start: int,
-        selected: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,
-        backend: AttentionBackend = REFERENCE,
-    ) -> torch.Tensor:
-        """Attention of S queries at positions start..start+S-1 over T cached rows; -> [S, D]
-        (plus `residual` [S, D] if given).
-
-        `rows` reads the cache in whatever tier it is stored (see `latentkv.kv.cache`).
-        `selected` (DSA): for decode (S == 1) the [k] token indices to attend to; for S > 1 a
-        boolean [S, T] mask of allowed tokens (causality is applied here in both cases).
-        """
-        return self.output(self.context(query, rows, start, selected, backend), residual)
-
     def context(
         self,
         query: torch.Tensor,
@@ -127,8 +110,13 @@ class MLA:
         selected: torch.Tensor | None = None,
         backend: AttentionBackend = REFERENCE,
     ) -> torch.Tensor:
-        """`attend` before the output projection: the latent context [H, S, Lkv], read by
-        `backend` (`latentkv.attention`; the torch reference unless told otherwise)."""
+        """Attention of S queries [H, S, Lkv+R] at positions start..start+S-1 over T cached rows
+        -> the latent context [H, S, Lkv] (`output` projects it).
+
+        `rows` reads the cache in whatever tier it is stored (see `latentkv.kv.cache`), through
+        `backend` (`latentkv.attention`; the torch reference unless told otherwise).
+        `selected` (DSA): for decode (S == 1) the [k] token indices to attend to; for S > 1 a
+        boolean [S, T] mask of allowed tokens (causality is applied here in both cases)."""
         H, S, _ = query.shape
         device = query.device
         if S == 1:  # decode: one tile, no mask (DSA's choice is a row selection)
