@@ -70,3 +70,33 @@ def test_bench_decode_refuses_a_model_without_mtp(capsys):
 def test_bad_flags_exit_2(capsys, flags, message):
     code, _, err = _run(capsys, "generate", "builtin:fixture", "--prompt-ids", "5,6", *flags)
     assert code == 2 and message in err
+
+
+def test_bench_speculative_table(capsys, tmp_path, monkeypatch):
+    """random:tiny (built into the cache directory) at 1 and 2 sequences: a plain and a drafting
+    row each, the drafting rows' tokens identical to the plain ones, acceptance per position."""
+    monkeypatch.setenv("LATENTKV_CACHE", str(tmp_path))
+    code, out, err = _run(
+        capsys,
+        "bench",
+        "speculative",
+        "--model",
+        "random:tiny",
+        "--draft-tokens",
+        "2",
+        "--concurrency",
+        "1,2",
+        "--prompt-tokens",
+        "8",
+        "--decode-tokens",
+        "6",
+        "--json",
+    )
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert [(r["concurrency"], r["draft_tokens"]) for r in rows] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    assert all(r["same_tokens"] for r in rows)
+    assert all(
+        len(r["acceptance_per_position"]) == 2 and r["verify_steps"] > 0 for r in rows if r["draft_tokens"]
+    )
+    assert (tmp_path / "bench" / "random-tiny" / "config.json").exists()
