@@ -25,8 +25,11 @@ from latentkv.chat_template import ChatTemplateError, PlainFormat, TemplateForma
 from latentkv.commands.common import (
     add_model_arguments,
     add_sampling_arguments,
+    add_speculative_arguments,
+    check_speculative,
     engine_config,
     sampling_params,
+    speculative_config,
 )
 from latentkv.commands.session import add_session_arguments, check_name
 from latentkv.errors import UserError
@@ -40,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_session_arguments(p)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most (default: 256)")
     add_sampling_arguments(p)
+    add_speculative_arguments(p)
     p.add_argument("--system", default=None, help="system message of a new conversation")
     p.add_argument(
         "--plain",
@@ -71,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--max-tokens must be >= 1")
     sampling = sampling_params(args)
     engine = engine_config(args)
+    args.speculative_config = speculative_config(args, args.model)
     loaded = load(args.model, engine, quiet=True)
+    check_speculative(loaded.model, args.speculative_config)
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.directory} has no tokenizer.json: chat needs one")
     conv = _open(args, loaded, engine.cache)
@@ -102,6 +108,7 @@ class Chat:
         self.conv = conv
         self.sampling = sampling
         self.max_tokens = args.max_tokens
+        self.speculative = args.speculative_config
         self.system = args.system
         self.stop = stop_ids(loaded.model.cfg, loaded.directory)
         self.label = args.model
@@ -173,6 +180,7 @@ class Chat:
             cache=cache,
             stop_ids=self.stop,
             stats=stats,
+            speculative=self.speculative,
         ):
             if token not in self.stop:
                 reply.append(token)
@@ -191,6 +199,8 @@ class Chat:
             f"({stats.prompt_tps:.1f} tok/s), generated {stats.generated_tokens} ({stats.decode_tps:.1f} tok/s), "
             f"{len(self.conv.tokens)} tokens in the conversation]"
         )
+        if stats.speculative:
+            say(f"[{stats.speculative.line()}]")
 
 
 def say(text: str) -> None:

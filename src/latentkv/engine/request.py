@@ -108,3 +108,4 @@ class SchedulerStats:
     kv_bytes_in_use: int  # latent rows + indexer keys of the running sequences' caches
     kv_bytes_capacity: int  # what max_num_seqs caches of max_model_len tokens hold
     kv_cache_dtype: str
+    speculative: dict | None = None  # `SpeculativeStats.as_dict()` over every request, when drafting
