@@ -180,9 +180,15 @@ def _model_without(tmp_path: Path, tiny_dir: Path, *keep: str) -> Path:
             ["builtin:tiny", "--prompt-ids", "1", "--kv-cache-dtype", "int3"],
             "unknown --kv-cache-dtype 'int3'; choose from f32",
         ),
-        (["builtin:tiny", "--prompt-ids", "1", "--temperature", "-1"], "temperature must be >= 0"),
+        (
+            ["builtin:tiny", "--prompt-ids", "1", "--temperature", "-1"],
+            "temperature must be a finite number >= 0",
+        ),
         (["builtin:tiny", "--prompt-ids", "1", "--top-p", "0"], "top_p"),
-        (["builtin:tiny", "--prompt-ids", "1", "--threads", "0"], "threads must be >= 1"),
+        (
+            ["builtin:tiny", "--prompt-ids", "1", "--threads", "0"],
+            "--threads (or LATENTKV_THREADS) must be in 1..",
+        ),
     ],
 )
 def test_generate_user_errors_exit_2_without_a_traceback(args, message, capsys):
@@ -227,6 +233,42 @@ def test_demo_runs_and_reports(capsys):
     assert "generated" in out
     assert "KV cache" in out and "B/token/layer" in out
     assert "DSA keys" in out
+
+
+def test_demo_shows_a_seeded_sampled_continuation_as_text_then_greedy_tiers(capsys):
+    """The first thing printed is the prompt and its continuation, as code, sampled with the
+    documented defaults (temperature 0.7, top-p 0.9, seed 0); the tier table stays greedy."""
+    from latentkv.commands.demo import DEMO_PROMPT
+    from latentkv.engine.generate import generate
+    from latentkv.engine.sampling import SamplingParams
+    from latentkv.models.registry import builtin_path
+    from latentkv.models.weights import load_model
+    from latentkv.tokenizer import Tokenizer
+
+    code, out, _ = _run(capsys, "demo", "--max-tokens", "8", "--compare", "f32")
+    assert code == 0
+    header = (
+        "--- prompt, then the model's continuation (sampled: --temperature 0.7 --top-p 0.9 --seed 0) ---\n"
+    )
+    assert header in out
+    block = out.split(header, 1)[1].split("\n---\n", 1)[0]
+    directory = builtin_path("fixture")
+    model, tok = load_model(directory), Tokenizer.of_model(directory)
+    prompt = tok.encode(DEMO_PROMPT)
+    sampled = generate(model, prompt, 8, SamplingParams(0.7, 0.9, seed=0), tok, stop_ids=())
+    greedy = generate(model, prompt, 8, SamplingParams(), tok, stop_ids=())
+    assert block == DEMO_PROMPT + sampled.text
+    assert "  f32  " in out and "8/8" in out
+    assert _one_line_of(greedy.text) in out  # the f32 row shows the greedy continuation
+
+
+def _one_line_of(text: str) -> str:
+    return repr(text)[1:-1][:60]
+
+
+def test_demo_refuses_bad_sampling_flags(capsys):
+    code, _, err = _run(capsys, "demo", "--temperature", "-1", "--compare", "none")
+    assert code == 2 and "temperature" in err
 
 
 def test_oracle_command_on_the_bundled_model(capsys):

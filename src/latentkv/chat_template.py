@@ -25,6 +25,7 @@ class PlainFormat:
 
     name = "plain User/Assistant format"
     closing = "\n"
+    stop_texts = ("\nUser:",)  # the model starting the next user turn itself ends its reply
     special_tokens = True  # the first turn is the start of the text: BOS if the tokenizer adds one
 
     def first(self, system: str | None, user: str) -> str:
@@ -42,6 +43,7 @@ class TemplateFormat:
     """A chat template, rendered piecewise from a stand-in past (user X, assistant Y)."""
 
     name = "the model's chat template"
+    stop_texts = ()  # the template's end-of-turn token is a stop id
     special_tokens = False  # the template writes BOS and friends itself
     USER, REPLY = "LATENTKVUSERMARK", "LATENTKVREPLYMARK"
 

@@ -149,3 +149,53 @@ def test_a_template_that_cannot_go_piecewise_falls_back_to_plain(
     )
     code, _, err = _chat(monkeypatch, capsys, "hi\n", str(template_model), "--max-tokens", "2")
     assert code == 0 and "using the plain format instead" in err
+
+
+# --- the plain format's stop text and --json -------------------------------------------------
+
+
+def _scripted(monkeypatch, text: bytes) -> None:
+    """builtin:tiny 'writes' `text` (its byte tokenizer: one token per byte), then spaces."""
+    script = iter(text)
+    monkeypatch.setattr("latentkv.engine.generate.sample", lambda *a, **k: next(script, ord(" ")))
+
+
+def test_the_plain_format_stops_where_the_model_writes_the_next_user_turn(tmp_path, monkeypatch, capsys):
+    _scripted(monkeypatch, b" ok\nUser:" + b" fine\nUser:")  # each turn stops at its ":"
+    flags = ["builtin:tiny", "--session", "s", "--kv-dir", str(tmp_path), "--max-tokens", "40"]
+    code, out, err = _chat(monkeypatch, capsys, "hello\nagain\n", *flags)
+    assert code == 0, err
+    assert out == " ok\n fine\n"  # "\nUser" was held back, never shown
+    # the file holds each reply up to the stop text, then the closing: nothing the model made up
+    assert _saved(tmp_path / "s.kv") == b"User: hello\nAssistant: ok\nUser: again\nAssistant: fine\n"
+
+
+def test_chat_json_writes_one_object_per_turn(tmp_path, monkeypatch, capsys):
+    _scripted(monkeypatch, b" hi\nUser:" + b" x")
+    flags = ["builtin:tiny", "--max-tokens", "9", "--json"]
+    code, out, err = _chat(monkeypatch, capsys, "a\nb\n", *flags)
+    assert code == 0, err
+    first, second = (json.loads(line) for line in out.splitlines())
+    assert (first["user"], first["reply"], first["finish_reason"]) == ("a", " hi", "stop")
+    assert (second["user"], second["reply"], second["finish_reason"]) == ("b", " x" + " " * 7, "length")
+    assert first["conversation_tokens"] == len(b"User: a\nAssistant: hi\n")
+    assert second["reused_tokens"] == first["conversation_tokens"] and second["session"] is None
+    assert second["stats"]["generated_tokens"] == 9 and "decode_tps" in second["stats"]
+
+
+@pytest.mark.parametrize(
+    ("deltas", "shown", "text", "stopped"),
+    [
+        (["a\n", "Us", "er", ": b"], ["a", "", "", ""], "a", True),
+        (["a\nUs", "ually"], ["a", "\nUsually"], "a\nUsually", False),
+        (["x\nUser:"], ["x"], "x", True),
+        (["\n"], [""], "\n", False),  # held until flush
+    ],
+)
+def test_held_text_never_shows_the_start_of_a_stop_text(deltas, shown, text, stopped):
+    from latentkv.commands.chat import HeldText
+
+    held = HeldText(PlainFormat.stop_texts)
+    assert [held.push(d) for d in deltas] == shown
+    assert (held.text, held.stopped) == (text, stopped)
+    assert "".join(shown) + held.flush() == text

@@ -134,6 +134,20 @@ def test_the_default_folder_is_under_the_cache_root(tmp_path, capsys, monkeypatc
     assert (tmp_path / "root" / "sessions" / "home.kv").exists()
 
 
+def test_session_files_are_private_to_the_user(tmp_path, capsys, monkeypatch):
+    """The folder is 0700 and each file 0600 (a session holds a conversation), also a file
+    rewritten for another tier."""
+    monkeypatch.setenv("LATENTKV_CACHE", str(tmp_path / "root"))
+    folder = tmp_path / "root" / "sessions"
+    assert _generate(capsys, FIRST, "--session", "mine", "--max-tokens", "2")[0] == 0
+    assert (folder.stat().st_mode & 0o777, (folder / "mine.kv").stat().st_mode & 0o777) == (0o700, 0o600)
+    assert (
+        _generate(capsys, FIRST, "--session", "mine", "--max-tokens", "2", "--kv-cache-dtype", "fp8")[0] == 0
+    )
+    assert sorted(p.stat().st_mode & 0o777 for p in folder.iterdir()) == [0o600] * len(list(folder.iterdir()))
+    assert len(list(folder.iterdir())) >= 1
+
+
 @pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "", "x" * 200, "..", "a b", "/abs", "c:\\d"])
 def test_invalid_session_names_are_refused(tmp_path, capsys, name):
     code, _, err = _generate(capsys, FIRST, "--session", name, "--kv-dir", str(tmp_path / "k"))

@@ -10,8 +10,10 @@ from safetensors.torch import load_file
 
 from latentkv.eval import oracle
 
+pytestmark = pytest.mark.numerics  # CI runs these under a second CPU capability too
 SPEC_NAMES = list(oracle.SPECS)
 N_SCORED = oracle.PROMPT_LEN + oracle.GREEDY_TOKENS  # teacher-forced positions: 32
+ARGMAX_MARGIN = 1e-4  # 100x the spread of logits across kernel families
 
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
@@ -36,11 +38,24 @@ def test_committed_reference_is_what_transformers_produces_now(name, checkpoint)
         assert committed[key] == live[key], key
     assert committed["prompt_ids"] == oracle.prompt_ids(spec)
     assert len(committed["tf_argmax"]) == N_SCORED
+    # The tokens above are compared exactly on any CPU because no kernel family can flip them:
+    # each position's top logit wins by >= 4e-4 (glm5-tiny, position 23, the closest), while
+    # logits move by <= 1e-6 between kernel families (tests/kv/test_f32_identity.py). Checked
+    # here, so a new spec or checkpoint with a near tie fails in this line, not on someone's CPU.
+    top2 = logits.topk(2, dim=-1).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) >= ARGMAX_MARGIN
     # The digest's sums move by float noise only; its sha256 can flip on a 1e-3 rounding edge
     # under another BLAS, so the sums are compared with a tolerance instead.
     digest = committed["logits_digest"]
     assert digest["sum"] == pytest.approx(float(logits.double().sum()), abs=0.05)
     assert digest["abs_sum"] == pytest.approx(float(logits.double().abs().sum()), abs=0.05)
+
+
+# torch's normal_ draws the seeded weights with vectorized log/sin/cos on AVX2 and AVX512 (the
+# same bits on AMD and Intel) but with scalar libm under ATEN_CPU_CAPABILITY=default: there the
+# rebuilt weights differ from the bundled ones in the last bit (measured 3.6e-8 at |w| ~ 0.1).
+# 1e-6 is 30x that and far below any real change (another seed or init moves weights by ~0.02).
+WEIGHT_TOLERANCE = 1e-6
 
 
 def test_bundled_builtin_tiny_is_a_fresh_build_of_glm5_tiny(tmp_path, tiny_dir):
@@ -50,7 +65,9 @@ def test_bundled_builtin_tiny_is_a_fresh_build_of_glm5_tiny(tmp_path, tiny_dir):
     assert bundled.keys() == rebuilt.keys()
     for name in bundled:
         assert bundled[name].dtype == rebuilt[name].dtype, name
-        assert torch.equal(bundled[name], rebuilt[name]), name
+        assert bundled[name].shape == rebuilt[name].shape, name
+        worst = float((bundled[name].double() - rebuilt[name].double()).abs().max())
+        assert worst <= WEIGHT_TOLERANCE, (name, worst)
     bundled_cfg = json.loads((tiny_dir / "config.json").read_text())
     rebuilt_cfg = json.loads((fresh / "config.json").read_text())
     assert bundled_cfg == rebuilt_cfg

@@ -18,6 +18,7 @@ sandbox, or, without one (builtin:tiny's byte tokenizer), the plain "User:/Assis
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -49,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--plain",
         action="store_true",
         help="use the plain 'User: ... / Assistant: ...' format even if the model has a chat template",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="write one JSON object per turn on stdout (user, reply, finish_reason, stats) instead of streaming text",
     )
 
 
@@ -112,6 +118,7 @@ class Chat:
         self.system = args.system
         self.stop = stop_ids(loaded.model.cfg, loaded.directory)
         self.label = args.model
+        self.json = args.json
 
     def greet(self) -> None:
         say(f"chat with {self.label} ({self.fmt.name}); {COMMANDS_HELP}")
@@ -155,12 +162,13 @@ class Chat:
                 self.turn(text, stdout)
             except (ValueError, ChatTemplateError) as exc:  # context full, a template's refusal
                 say(f"error: {exc}")
+                if self.json:
+                    stdout.write(json.dumps({"user": text, "error": str(exc)}) + "\n")
+                    stdout.flush()
 
     def turn(self, text: str, stdout) -> None:
         """One exchange: prefill what the cache lacks, stream the reply, close the turn, save."""
         import torch
-
-        from latentkv.engine.generate import GenerationStats, stream_generate
 
         first = not self.conv.tokens
         piece = self.fmt.first(self.system, text) if first else self.fmt.next(text)
@@ -169,31 +177,18 @@ class Chat:
         )
         cache = self.conv.cache
         todo = self.conv.begin_turn(prompt)
-        stats = GenerationStats()
-        reply: list[int] = []
-        for token, delta, _ in stream_generate(
-            self.model,
-            todo,
-            self.max_tokens,
-            self.sampling,
-            self.tokenizer,
-            cache=cache,
-            stop_ids=self.stop,
-            stats=stats,
-            speculative=self.speculative,
-        ):
-            if token not in self.stop:
-                reply.append(token)
-            stdout.write(delta)
-            stdout.flush()
-        stdout.write("\n")
-        stdout.flush()
+        reply, reply_text, stats = self._reply(todo, None if self.json else stdout)
+        if cache.length > len(prompt) + len(reply):  # a stop text cut the reply: forget its rows
+            cache.trim(len(prompt) + len(reply))
         # Feed what has no row yet (the last sampled token) and the closing: the cache, and the
         # file, then hold the whole conversation and the next turn prefills only its message.
         ids = prompt + reply + self.tokenizer.encode(self.fmt.closing, add_special_tokens=False)
         if tail := ids[cache.length :]:
             self.model.forward(torch.tensor(tail, dtype=torch.long), cache)
         self.conv.end_turn(ids)
+        if self.json:
+            stdout.write(json.dumps(self._turn_json(text, reply_text, stats)) + "\n")
+            stdout.flush()
         say(
             f"[reused {self.conv.resumed_tokens} tokens, prefilled {stats.prompt_tokens} "
             f"({stats.prompt_tps:.1f} tok/s), generated {stats.generated_tokens} ({stats.decode_tps:.1f} tok/s), "
@@ -201,6 +196,85 @@ class Chat:
         )
         if stats.speculative:
             say(f"[{stats.speculative.line()}]")
+
+    def _reply(self, todo: list[int], stdout):
+        """Generate the reply (streamed to `stdout` unless None) -> (its ids, its text, stats).
+
+        A stop text of the format ends the reply where it begins: text that may be the start of
+        one is held back until it is not, and the ids kept are those whose text lies before it."""
+        from latentkv.engine.generate import GenerationStats, stream_generate
+
+        stats = GenerationStats()
+        reply: list[int] = []
+        held = HeldText(self.fmt.stop_texts)
+        for token, delta, _ in stream_generate(
+            self.model, todo, self.max_tokens, self.sampling, self.tokenizer,
+            cache=self.conv.cache, stop_ids=self.stop, stats=stats, speculative=self.speculative,
+        ):  # fmt: skip
+            if token not in self.stop:
+                reply.append(token)
+            shown = held.push(delta)
+            if stdout is not None:
+                stdout.write(shown)
+                stdout.flush()
+            if held.stopped:
+                stats.finish_reason = "stop"
+                reply = ids_before(self.tokenizer, reply, held.text)
+                break
+        if stdout is not None:
+            stdout.write(held.flush() + "\n")
+            stdout.flush()
+        return reply, held.text, stats
+
+    def _turn_json(self, user: str, reply: str, stats) -> dict:
+        return {
+            "user": user,
+            "reply": reply,
+            "finish_reason": stats.finish_reason,
+            "session": self.conv.name,
+            "conversation_tokens": len(self.conv.tokens),
+            "reused_tokens": self.conv.resumed_tokens,
+            "stats": stats.as_dict(),
+        }
+
+
+class HeldText:
+    """Streamed text with stop texts cut out: `push` returns what is safe to show (nothing that
+    could still become a stop text); once one appears, `stopped` and `text` ends before it."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.text = ""  # everything shown or held, up to a stop text
+        self.shown = 0
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += delta
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+            return self.flush()
+        # hold back a tail that is the start of a stop text
+        hold = max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        return self._show(len(self.text) - hold)
+
+    def flush(self) -> str:
+        return self._show(len(self.text))
+
+    def _show(self, upto: int) -> str:
+        out, self.shown = self.text[self.shown : upto], max(self.shown, upto)
+        return out
+
+
+def ids_before(tokenizer, ids: list[int], text: str) -> list[int]:
+    """The longest prefix of `ids` whose text is a prefix of `text` (a token that straddles
+    where `text` ends is dropped with what follows)."""
+    n = len(ids)
+    while n and not text.startswith(tokenizer.decode(ids[:n])):
+        n -= 1
+    return ids[:n]
 
 
 def say(text: str) -> None:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import SimpleNamespace
 
 from latentkv.commands.common import add_cache_arguments
 from latentkv.errors import UserError
 
 DEMO_PROMPT = "class Stack:\n    def __init__(self):\n        self."
 DEMO_MODEL = "builtin:fixture"
+# The first continuation is sampled as one would run the model (greedy decoding of a 7.8M model
+# falls into loops like "self.path, self.path, ..."); seeded, so every run prints the same text.
+DEMO_SAMPLING = SimpleNamespace(temperature=0.7, top_p=0.9, seed=0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,6 +21,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEMO_PROMPT, help="prompt text")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: 48)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=DEMO_SAMPLING.temperature,
+        help=f"sampling temperature of the first continuation, 0 for greedy (default: {DEMO_SAMPLING.temperature})",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=DEMO_SAMPLING.top_p,
+        help=f"nucleus mass (default: {DEMO_SAMPLING.top_p})",
+    )
+    p.add_argument(
+        "--seed", type=int, default=DEMO_SAMPLING.seed, help=f"sampling seed (default: {DEMO_SAMPLING.seed})"
+    )
     p.add_argument(
         "--compare",
         default=",".join(COMPARE_TIERS),
@@ -52,11 +71,14 @@ def run(args: argparse.Namespace) -> int:
             "note: builtin:tiny has random weights (it is the oracle model), so the text is noise;"
             " what the demo shows is the engine and its cache."
         )
+    try:
+        sampling = SamplingParams(args.temperature, args.top_p, seed=args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     prompt = tok.encode(check_text(args.prompt, "--prompt")) if tok else [0]
     cache = model.make_cache(engine.cache)
-    result = generate(model, prompt, args.max_tokens, SamplingParams(), tok, cache=cache, stop_ids=())
-    print(f"\nprompt: {args.prompt!r}")
-    print(f"output: {result.text!r}" if tok else f"output ids: {result.tokens}")
+    result = generate(model, prompt, args.max_tokens, sampling, tok, cache=cache, stop_ids=())
+    _show_continuation(args.prompt, result, tok, sampling)
     stats = result.stats
     kv = kv_report(model, cache)
     print()
@@ -73,14 +95,17 @@ def run(args: argparse.Namespace) -> int:
     if kv["index_bytes_per_token"]:
         print(f"  DSA keys    {kv['index_bytes_per_token']:>6} B/token (indexer key cache, f32)")
     if args.compare != "none":
-        _compare_tiers(model, tok, prompt, args.max_tokens, result.tokens, args.compare)
+        _compare_tiers(model, tok, prompt, args.max_tokens, args.compare)
         if args.model == "builtin:tiny":
             print(
                 "  (greedy; on a random-weight model logits are nearly tied, so this measures how much each\n"
                 "   tier perturbs the computation, not quality: `latentkv oracle --kv-cache-dtype all`)"
             )
         else:
-            print("  (greedy; what each tier costs in quality, with intervals: `latentkv eval ppl MODEL`)")
+            print(
+                "  (greedy, so tiers compare token for token; what each tier costs in quality, with\n"
+                "   intervals: `latentkv eval ppl MODEL`)"
+            )
     print(
         f"\nnext: `latentkv generate {args.model} --prompt 'import os' --json`, `latentkv eval ppl {args.model}`",
         file=sys.stderr,
@@ -88,9 +113,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare_tiers(model, tok, prompt: list[int], max_tokens: int, reference: list[int], tiers: str) -> None:
-    """Every tier side by side: row bytes, decode speed, how long it tracks f32's tokens, and
-    the continuation it wrote."""
+def _show_continuation(prompt: str, result, tok, sampling) -> None:
+    """The prompt and its continuation as a user would read them: the text itself, in a block."""
+    how = (
+        "greedy"
+        if sampling.greedy
+        else (
+            f"sampled: --temperature {sampling.temperature} --top-p {sampling.top_p} --seed {sampling.seed}"
+        )
+    )
+    if tok is None:
+        print(f"\noutput ids ({how}): {result.tokens}")
+        return
+    print(f"\n--- prompt, then the model's continuation ({how}) ---")
+    print(prompt + result.text)
+    print("---")
+
+
+def _compare_tiers(model, tok, prompt: list[int], max_tokens: int, tiers: str) -> None:
+    """Every tier side by side, decoded greedily: row bytes, decode speed, how long it tracks
+    f32's tokens, and the continuation it wrote."""
     from latentkv.config import CacheConfig, ConfigError, parse_kv_cache_dtypes
     from latentkv.engine.generate import generate
     from latentkv.engine.sampling import SamplingParams
@@ -101,6 +143,7 @@ def _compare_tiers(model, tok, prompt: list[int], max_tokens: int, reference: li
     except ConfigError as exc:
         raise UserError(str(exc)) from None
 
+    reference = generate(model, prompt, max_tokens, SamplingParams(), tok, stop_ids=()).tokens  # f32, greedy
     print("\n  tier     B/token/layer   decode tok/s   tokens equal to f32's   first difference")
     layout = CacheLayout.for_model(model.cfg)
     for name in names:

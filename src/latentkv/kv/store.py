@@ -49,6 +49,7 @@ from latentkv.kv.store_compat import (
 )
 from latentkv.kv.store_file import FORMAT_MAJOR, RecordFile, move_aside
 from latentkv.kv.store_header import (
+    CODEC_REVISION,
     CodecSpec,
     KVFileBusy,
     KVFileError,
@@ -107,6 +108,46 @@ def _spec(tier: KVTier) -> CodecSpec:
 
 def _part(codec: Codec, params: dict[str, Any]) -> PartFormat:
     return PartFormat(dict(params), codec.code_bytes, codec.scale_count)
+
+
+def header_problem(header: KVHeader) -> str | None:
+    """Why a header that verifies still describes a file no latentkv writes, or None: its layers
+    are not the model's, or its codec (params, widths, sizes) is not what its tier gives for the
+    model's widths (a "tq4" whose params name f32; a width that is not kv_lora_rank). A codec of
+    another revision is left to `compare`, which refuses it by name."""
+    m = header.model
+    if header.layers != tuple(range(m.num_layers)):
+        return f"header field layers: {list(header.layers)[:8]} is not every one of the {m.num_layers} layers"
+    spec = header.codec
+    for part in ("c", "r"):
+        params = getattr(spec, part).params
+        seed, group = params.get("rotation_seed"), params.get("group_size")
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64
+        ):
+            return f"header field codec.{part}.params.rotation_seed: {seed!r:.40} is not a 64-bit seed"
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+            return f"header field codec.{part}.params.group_size: {group!r:.40} is not a positive integer"
+    try:  # the tier, with its knobs, must fit the model's widths (whatever the revision)
+        expected = codec_spec(layout_of(header), _own_config(spec))
+    except (KVFileError, ValueError, TypeError, OverflowError) as exc:
+        return f"header field codec: tier {spec.tier!r:.40} cannot be built for this model: {exc}"
+    if spec.revision != CODEC_REVISION:  # other byte formats: `compare` refuses them by name
+        return None
+    for part in ("c", "r"):
+        got, want = getattr(spec, part), getattr(expected, part)
+        if got != want:
+            return (
+                f"header field codec.{part}: {_shown(got)} is not what tier {spec.tier} writes for "
+                f"this model ({_shown(want)})"
+            )
+    return None
+
+
+def _shown(part) -> str:
+    return (
+        f"params {dict(sorted(part.params.items()))}, {part.code_bytes} code bytes, {part.scale_count} scales"
+    )
 
 
 def layout_of(header: KVHeader) -> CacheLayout:
@@ -190,8 +231,13 @@ class KVFile:
 
     @classmethod
     def open(cls, path: str | Path, *, writable: bool = False) -> KVFile:
-        """KVFileError if the header or the commit area is damaged; FileNotFoundError if absent."""
-        return cls(RecordFile.open(path, writable=writable))
+        """Open an existing file; KVFileError if its header is unreadable or impossible (see
+        `header_problem`: fields that checksum but that no latentkv writes)."""
+        raw = RecordFile.open(path, writable=writable)
+        if (problem := header_problem(raw.header)) is not None:
+            raw.close()
+            raise KVFileError(problem)
+        return cls(raw)
 
     @property
     def path(self) -> Path:
@@ -370,6 +416,9 @@ def inspect(path: str | Path, current: KVHeader | None = None) -> dict[str, Any]
         raw = RecordFile.open(path)
     except (KVFileError, OSError) as exc:
         return {**out, "verifies": False, "error": str(exc)}
+    if (problem := header_problem(raw.header)) is not None:  # checksums fine, contents impossible
+        raw.close()
+        return {**out, "verifies": False, "error": f"not loadable: {problem}"}
     with raw:
         scan = raw.verify()
         h = raw.header

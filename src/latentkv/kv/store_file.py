@@ -127,7 +127,7 @@ class RecordFile:
         slots[BLOCK : BLOCK + SLOT.size] = slot_bytes(digest, 1, 0)  # commit 1 (no records) in slot 1
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # a KV file holds a conversation
             try:
                 _pwrite_all(fd, area + slots, 0)
                 _sync(fd)
@@ -223,7 +223,9 @@ class RecordFile:
         n = min(committed, whole)
         if whole < committed:
             notes.append(f"the file holds {whole} whole records but its commit says {committed}")
-        data = bytearray(n * R) if keep else None
+        # Grown as records verify, never sized from the commit count: a count that a sparse or
+        # damaged tail seems to back allocates nothing before its records check.
+        data = bytearray() if keep else None
         count, prev, problem = 0, ZERO_CHECK, None
         step = max(1, self.chunk_bytes // R)
         for start in range(0, n, step):
@@ -237,7 +239,7 @@ class RecordFile:
                 prev = bytes(rec[-CHECK_BYTES:])
                 count += 1
             if data is not None:
-                data[start * R : count * R] = view[: (count - start) * R]
+                data += view[: (count - start) * R]
             if problem or len(buf) < min(step, n - start) * R:
                 break
         if count < n:

@@ -45,7 +45,13 @@ class _SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
-        with open(path, "rb") as fh:
+        if not path.is_file():  # a directory, FIFO or device: never opened (a FIFO would block)
+            raise CheckpointError(f"{path}: not a regular file")
+        try:
+            fh = open(path, "rb")  # noqa: SIM115 - closed by the with below
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot open it: {exc.strerror or exc}") from None
+        with fh:
             prefix = fh.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{path}: too short to be a safetensors file")
@@ -116,9 +122,9 @@ class Checkpoint:
         self._where: dict[str, _SafetensorsFile] = {}
         iterator = files
         if progress and len(files) > 1:
-            from tqdm import tqdm
+            from latentkv.progress import progress as show_progress
 
-            iterator = tqdm(files, desc="opening shards", unit="shard", file=sys.stderr)
+            iterator = show_progress(files, "opening shards", "shard")
         for path in iterator:
             shard = _SafetensorsFile(path)
             self._files.append(shard)
@@ -132,10 +138,18 @@ class Checkpoint:
     def _shard_files(self) -> list[Path]:
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
+            from latentkv.config import ConfigError, read_json_object
+
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise CheckpointError(f"{index}: unreadable shard index ({exc})") from None
+                weight_map = read_json_object(index).get("weight_map")
+            except ConfigError as exc:
+                raise CheckpointError(str(exc)) from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(
+                    f"{index}: unreadable shard index (weight_map must map tensor names to shard files)"
+                )
+            if bad := [n for n in weight_map.values() if Path(n).name != n]:
+                raise CheckpointError(f"{index}: shard names must be file names in the folder: {bad[:3]}")
             names = sorted(set(weight_map.values()))
             missing = [n for n in names if not (self.directory / n).exists()]
             if missing:

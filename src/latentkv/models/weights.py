@@ -120,9 +120,9 @@ def build_model(
     embed = rd.table("model.embed_tokens.weight", (V, D))
     layers = range(cfg.num_layers)
     if progress:
-        from tqdm import tqdm
+        from latentkv.progress import progress as show_progress
 
-        layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
+        layers = show_progress(layers, "loading layers", "layer", leave=False)
     blocks = [_block(cfg, rd, i) for i in layers]
     norm = RMSNorm(rd.vector("model.norm.weight", (D,)), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings or not rd.has("lm_head.weight"):

@@ -43,6 +43,7 @@ ROUTE_ERRORS = {
     "/tokenizer_info": (401, 404, 413, 503),
 }
 RETRY_AFTER = (429, 503)
+STREAMING = ("/v1/completions", "/v1/chat/completions")
 ERROR_SCHEMA = {
     "type": "object",
     "title": "ErrorResponse",
@@ -84,6 +85,15 @@ def document(app: FastAPI) -> dict:
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
+            if path == "/metrics":  # Prometheus text, not JSON
+                operation["responses"]["200"] = {
+                    "description": "Prometheus text exposition format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            if path in STREAMING:  # "stream": true answers server-sent events
+                ok = responses.setdefault("200", {"description": "Successful Response"})
+                events = {"description": "data: {chunk JSON}, then data: [DONE]", "schema": {}}
+                ok.setdefault("content", {})["text/event-stream"] = events
             for status in statuses:
                 responses[str(status)] = _error_response(status)
     return schema
