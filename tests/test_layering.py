@@ -4,7 +4,8 @@ Every `import` and `from ... import` counts, inside functions and `if TYPE_CHECK
 import deferred into a function is still a dependency. The layers, lowest first (a unit is a
 top-level module or package of latentkv; docs/architecture.md draws them):
 
-    0  __init__ (version), errors, config        what everything may use
+    0  __init__ (version), errors, config,       what everything may use
+       progress (a stage's progress on stderr)
     1  tokenizer, chat_template                  text in and out; no model
     2  kv, weights                               KV codecs, caches, the KV file; weight formats (Linear)
     3  attention, experts                        attention backends over kv; expert stores over weights
@@ -34,7 +35,7 @@ import latentkv
 SRC = Path(latentkv.__file__).parent
 
 LAYERS: list[tuple[str, ...]] = [
-    ("__init__", "errors", "config"),
+    ("__init__", "errors", "config", "progress"),
     ("tokenizer", "chat_template"),
     ("kv", "weights"),
     ("attention", "experts"),
