@@ -586,6 +586,7 @@ class ServerConfig:
     kv_dir: Path | None = None  # session files; None: sessions_dir()
     engine_process: bool = True  # the model and scheduler in a child process (engine/remote.py)
     pin_cpus: bool = False  # with engine_process: the engine and the HTTP process on separate CPUs
+    speculative_draft_tokens: int = 0  # --speculative mtp --draft-tokens N; 0: no drafting
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -598,6 +599,8 @@ class ServerConfig:
             raise ConfigError(f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_queue < 1:
             raise ConfigError(f"--max-queue must be >= 1 (got {self.max_queue})")
+        if not 0 <= self.speculative_draft_tokens <= 8:
+            raise ConfigError(f"--draft-tokens must be in 1..8 (got {self.speculative_draft_tokens})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2 (got {self.max_model_len})")
 

@@ -26,8 +26,11 @@ from latentkv.chat_template import ChatTemplateError, PlainFormat, TemplateForma
 from latentkv.commands.common import (
     add_model_arguments,
     add_sampling_arguments,
+    add_speculative_arguments,
+    check_speculative,
     engine_config,
     sampling_params,
+    speculative_config,
 )
 from latentkv.commands.session import add_session_arguments, check_name
 from latentkv.errors import UserError
@@ -41,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_session_arguments(p)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most (default: 256)")
     add_sampling_arguments(p)
+    add_speculative_arguments(p)
     p.add_argument("--system", default=None, help="system message of a new conversation")
     p.add_argument(
         "--plain",
@@ -77,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--max-tokens must be >= 1")
     sampling = sampling_params(args)
     engine = engine_config(args)
+    args.speculative_config = speculative_config(args, args.model)
     loaded = load(args.model, engine, quiet=True)
+    check_speculative(loaded.model, args.speculative_config)
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.directory} has no tokenizer.json: chat needs one")
     conv = _open(args, loaded, engine.cache)
@@ -110,6 +116,7 @@ class Chat:
         self.conv = conv
         self.sampling = sampling
         self.max_tokens = args.max_tokens
+        self.speculative = args.speculative_config
         self.system = args.system
         self.stop = stop_ids(loaded.model.cfg, loaded.directory)
         self.label = args.model
@@ -193,6 +200,8 @@ class Chat:
             from latentkv.runtime import experts_line
 
             say(f"[{experts_line(self.streamer)}]")
+        if stats.speculative:
+            say(f"[{stats.speculative.line()}]")
 
     def _reply(self, todo: list[int], stdout):
         """Generate the reply (streamed to `stdout` unless None) -> (its ids, its text, stats).
@@ -206,7 +215,7 @@ class Chat:
         held = HeldText(self.fmt.stop_texts)
         for token, delta, _ in stream_generate(
             self.model, todo, self.max_tokens, self.sampling, self.tokenizer,
-            cache=self.conv.cache, stop_ids=self.stop, stats=stats,
+            cache=self.conv.cache, stop_ids=self.stop, stats=stats, speculative=self.speculative,
         ):  # fmt: skip
             if token not in self.stop:
                 reply.append(token)

@@ -250,6 +250,64 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
 
 
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        choices=["mtp"],
+        default=None,
+        help="draft tokens with the model's own MTP layer and verify them in one pass (lossless)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=None,
+        help="tokens the MTP layer drafts per verify step, 1..8 (default: 1; needs --speculative mtp)",
+    )
+
+
+def speculative_config(args: argparse.Namespace, model_arg: str | None = None):
+    """The SpeculativeConfig of `add_speculative_arguments`'s flags, or None; with `model_arg`,
+    refuses a model whose config.json declares no MTP layer (before any weights load)."""
+    from latentkv.engine.speculative import SpeculativeConfig
+
+    if args.speculative is None:
+        if args.draft_tokens is not None:
+            raise UserError("--draft-tokens needs --speculative mtp")
+        return None
+    try:
+        spec = SpeculativeConfig(args.speculative, 1 if args.draft_tokens is None else args.draft_tokens)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if model_arg is not None:
+        from latentkv.config import ConfigError, ModelConfig
+        from latentkv.models.registry import ModelNotFound, resolve
+
+        try:
+            mtp_layers = ModelConfig.from_hf(resolve(model_arg)).num_mtp_layers
+        except (ConfigError, ModelNotFound, OSError):
+            return spec  # `load` reports the model's problem
+        if not mtp_layers:
+            raise UserError(_NO_MTP)
+    return spec
+
+
+_NO_MTP = (
+    "--speculative mtp needs a model with an MTP (multi-token prediction) layer; this one has none "
+    "(config.json: num_nextn_predict_layers is 0)"
+)
+
+
+def check_speculative(model, spec) -> None:
+    """Refuse drafting on a loaded model without MTP weights."""
+    from latentkv.engine.speculative import check_model
+
+    if spec is not None:
+        try:
+            check_model(model)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+
+
 def sampling_params(args: argparse.Namespace):
     """The validated SamplingParams of `add_sampling_arguments`'s flags."""
     from latentkv.engine.sampling import SamplingParams

@@ -15,11 +15,14 @@ import sys
 from latentkv.commands.common import (
     add_model_arguments,
     add_sampling_arguments,
+    add_speculative_arguments,
+    check_speculative,
     check_text,
     describe_tier,
     engine_config,
     parse_ids,
     sampling_params,
+    speculative_config,
 )
 from latentkv.commands.session import add_session_arguments, check_name
 from latentkv.errors import UserError
@@ -33,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     add_sampling_arguments(p)
+    add_speculative_arguments(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     add_session_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -47,8 +51,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         check_text(args.prompt, "--prompt")  # before the weights load
     engine = engine_config(args)
+    args.speculative_config = speculative_config(args, args.model)  # refused before the weights load
     loaded = load(args.model, engine, quiet=args.json)
     model, tokenizer = loaded.model, loaded.tokenizer
+    check_speculative(model, args.speculative_config)
     if args.prompt is not None:
         if tokenizer is None:
             raise UserError(f"{loaded.directory} has no tokenizer.json; use --prompt-ids")
@@ -84,7 +90,15 @@ def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config,
     try:
         stop = () if args.ignore_eos else None
         for token, delta, _ in stream_generate(
-            model, todo, args.max_tokens, sampling, tokenizer, cache=cache, stop_ids=stop, stats=stats
+            model,
+            todo,
+            args.max_tokens,
+            sampling,
+            tokenizer,
+            cache=cache,
+            stop_ids=stop,
+            stats=stats,
+            speculative=args.speculative_config,
         ):
             tokens.append(token)
             pieces.append(delta)

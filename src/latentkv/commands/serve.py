@@ -11,7 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from latentkv.commands.common import add_model_arguments, engine_config
+from latentkv.commands.common import (
+    add_model_arguments,
+    add_speculative_arguments,
+    engine_config,
+    speculative_config,
+)
 from latentkv.errors import UserError
 from latentkv.runtime import check_tier
 
@@ -81,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "use (default: all but one) and the HTTP process on the others (default: off, placement "
         "is the OS's; give several servers on one machine their own CPUs with taskset instead)",
     )
+    add_speculative_arguments(p)
     p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
     )
@@ -126,6 +132,7 @@ def server_config(args: argparse.Namespace):
     except (ModelNotFound, ConfigError) as exc:
         raise UserError(str(exc)) from None
     check_tier(model_cfg, engine.cache)
+    spec = speculative_config(args, args.model)  # a model without an MTP layer is refused here
     context = model_cfg.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
         raise UserError(
@@ -145,6 +152,7 @@ def server_config(args: argparse.Namespace):
             kv_dir=args.kv_dir,
             engine_process=args.engine_process,
             pin_cpus=args.pin_cpus,
+            speculative_draft_tokens=spec.draft_tokens if spec is not None else 0,
         )
     except ConfigError as exc:
         raise UserError(str(exc)) from None

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from latentkv.engine.sampling import SamplingParams, sample
+from latentkv.engine.speculative import SpeculativeConfig, SpeculativeStats, speculative_steps
 from latentkv.kv.cache import LatentCache, PackedLatentCache
 from latentkv.models.model import Model
 from latentkv.tokenizer import Detokenizer, Tokenizer
@@ -28,12 +29,14 @@ class GenerationStats:
     prompt_seconds: float = 0.0
     generated_tokens: int = 0
     decode_passes: int = 0
+    decode_tokens: int = 0  # tokens the decode passes produced (more than passes when drafting)
     decode_seconds: float = 0.0
     kv_bytes: int = 0
     kv_bytes_per_token_layer: int = 0
     index_kv_bytes: int = 0
     kv_cache_dtype: str = "f32"
     finish_reason: str = ""
+    speculative: SpeculativeStats | None = None
 
     @property
     def prompt_tps(self) -> float:
@@ -41,20 +44,23 @@ class GenerationStats:
 
     @property
     def decode_tps(self) -> float:
-        return self.decode_passes / self.decode_seconds if self.decode_seconds else 0.0
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     def as_dict(self) -> dict:
         out = asdict(self)
         out["prompt_tps"] = round(self.prompt_tps, 2)
         out["decode_tps"] = round(self.decode_tps, 2)
+        out["speculative"] = self.speculative.as_dict() if self.speculative else None
         return out
 
     def line(self) -> str:
+        spec = f" | {self.speculative.line()}" if self.speculative else ""
         return (
             f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | "
             f"generated: {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s | "
             f"KV: {self.kv_bytes:,} bytes ({self.kv_cache_dtype}, "
             f"{self.kv_bytes_per_token_layer} B/token/layer; indexer keys {self.index_kv_bytes:,} bytes)"
+            f"{spec}"
         )
 
 
@@ -73,11 +79,7 @@ def generate_step(
     stats: GenerationStats,
 ) -> Iterator[int]:
     """Yield generated token ids forever; the caller decides when to stop."""
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token")
-    vocab = model.cfg.vocab_size
-    if bad := [t for t in prompt if not 0 <= t < vocab]:
-        raise ValueError(f"token ids out of range for a vocabulary of {vocab}: {bad[:5]}")
+    _check_prompt(model, prompt)
     generator = None if sampling.greedy else sampling.generator()
     t0 = time.perf_counter()
     logits = model.forward(torch.tensor(prompt, dtype=torch.long), cache)[-1]
@@ -90,6 +92,43 @@ def generate_step(
         logits = model.forward(torch.tensor([token], dtype=torch.long), cache)[-1]
         stats.decode_seconds += time.perf_counter() - t0
         stats.decode_passes += 1
+        stats.decode_tokens += 1
+
+
+def _speculative_step(
+    model: Model,
+    prompt: list[int],
+    cache: LatentCache | PackedLatentCache,
+    sampling: SamplingParams,
+    stats: GenerationStats,
+    speculative: SpeculativeConfig,
+    limit: int,
+) -> Iterator[int]:
+    """`generate_step` with MTP drafting (`latentkv.engine.speculative`)."""
+    _check_prompt(model, prompt)
+    stats.speculative = stats.speculative or SpeculativeStats(speculative.draft_tokens)
+
+    def timing(kind: str, seconds: float) -> None:
+        if kind == "prompt":
+            stats.prompt_tokens += len(prompt)
+            stats.prompt_seconds += seconds
+        else:
+            stats.decode_seconds += seconds
+            stats.decode_passes += 1
+
+    for i, token in enumerate(
+        speculative_steps(model, prompt, cache, sampling, speculative, limit, timing, stats.speculative)
+    ):
+        stats.decode_tokens += i > 0
+        yield token
+
+
+def _check_prompt(model: Model, prompt: list[int]) -> None:
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    vocab = model.cfg.vocab_size
+    if bad := [t for t in prompt if not 0 <= t < vocab]:
+        raise ValueError(f"token ids out of range for a vocabulary of {vocab}: {bad[:5]}")
 
 
 def stream_generate(
@@ -101,10 +140,13 @@ def stream_generate(
     cache: LatentCache | PackedLatentCache | None = None,
     stop_ids: tuple[int, ...] | None = None,
     stats: GenerationStats | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> Iterator[tuple[int, str, GenerationStats]]:
     """Yield (token, text delta, stats) per generated token; stats are final after the last.
 
-    Pass `stats` to have it filled in even when nothing is generated (max_tokens 0).
+    Pass `stats` to have it filled in even when nothing is generated (max_tokens 0). With
+    `speculative`, the MTP layer drafts and the main model verifies: the same tokens (greedy)
+    or the same distribution (sampling), and the cache ends as plain decoding leaves it.
     """
     cache = cache if cache is not None else model.make_cache()
     stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
@@ -123,7 +165,13 @@ def stream_generate(
     decoder = Detokenizer(tokenizer) if tokenizer else None
     if max_tokens <= 0:
         return
-    for token in generate_step(model, prompt, cache, sampling, stats):
+    end = cache.length + len(prompt) - 1  # plus one per generated token: what plain decoding caches
+    steps = (
+        _speculative_step(model, prompt, cache, sampling, stats, speculative, max_tokens)
+        if speculative
+        else generate_step(model, prompt, cache, sampling, stats)
+    )
+    for token in steps:
         stats.generated_tokens += 1
         done = token in stop or stats.generated_tokens >= max_tokens
         if token in stop:
@@ -132,6 +180,8 @@ def stream_generate(
         if done and decoder:
             delta += decoder.flush()
         if done:
+            if speculative and cache.length > end + stats.generated_tokens:
+                cache.trim(end + stats.generated_tokens)  # verified tokens past the stop
             stats.kv_bytes, stats.index_kv_bytes = cache.nbytes(), cache.index_nbytes()
         yield token, delta, stats
         if done:
@@ -146,13 +196,14 @@ def generate(
     tokenizer: Tokenizer | None = None,
     cache: LatentCache | PackedLatentCache | None = None,
     stop_ids: tuple[int, ...] | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> GenerationResult:
     sampling = sampling or SamplingParams()
     tokens: list[int] = []
     text: list[str] = []
     stats = GenerationStats()
     for token, delta, _ in stream_generate(
-        model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids, stats
+        model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids, stats, speculative
     ):
         tokens.append(token)
         text.append(delta)

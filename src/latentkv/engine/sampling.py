@@ -99,6 +99,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(weights(logits, params), 1, generator=generator))
 
 
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from (`weights`, normalised), as float32 [vocab] summing
+    to 1; for greedy params, one-hot on the argmax."""
+    if params.greedy:
+        return torch.zeros(logits.shape[-1]).index_fill_(0, logits.argmax().view(1), 1.0)
+    w = weights(logits, params)
+    return w / w.sum()
+
+
 def weights(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The unnormalised float32 distribution `sample` draws from (temperature, then top-k, then
     top-p over what top-k kept); the most likely token always has weight 1."""

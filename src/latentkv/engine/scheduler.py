@@ -22,6 +22,11 @@ Every step of the worker:
        With the f32 tier the running caches are placed in one `SlotPool` (their rows side by
        side, one write per layer and step); a leaving sequence's cache gets its own buffers back.
 
+With `speculative` (serve --speculative mtp), step 3 is `_verify_step` instead: each running
+sequence drafts with the MTP layer (all draft passes batched), one `Model.verify_batch` pass
+checks every sequence's drafts, and each keeps its accepted prefix and rolls its cache back
+(`latentkv.engine.speculative`); the counters reach `SchedulerStats.speculative`.
+
 Submitting never blocks: the waiting queue is bounded (QueueFull). HTTP handlers only submit
 and read handles; they never run model steps.
 
@@ -75,6 +80,13 @@ from latentkv.engine.request import (
     validate_request,
 )
 from latentkv.engine.sampling import SamplingParams, sample
+from latentkv.engine.speculative import (
+    SpeculativeConfig,
+    SpeculativeDecoder,
+    SpeculativeStats,
+    check_model,
+    draft_together,
+)
 from latentkv.kv.slots import SlotPool
 
 if TYPE_CHECKING:
@@ -98,6 +110,7 @@ class _Sequence:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finished: bool = False
+    drafter: SpeculativeDecoder | None = None  # with --speculative mtp, after the first token
 
 
 class Scheduler:
@@ -117,10 +130,13 @@ class Scheduler:
         model_dir: Path | None = None,
         sink: Sink | None = None,
         streamer: ExpertStreamer | None = None,
+        speculative: SpeculativeConfig | None = None,
     ):
         """`sink`: deliver every step's events to this callable as [(handle, event), ...] instead
         of to the handles' iterators (see `delivery.Outbox`). `streamer`: the ExpertStreamer
-        serving the model's experts from disk, whose telemetry `stats` reports."""
+        serving the model's experts from disk, whose telemetry `stats` reports. `speculative`:
+        every running sequence drafts with the MTP layer and all of them are verified in one
+        batched pass per step."""
         limit = model.cfg.max_position_embeddings
         if max_num_seqs < 1 or max_queue < 0:
             raise ValueError(
@@ -156,6 +172,11 @@ class Scheduler:
         self._generation_total = 0
         self._kv_in_use = 0
         self._open_count = 0  # submitted and not finished: waiting, being admitted or running
+        self.speculative = speculative
+        if speculative is not None:
+            check_model(model)
+        self._spec_stats = SpeculativeStats(speculative.draft_tokens) if speculative else None
+        self._spec_snapshot: dict | None = None
 
     @classmethod
     def for_server(cls, config, loaded, max_model_len: int, sink: Sink | None = None) -> Scheduler:
@@ -173,6 +194,11 @@ class Scheduler:
             model_dir=loaded.directory,
             sink=sink,
             streamer=loaded.streamer,
+            speculative=(
+                SpeculativeConfig(draft_tokens=config.speculative_draft_tokens)
+                if config.speculative_draft_tokens
+                else None
+            ),
         )
 
     # --- the client side --------------------------------------------------------------
@@ -233,6 +259,7 @@ class Scheduler:
                 kv_bytes_capacity=self._capacity,
                 kv_cache_dtype=self.cache_config.kv_cache_dtype,
                 experts=self.streamer.snapshot() if self.streamer is not None else None,
+                speculative=self._spec_snapshot,
             )
 
     def _validate(self, request: Request) -> None:
@@ -324,12 +351,17 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             prompts = [torch.tensor(todo, dtype=torch.long) for _, todo in together]
-            logits = self.model.prefill_batch(prompts, [seq.cache for seq, _ in together])
+            caches = [seq.cache for seq, _ in together]
+            if self.speculative:
+                logits, h = self.model.prefill_batch(prompts, caches, hidden=True)
+                hidden = list(h.split([len(todo) for _, todo in together]))
+            else:
+                logits, hidden = self.model.prefill_batch(prompts, caches), [None] * len(together)
         except Exception:  # noqa: BLE001 - the caller prefills each on its own, which finds the culprit
             return False
         seconds = time.perf_counter() - t0
-        for (seq, todo), row in zip(together, logits, strict=True):
-            self._guarded(seq, self._start, todo, row[None], seconds)
+        for (seq, todo), row, h in zip(together, logits, hidden, strict=True):
+            self._guarded(seq, self._start, todo, row[None], seconds, h)
         self._outbox.flush()
         return True
 
@@ -340,13 +372,24 @@ class Scheduler:
 
     def _prefill(self, seq: _Sequence, todo: list[int]) -> None:
         t0 = time.perf_counter()
-        logits = self.model.forward(
-            torch.tensor(todo, dtype=torch.long), seq.cache, all_logits=seq.params.prompt_logprobs
-        )
-        self._start(seq, todo, logits, time.perf_counter() - t0)
+        ids = torch.tensor(todo, dtype=torch.long)
+        all_logits = seq.params.prompt_logprobs
+        if self.speculative is not None:
+            logits, hidden = self.model.forward(ids, seq.cache, all_logits=all_logits, hidden=True)
+        else:
+            logits, hidden = self.model.forward(ids, seq.cache, all_logits=all_logits), None
+        self._start(seq, todo, logits, time.perf_counter() - t0, hidden)
 
-    def _start(self, seq: _Sequence, todo: list[int], logits: torch.Tensor, seconds: float) -> None:
-        """After its prefill (logits [S or 1, vocab]): the sequence runs, or finishes at once."""
+    def _start(
+        self,
+        seq: _Sequence,
+        todo: list[int],
+        logits: torch.Tensor,
+        seconds: float,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
+        """After its prefill (logits [S or 1, vocab]; with drafting, the prompt's hidden states
+        [S, D]): the sequence runs, or finishes at once."""
         params = seq.params
         seq.prefill_seconds = seconds
         with self._cond:
@@ -360,6 +403,11 @@ class Scheduler:
             self._finish(seq, "length")
             return
         self._advance(seq, logits[-1])
+        if self.speculative is not None and not seq.finished:
+            seq.drafter = SpeculativeDecoder(
+                self.model, seq.cache, seq.params, self.speculative, self._spec_stats, seq.generator
+            )
+            seq.drafter.begin(todo, hidden, seq.pending)
 
     def _open_cache(self, seq: _Sequence) -> list[int]:
         """The sequence's cache (resumed from its session, if any); returns the tokens to prefill."""
@@ -374,6 +422,9 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         """One batched decode over every running sequence, then each samples its next token."""
+        if self.speculative is not None:
+            self._verify_step()
+            return
         seqs = list(self._running)
         tokens = torch.tensor([s.pending for s in seqs], dtype=torch.long)
         t0 = time.perf_counter()
@@ -395,10 +446,61 @@ class Scheduler:
             traceback.print_exc()
             return None
 
+    def _verify_step(self) -> None:
+        """Speculative decoding: each running sequence drafts (or, paused, feeds its pending
+        token alone), one batched pass verifies every sequence's segment, and each keeps its
+        accepted prefix (`latentkv.engine.speculative`)."""
+        counts = {}
+        for seq in list(self._running):
+            n = self._guarded(seq, lambda s: s.drafter.decide(s.params.max_tokens - len(s.generated)))
+            if n is not None:
+                counts[id(seq)] = (seq, n)
+        seqs = [seq for seq, _ in counts.values()]
+        if not seqs:
+            return
+        # every sequence's draft-layer passes together (a failure here is the worker's: all fail)
+        draft_together(self.model, [s.drafter for s in seqs], [n for _, n in counts.values()])
+        segments = [torch.tensor(s.drafter.feed(), dtype=torch.long) for s in seqs]
+        t0 = time.perf_counter()
+        try:
+            logits, h = self.model.verify_batch(segments, [s.cache for s in seqs])
+            sizes = [len(seg) for seg in segments]
+            outs = list(zip(logits.split(sizes), h.split(sizes), strict=True))
+        except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
+            outs = [self._verify_alone(s, seg) for s, seg in zip(seqs, segments, strict=True)]
+        seconds = time.perf_counter() - t0
+        for seq, seg, out in zip(seqs, segments, outs, strict=True):
+            if out is not None:
+                seq.decode_seconds += seconds
+                self._guarded(seq, self._settle, out, len(seg), seconds)
+
+    def _verify_alone(self, seq: _Sequence, segment: torch.Tensor):
+        try:
+            return self.model.verify_batch([segment], [seq.cache])
+        except Exception as exc:  # noqa: BLE001
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            return None
+
+    def _settle(
+        self, seq: _Sequence, out: tuple[torch.Tensor, torch.Tensor], fed: int, seconds: float
+    ) -> None:
+        """A verified segment's logits and hidden states -> the tokens it yields, each taken in turn."""
+        logits, hidden = out
+        tokens = seq.drafter.settle(logits, hidden)
+        seq.drafter.record(fed - 1, len(tokens), seconds)
+        for row, token in zip(logits, tokens, strict=False):  # token j was chosen from row j
+            self._take(seq, token, row)
+            if seq.finished:
+                break
+
     def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
         """Sample the next token from logits [vocab]: yield it, or finish."""
+        self._take(seq, sample(logits, seq.params, seq.generator), logits)
+
+    def _take(self, seq: _Sequence, token: int, logits: torch.Tensor) -> None:
+        """`token`, chosen from logits [vocab]: yield it, or finish."""
         params = seq.params
-        token = sample(logits, params, seq.generator)
         seq.generated.append(token)
         with self._cond:
             self._generation_total += 1
@@ -421,6 +523,8 @@ class Scheduler:
         if seq.finished:
             return
         seq.finished = True
+        if seq.drafter is not None and seq.generated:  # verified tokens past the end: as plain decoding
+            seq.cache.trim(min(seq.cache.length, len(seq.prompt) + len(seq.generated) - 1))
         if seq in self._running:
             self._running.remove(seq)
         if self._pool is not None and seq.cache is not None:
@@ -469,5 +573,7 @@ class Scheduler:
 
     def _update_kv_bytes(self) -> None:
         total = sum(s.cache.nbytes() + s.cache.index_nbytes() for s in self._running)
+        spec = self._spec_stats.as_dict() if self._spec_stats is not None else None
         with self._cond:
             self._kv_in_use = total
+            self._spec_snapshot = spec

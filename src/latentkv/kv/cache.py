@@ -416,6 +416,10 @@ class SequenceCache:
     def _buffers_in_use(self) -> list[_Buffer]:
         return list(self._index.values())
 
+    def hold_for_rollback(self, n: int) -> None:
+        """Expect `trim` to take back up to n just-committed tokens (speculative decoding's
+        rejected drafts); only a recent window needs to prepare (see PackedLatentCache)."""
+
     def trim(self, length: int) -> None:
         """Forget every token from `length` on (a diverging prompt keeps the common prefix)."""
         if not 0 <= length <= self.length:
@@ -522,7 +526,8 @@ class PackedLatentCache(SequenceCache):
         self.codec = tier or codec_c.name  # the tier's name (what the KV file records)
         self.codec_c, self.codec_r = codec_c, codec_r
         self.recent_window = recent_window
-        # the exact rows of the last <= W committed tokens, per layer: positions length - len .. length - 1
+        self.spare = 0  # exact rows held past the window, so a trim of that many stays exact
+        # the exact rows of the last <= W (+ spare) committed tokens, per layer: positions length - len .. length - 1
         self._recent = [
             torch.empty(0, layout.row_width, device=layout.device) for _ in range(layout.num_layers)
         ]
@@ -589,8 +594,13 @@ class PackedLatentCache(SequenceCache):
                 continue
             # pending: the rows held before the pass, then the pass's; keep up to the committed length
             kept = pending[: len(self._recent[layer]) + n]
-            self._recent[layer] = kept[-self.recent_window :].clone()
+            self._recent[layer] = kept[-(self.recent_window + self.spare) :].clone()
             self._pending[layer] = None
+
+    def hold_for_rollback(self, n: int) -> None:
+        """Hold the exact rows of n tokens more than the window: a trim of up to n tokens then
+        leaves the window's rows exact (not decoded from the tier), as if never written."""
+        self.spare = max(self.spare, n)
 
     def trim(self, length: int) -> None:
         old = self.length

@@ -68,17 +68,21 @@ class Batch:
             cache.commit(n)
 
 
-def one_sequence(rope: Rope, tokens: torch.Tensor, cache: Cache) -> Batch:
-    """`tokens` [S] continuing `cache` (positions from cache.length)."""
-    tables = rope.tables(cache.length, tokens.shape[0])
+def one_sequence(rope: Rope, tokens: torch.Tensor, cache: Cache, position: int | None = None) -> Batch:
+    """`tokens` [S] continuing `cache` (positions from cache.length, or from `position` for a
+    cache whose rows start past position 0: the MTP draft layer's, `latentkv.models.mtp`)."""
+    tables = rope.tables(cache.length if position is None else position, tokens.shape[0])
     reads = _PerSequence([cache], [None], [tables], _backend(cache))
     return Batch(tokens, [cache], [tokens.shape[0]], tables, reads, offsets=[0])
 
 
-def prefill(rope: Rope, prompts: Sequence[torch.Tensor], caches: Sequence[Cache]) -> Batch:
-    """One prompt [S_b] per cache, each continuing its cache."""
+def prefill(
+    rope: Rope, prompts: Sequence[torch.Tensor], caches: Sequence[Cache], starts: Sequence[int] | None = None
+) -> Batch:
+    """One prompt [S_b] per cache, each continuing its cache (at positions from its length, or
+    from starts[b] for caches whose rows start past position 0, as in `one_sequence`)."""
     sizes = [p.shape[0] for p in prompts]
-    starts = [c.length for c in caches]
+    starts = [c.length for c in caches] if starts is None else list(starts)
     offsets = [sum(sizes[:b]) for b in range(len(sizes))]
     device = prompts[0].device
     positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, sizes, strict=True)])

@@ -26,6 +26,7 @@ from latentkv.models.indexer import Indexer
 from latentkv.models.layers import RMSNorm, Rope, SwiGLU
 from latentkv.models.mla import MLA
 from latentkv.models.moe import MoE
+from latentkv.models.mtp import MTPLayer
 from latentkv.weights.base import Linear
 
 Cache = SequenceCache
@@ -64,12 +65,14 @@ class Model:
         blocks: list[Block],
         norm: RMSNorm,
         lm_head: Linear,
+        mtp: MTPLayer | None = None,
     ):
         self.cfg = cfg
         self.embed = embed  # [vocab, D]
         self.blocks = blocks
         self.norm = norm
         self.lm_head = lm_head  # [vocab, D]
+        self.mtp = mtp  # the multi-token-prediction draft layer, when the checkpoint ships one
         self.device = embed.device  # where every weight lives (chosen by the loader)
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim, self.device)
         self.layout = CacheLayout.for_model(cfg, self.device)
@@ -91,16 +94,22 @@ class Model:
         return make_cache(self.layout, cache)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: Cache, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: Cache, all_logits: bool = False, hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [S] (int64) continuing `cache` -> logits [S, vocab] (or [1, vocab] for the last).
 
-        The cache gains S rows per layer. Positions continue from `cache.length`.
+        The cache gains S rows per layer. Positions continue from `cache.length`. With `hidden`,
+        returns (logits, h) where h [S, D] is every position's lm_head input (after the final
+        norm): what the MTP draft layer reads (`latentkv.models.mtp`).
         """
-        if self.compiled is not None and tokens.shape[0] == 1:
+        if self.compiled is not None and tokens.shape[0] == 1 and not hidden:
             return self.compiled(tokens, cache, all_logits)
-        return self._forward(tokens, cache, all_logits)
+        return self._forward(tokens, cache, all_logits, hidden)
 
-    def _forward(self, tokens: torch.Tensor, cache: Cache, all_logits: bool = False) -> torch.Tensor:
+    def _forward(
+        self, tokens: torch.Tensor, cache: Cache, all_logits: bool = False, hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`forward` without the compiled step (what the compiled step traces)."""
         S = tokens.shape[0]
         if cache.length + S > self.cfg.max_position_embeddings:
@@ -108,21 +117,64 @@ class Model:
                 f"context of {cache.length + S} tokens exceeds the model's maximum of "
                 f"{self.cfg.max_position_embeddings}"
             )
-        return self._run(batches.one_sequence(self.rope, tokens, cache), last_only=not all_logits and S > 1)
+        batch = batches.one_sequence(self.rope, tokens, cache)
+        return self._run(batch, last_only=not all_logits and S > 1, hidden=hidden)
 
-    def _run(self, batch: Batch, last_only: bool = True) -> torch.Tensor:
+    def _run(
+        self, batch: Batch, last_only: bool = True, hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The one forward pass: every block over the batch's tokens, then each segment's last
-        row (every row when `last_only` is False) through the final norm and lm_head."""
+        row (every row when `last_only` is False) through the final norm and lm_head. With
+        `hidden`, also every row's lm_head input h [N, D] (the final norm's output)."""
         x = self.embed.index_select(0, batch.tokens).float()  # [N, D]; activations stay float32
         selected = None
         for i, block in enumerate(self.blocks):
             x, selected = block(x, batch, i, selected)
         batch.commit()
+        if hidden:
+            h = self.norm(x)  # [N, D]
+            if last_only and len(batch.sizes) == 1:
+                return self.lm_head(h[-1:]), h
+            if last_only and not batch.decode:
+                return self.lm_head(h.index_select(0, batch.last_rows)), h
+            return self.lm_head(h), h
         if last_only and len(batch.sizes) == 1:
             x = x[-1:]
         elif last_only and not batch.decode:
             x = x.index_select(0, batch.last_rows)
         return self.lm_head(self.norm(x))
+
+    @torch.inference_mode()
+    def draft(
+        self, next_tokens: torch.Tensor, hidden: torch.Tensor, cache: Cache, position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer at positions position.. (see `MTPLayer.forward`): -> (logits [S, vocab]
+        for the token after next, h' [S, D]). `cache` is `make_draft_cache`'s."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP (multi-token prediction) layer")
+        return self.mtp.forward(self.embed, self.lm_head, self.rope, next_tokens, hidden, cache, position)
+
+    @torch.inference_mode()
+    def draft_batch(
+        self,
+        next_tokens: list[torch.Tensor],
+        hidden: list[torch.Tensor],
+        caches: list[Cache],
+        positions: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft` for B sequences in one pass (see `MTPLayer.forward_batch`): -> (logits
+        [B, vocab], h' [B, D]) of each sequence's last position."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP (multi-token prediction) layer")
+        return self.mtp.forward_batch(
+            self.embed, self.lm_head, self.rope, next_tokens, hidden, caches, positions
+        )
+
+    def make_draft_cache(self, cache: CacheConfig | None = None) -> Cache:
+        """The MTP layer's own cache, in the same tier as the main one."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP (multi-token prediction) layer")
+        return self.mtp.make_cache(cache)
 
     @torch.inference_mode()
     def decode_batch(
@@ -155,24 +207,47 @@ class Model:
         return self._run(batches.decode(self.rope, tokens, caches, pool, slots))
 
     @torch.inference_mode()
-    def prefill_batch(self, prompts: Sequence[torch.Tensor], caches: Sequence[Cache]) -> torch.Tensor:
+    def verify_batch(
+        self, segments: Sequence[torch.Tensor], caches: Sequence[Cache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding's verify step for B sequences in one pass: one int64 segment
+        [S_b] per cache (the pending token and its drafts) -> (logits [N, vocab], h [N, D]) of
+        every position, segments in order (N = sum S_b); cache b gains S_b rows."""
+        self._check_segments(segments, caches)
+        if len(caches) == 1:
+            return self.forward(segments[0], caches[0], all_logits=True, hidden=True)
+        return self._run(batches.prefill(self.rope, segments, caches), last_only=False, hidden=True)
+
+    def _check_segments(
+        self, segments: Sequence[torch.Tensor], caches: Sequence[Cache], what: str = "segment"
+    ) -> None:
+        """One non-empty int64 [S_b] per cache, and `_check`'s rules for the whole batch."""
+        if len(segments) != len(caches):
+            raise ValueError(
+                f"{len(segments)} {what}s for {len(caches)} caches (need one each, at least one)"
+            )
+        for seg in segments:
+            if seg.dim() != 1 or seg.dtype != torch.long or seg.shape[0] == 0:
+                raise ValueError(
+                    f"each {what} must be a non-empty int64 [S], got {seg.dtype} {tuple(seg.shape)}"
+                )
+        tokens = torch.cat(list(segments)) if segments else torch.zeros(0, dtype=torch.long)
+        self._check(tokens, caches, [seg.shape[0] for seg in segments])
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self, prompts: Sequence[torch.Tensor], caches: Sequence[Cache], hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Prefill B sequences in one pass: one int64 prompt [S_b] per cache (any tier, any
         length so far) -> logits [B, vocab] of each prompt's last token; cache b gains S_b rows.
         Nothing is committed if a pass fails. On a small model a short prefill is bound by
         per-op overhead, so B prompts in one pass cost much less than B passes (builtin:tiny, 8
-        prompts of 32 tokens: 2.3x faster; `benchmarks/prefill_batch.py`)."""
-        if len(prompts) != len(caches):
-            raise ValueError(f"{len(prompts)} prompts for {len(caches)} caches (need one each, at least one)")
-        for prompt in prompts:
-            if prompt.dim() != 1 or prompt.dtype != torch.long or prompt.shape[0] == 0:
-                raise ValueError(
-                    f"each prompt must be a non-empty int64 [S], got {prompt.dtype} {tuple(prompt.shape)}"
-                )
-        tokens = torch.cat(list(prompts)) if prompts else torch.zeros(0, dtype=torch.long)
-        self._check(tokens, caches, [p.shape[0] for p in prompts])
+        prompts of 32 tokens: 2.3x faster; `benchmarks/prefill_batch.py`). With `hidden`, also
+        every prompt token's lm_head input h [sum S_b, D] (what the MTP draft layer reads)."""
+        self._check_segments(prompts, caches, "prompt")
         if len(caches) == 1:
-            return self.forward(prompts[0], caches[0])
-        return self._run(batches.prefill(self.rope, prompts, caches))
+            return self.forward(prompts[0], caches[0], hidden=hidden)
+        return self._run(batches.prefill(self.rope, prompts, caches), hidden=hidden)
 
     def _check(self, tokens: torch.Tensor, caches: Sequence[Cache], sizes: Sequence[int]) -> list[int]:
         return check_batch(
@@ -184,7 +259,7 @@ class Model:
         through several views (a tied lm_head, per-head or per-expert views of a stacked
         tensor) is counted once: the byte spans of each storage are merged."""
         spans: dict[int, list[tuple[int, int, int]]] = {}
-        for t in _tensors([self.embed, self.blocks, self.norm, self.lm_head]):
+        for t in _tensors([self.embed, self.blocks, self.norm, self.lm_head, self.mtp]):
             if t.numel():
                 size = t.element_size()
                 start = t.untyped_storage().data_ptr() + t.storage_offset() * size

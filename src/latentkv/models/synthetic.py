@@ -57,45 +57,54 @@ SLICE_CONFIG = {
 
 
 def _shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor of a glm_moe_dsa checkpoint, in transformers' naming."""
-    D, V, H = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
+    """(name, shape) of every tensor of a glm_moe_dsa checkpoint, in transformers' naming; with
+    `num_nextn_predict_layers`, the MTP layers after the main stack (DeepSeek-V3's layout)."""
+    D, V = cfg["hidden_size"], cfg["vocab_size"]
+    yield "model.embed_tokens.weight", (V, D)
+    n_layers = len(cfg["mlp_layer_types"])
+    for i, kind in enumerate(cfg["mlp_layer_types"]):
+        yield from _layer_shapes(cfg, f"model.layers.{i}.", kind, cfg["indexer_types"][i] == "full")
+    for i in range(n_layers, n_layers + int(cfg.get("num_nextn_predict_layers") or 0)):
+        p = f"model.layers.{i}."  # an MoE block with its own indexer, plus the MTP parts
+        yield from ((p + n, (D,)) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"))
+        yield p + "eh_proj.weight", (D, 2 * D)
+        yield from _layer_shapes(cfg, p, "sparse", True)
+    yield "model.norm.weight", (D,)
+    yield "lm_head.weight", (V, D)
+
+
+def _layer_shapes(cfg: dict, p: str, kind: str, indexer: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """One decoder layer's tensors under the name prefix p."""
+    D, H = cfg["hidden_size"], cfg["num_attention_heads"]
     P, R, Vh = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     Lkv, Lq = cfg["kv_lora_rank"], cfg["q_lora_rank"]
     Di, Hi = cfg["index_head_dim"], cfg["index_n_heads"]
-    yield "model.embed_tokens.weight", (V, D)
-    for i, kind in enumerate(cfg["mlp_layer_types"]):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (D,)
-        yield p + "post_attention_layernorm.weight", (D,)
-        a = p + "self_attn."
-        yield a + "q_a_proj.weight", (Lq, D)
-        yield a + "q_a_layernorm.weight", (Lq,)
-        yield a + "q_b_proj.weight", (H * (P + R), Lq)
-        yield a + "kv_a_proj_with_mqa.weight", (Lkv + R, D)
-        yield a + "kv_a_layernorm.weight", (Lkv,)
-        yield a + "kv_b_proj.weight", (H * (P + Vh), Lkv)
-        yield a + "o_proj.weight", (D, H * Vh)
-        if cfg["indexer_types"][i] == "full":
-            yield a + "indexer.wq_b.weight", (Hi * Di, Lq)
-            yield a + "indexer.wk.weight", (Di, D)
-            yield a + "indexer.k_norm.weight", (Di,)
-            yield a + "indexer.k_norm.bias", (Di,)
-            yield a + "indexer.weights_proj.weight", (Hi, D)
-        m = p + "mlp."
-        if kind == "dense":
-            inter = cfg["intermediate_size"]
-            yield from ((m + n, s) for n, s in _swiglu_shapes(D, inter))
-        else:
-            E, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-            yield m + "gate.weight", (E, D)
-            yield m + "gate.e_score_correction_bias", (E,)
-            for e in range(E):
-                yield from ((f"{m}experts.{e}.{n}", s) for n, s in _swiglu_shapes(D, inter))
-            yield from (
-                (m + "shared_experts." + n, s) for n, s in _swiglu_shapes(D, inter * cfg["n_shared_experts"])
-            )
-    yield "model.norm.weight", (D,)
-    yield "lm_head.weight", (V, D)
+    yield p + "input_layernorm.weight", (D,)
+    yield p + "post_attention_layernorm.weight", (D,)
+    a = p + "self_attn."
+    yield a + "q_a_proj.weight", (Lq, D)
+    yield a + "q_a_layernorm.weight", (Lq,)
+    yield a + "q_b_proj.weight", (H * (P + R), Lq)
+    yield a + "kv_a_proj_with_mqa.weight", (Lkv + R, D)
+    yield a + "kv_a_layernorm.weight", (Lkv,)
+    yield a + "kv_b_proj.weight", (H * (P + Vh), Lkv)
+    yield a + "o_proj.weight", (D, H * Vh)
+    if indexer:
+        yield a + "indexer.wq_b.weight", (Hi * Di, Lq)
+        yield a + "indexer.wk.weight", (Di, D)
+        yield a + "indexer.k_norm.weight", (Di,)
+        yield a + "indexer.k_norm.bias", (Di,)
+        yield a + "indexer.weights_proj.weight", (Hi, D)
+    m = p + "mlp."
+    if kind == "dense":
+        yield from ((m + n, s) for n, s in _swiglu_shapes(D, cfg["intermediate_size"]))
+        return
+    E, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    yield m + "gate.weight", (E, D)
+    yield m + "gate.e_score_correction_bias", (E,)
+    for e in range(E):
+        yield from ((f"{m}experts.{e}.{n}", s) for n, s in _swiglu_shapes(D, inter))
+    yield from ((m + "shared_experts." + n, s) for n, s in _swiglu_shapes(D, inter * cfg["n_shared_experts"]))
 
 
 def _swiglu_shapes(D: int, inter: int):

@@ -7,11 +7,14 @@
 5. format: each matrix becomes a `latentkv.weights.Linear` of the chosen weight format (f32,
    bf16, or any registered one); norms, the router and the indexer's head weights stay f32.
 
-Layer indices come from the config; the MTP layers past `num_hidden_layers` are not loaded.
+Layer indices come from the config. The first multi-token-prediction (MTP) layer, layer
+`num_hidden_layers` in DeepSeek-V3's layout, is loaded as the draft layer (`models/mtp.py`);
+further MTP layers (none of the checkpoints we know ship more than one) are not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +31,7 @@ from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_b
 from latentkv.models.mla import MLA, MLAWeights
 from latentkv.models.model import Block, Model
 from latentkv.models.moe import MoE, Router, RouterWeights
+from latentkv.models.mtp import MTPLayer
 from latentkv.weights import FORMATS, Linear, make_linear
 from latentkv.weights.base import DenseLinear, format_class
 from latentkv.weights.heads import HeadLinears
@@ -194,11 +198,37 @@ def build_model(
         lm_head = rd.linear(embed)  # tied: f32 and bf16 share the embedding's tensor
     else:
         lm_head = rd.matrix("lm_head.weight", (V, D))
-    return Model(cfg, embed, blocks, norm, lm_head)
+    return Model(cfg, embed, blocks, norm, lm_head, _mtp(cfg, rd))
 
 
-def _block(cfg: ModelConfig, rd: _Reader, i: int, moe_factory: MoEFactory | None = None) -> Block:
-    p = f"model.layers.{i}."
+def _mtp(cfg: ModelConfig, rd: _Reader) -> MTPLayer | None:
+    """The first MTP layer, if config and checkpoint have one: the config restricted to one
+    layer whose MLP kind the checkpoint says (DeepSeek-V3 and GLM-5: MoE) and which runs its own
+    DSA indexer when the model has one; its embedding and head are the main model's."""
+    p = f"model.layers.{cfg.num_layers}."
+    if cfg.num_mtp_layers < 1 or not rd.has(p + "eh_proj.weight"):
+        return None
+    D = cfg.hidden_size
+    dsa = dataclasses.replace(cfg.dsa, indexer_types=("full",)) if cfg.dsa is not None else None
+    sparse = rd.has(p + "mlp.gate.weight")
+    one = dataclasses.replace(
+        cfg, num_layers=1, mlp_layer_types=("sparse" if sparse else "dense",), dsa=dsa, num_mtp_layers=0
+    )
+    return MTPLayer(
+        cfg=one,
+        enorm=RMSNorm(rd.vector(p + "enorm.weight", (D,)), cfg.rms_norm_eps),
+        hnorm=RMSNorm(rd.vector(p + "hnorm.weight", (D,)), cfg.rms_norm_eps),
+        eh_proj=rd.matrix(p + "eh_proj.weight", (D, 2 * D)),
+        block=_block(one, rd, 0, prefix=p),
+        head_norm=RMSNorm(rd.vector(p + "shared_head.norm.weight", (D,)), cfg.rms_norm_eps),
+    )
+
+
+def _block(
+    cfg: ModelConfig, rd: _Reader, i: int, moe_factory: MoEFactory | None = None, prefix: str | None = None
+) -> Block:
+    """Layer i of `cfg`, read from the tensors named `prefix` (default `model.layers.{i}.`)."""
+    p = prefix or f"model.layers.{i}."
     a = p + "self_attn."
     D, H = cfg.hidden_size, cfg.num_heads
     P, R, Lkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank

@@ -72,10 +72,33 @@ def render(model: str, loaded: bool, stats, rates: tuple[float, float], registry
         )
         if stats.experts is not None:
             _experts(out, stats.experts)
+        if stats.speculative:
+            _speculative(out, stats.speculative)
     out.header("latentkv_http_requests_total", "counter", "HTTP requests answered, by route and status")
     for (route, status), n in sorted(registry.requests.items()):
         out.sample("latentkv_http_requests_total", n, {"route": route, "status": str(status)})
     return out.text()
+
+
+def _speculative(out: _Writer, spec: dict) -> None:
+    """MTP drafting: verify steps, tokens per verify step, acceptance per draft position."""
+    out.metric(
+        "latentkv_speculative_verify_steps_total",
+        "counter",
+        "Verify steps (draft rounds)",
+        spec["verify_steps"],
+    )
+    out.metric(
+        "latentkv_speculative_tokens_per_verify",
+        "gauge",
+        "Tokens produced per verify step (accepted drafts + 1), since start",
+        spec["tokens_per_verify"],
+    )
+    out.header(
+        "latentkv_speculative_acceptance", "gauge", "Fraction of drafted tokens accepted, per draft position"
+    )
+    for j, rate in enumerate(spec["acceptance_per_position"]):
+        out.sample("latentkv_speculative_acceptance", rate, {"position": str(j + 1)})
 
 
 class _Writer:

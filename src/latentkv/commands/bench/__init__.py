@@ -1,6 +1,6 @@
-"""`latentkv bench decode|attention|resume|batch`: decode tok/s per KV tier (optionally beside
+"""`latentkv bench decode|attention|resume|batch|speculative`: decode tok/s per KV tier (optionally beside
 transformers), the attention read alone per tier, resuming a saved conversation against
-prefilling it again, and batched decode (B sequences together). Tables print as markdown; --json / --out give JSON. One module per
+prefilling it again, batched decode (B sequences together), and MTP speculative decoding. Tables print as markdown; --json / --out give JSON. One module per
 subcommand, each with `add` (its arguments), `run` (-> JSON payload) and `table`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import importlib
 
 from latentkv.commands.common import emit
 
-SUBCOMMANDS = ("decode", "attention", "resume", "batch")
+SUBCOMMANDS = ("decode", "attention", "resume", "batch", "speculative")
 
 
 def _module(name: str):

@@ -64,6 +64,9 @@ def add(sub) -> None:
         help="also time decode through torch.compile (rows 'latentkv+compile', beside the eager "
         "ones; tiers f32, bf16, fp8); compiling takes tens of seconds per tier before timing",
     )
+    from latentkv.commands.common import add_speculative_arguments
+
+    add_speculative_arguments(d)
     common.add_output(d)
 
 
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> dict:
             import transformers  # noqa: F401
         except ImportError:
             raise UserError("--vs-transformers needs transformers: pip install 'latentkv[dev]'") from None
+    spec = _speculative(args)
     common.set_threads(args.threads)
     rows: list[bench.BenchRow] = []
     notes: list[str] = [RANDOM_FILL_NOTE] if args.fill == "random" else []
@@ -104,6 +108,11 @@ def run(args: argparse.Namespace) -> dict:
             raise UserError(str(exc)) from None
         loaded = load(args.model, engine, quiet=args.json, max_model_len=max(contexts) + args.decode_tokens)
         model = loaded.model
+        if spec is not None:
+            from latentkv.commands.common import check_speculative
+
+            check_speculative(model, spec)
+            notes.append(_SPEC_NOTE)
         cache_configs = common.cache_configs(model, tiers)
         if max(contexts) + args.decode_tokens > model.cfg.max_position_embeddings:
             raise UserError(
@@ -140,6 +149,26 @@ def run(args: argparse.Namespace) -> dict:
                         args.json,
                     )
                 model.compiled = None
+                if spec is not None:
+                    row = common.fastest(
+                        args.repeats,
+                        partial(
+                            bench.bench_latentkv,
+                            model,
+                            args.model,
+                            dtype,
+                            ctx,
+                            args.decode_tokens,
+                            cache_config,
+                            speculative=spec,
+                        ),
+                    )
+                    rows.append(row)
+                    common.progress(
+                        f"{row.engine} {dtype} {row.kv_cache_dtype} ctx {ctx}: decode {row.decode_tps:.1f} "
+                        f"tok/s, {row.speculative['tokens_per_verify']:.2f} tokens/verify",
+                        args.json,
+                    )
         directory = loaded.directory
         del loaded, model
         gc.collect()
@@ -171,6 +200,25 @@ def run(args: argparse.Namespace) -> dict:
         "notes": notes,
         "rows": [r.as_dict() for r in rows],
     }
+
+
+_SPEC_NOTE = (
+    "latentkv+mtpN rows: the MTP layer drafts N tokens on every step (the pause rule off) over the "
+    "same random prompt; random text is hard to predict, so their acceptance is lower than on real "
+    "text (`latentkv bench speculative` measures that)"
+)
+
+
+def _speculative(args: argparse.Namespace):
+    """The SpeculativeConfig of --speculative/--draft-tokens, the pause rule off, or None."""
+    import dataclasses
+
+    from latentkv.commands.common import speculative_config
+
+    spec = speculative_config(args, args.model)
+    if spec is not None and args.fill == "random":
+        raise UserError("--speculative needs --fill prefill: drafting reads the prompt's hidden states")
+    return None if spec is None else dataclasses.replace(spec, adaptive=False)
 
 
 def _compile(model, cache_configs, notes: list[str], quiet: bool):
@@ -211,6 +259,7 @@ def table(rows: list[dict]) -> str:
         "vs transformers | KV B/token/layer | KV bytes measured | KV bytes predicted | equal |",
         "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    spec_rows = [r for r in rows if r.get("speculative")]
     for r in rows:
         equal = {True: "yes", False: "**no**", None: ""}[r["kv_bytes_match"]]
         lines.append(
@@ -219,4 +268,16 @@ def table(rows: list[dict]) -> str:
             f"{common.ratio(r['decode_vs_transformers'])} | {r['kv_bytes_per_token_layer']:,.0f} | "
             f"{r['kv_bytes_measured']:,} | {common.num(r['kv_bytes_predicted'], ',', '')} | {equal} |"
         )
+    if spec_rows:
+        lines += [
+            "",
+            "| engine | KV | context | acceptance per draft position | tokens/verify |",
+            "|---|---|---:|---|---:|",
+        ]
+        for r in spec_rows:
+            spec = r["speculative"]
+            acc = " / ".join(f"{a:.2f}" for a in spec["acceptance_per_position"])
+            lines.append(
+                f"| {r['engine']} | {r['kv_cache_dtype']} | {r['context']} | {acc} | {spec['tokens_per_verify']:.2f} |"
+            )
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from latentkv.config import CacheConfig
+from latentkv.engine.sampling import SamplingParams
 from latentkv.eval.bench.common import (
     FILL_MODES,
     fill_random,
@@ -18,6 +19,8 @@ from latentkv.eval.bench.common import (
     random_prompt,
     timed_forward,
 )
+
+_GREEDY = SamplingParams()
 
 
 @dataclass
@@ -42,6 +45,7 @@ class BenchRow:
     index_kv_bytes: int = 0
     decode_vs_f32: float | None = None  # decode_tps / the f32-KV row's (same weights, context, fill)
     decode_vs_transformers: float | None = None
+    speculative: dict | None = None  # `SpeculativeStats.as_dict()` of an MTP-drafting row
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,10 +68,14 @@ def bench_latentkv(
     decode_tokens: int,
     cache_config: CacheConfig | None = None,
     fill: str = "prefill",
+    speculative=None,
 ) -> BenchRow:
-    """Prefill (or random-fill) `context` tokens, then time decode_tokens - 1 decode passes."""
+    """Prefill (or random-fill) `context` tokens, then time decode_tokens - 1 decode passes
+    (with `speculative`, a `SpeculativeConfig`: MTP drafting; see `bench_speculative`)."""
     if fill not in FILL_MODES:
         raise ValueError(f"unknown fill {fill!r}; choose from {', '.join(FILL_MODES)}")
+    if speculative is not None:
+        return bench_speculative(model, name, weight_dtype, context, decode_tokens, cache_config, speculative)
     cache_config = cache_config or CacheConfig()
     prompt = random_prompt(model.cfg.vocab_size, context)
     warm = model.make_cache(cache_config)  # warm up the allocator, RoPE and codec tables
@@ -104,6 +112,54 @@ def bench_latentkv(
         kv_bytes_predicted=predicted,
         kv_bytes_match=measured == predicted,
         index_kv_bytes=index_bytes,
+    )
+
+
+def bench_speculative(
+    model, name: str, weight_dtype: str, context: int, decode_tokens: int, cache_config, speculative
+) -> BenchRow:
+    """Prefill a random prompt of `context` tokens, then generate decode_tokens greedily with MTP
+    drafting on every step (the pause rule off, so the row shows what drafting costs or saves);
+    decode tok/s is the tokens after the first over the decode steps' time."""
+    from latentkv.engine.speculative import SpeculativeStats, speculative_steps
+
+    cache_config = cache_config or CacheConfig()
+    prompt = random_prompt(model.cfg.vocab_size, context)
+    times: dict[str, float] = {"prompt": 0.0, "decode": 0.0}
+
+    def timing(kind: str, seconds: float) -> None:
+        times[kind] += seconds
+
+    warm = model.make_cache(cache_config)  # warm up the allocator, RoPE and codec tables
+    for _ in speculative_steps(model, prompt[:8], warm, _GREEDY, speculative, 3):
+        pass
+    cache = model.make_cache(cache_config)
+    stats = SpeculativeStats(speculative.draft_tokens)
+    n = sum(
+        1 for _ in speculative_steps(model, prompt, cache, _GREEDY, speculative, decode_tokens, timing, stats)
+    )
+    measured, predicted = cache.allocated_nbytes(), predicted_kv_bytes(cache)
+    index_bytes = measured_index_bytes(cache)
+    return BenchRow(
+        engine=f"latentkv+mtp{speculative.draft_tokens}",
+        model=name,
+        weight_dtype=weight_dtype,
+        kv_cache_dtype=cache.codec,
+        context=context,
+        decode_tokens=decode_tokens,
+        threads=torch.get_num_threads(),
+        fill="prefill",
+        prefill_tps=context / times["prompt"],
+        decode_tps=(n - 1) / times["decode"] if times["decode"] else 0.0,
+        decode_tps_median=None,
+        kv_tokens=cache.length,
+        kv_bytes_per_token=(measured + index_bytes) / cache.length,
+        kv_bytes_per_token_layer=cache.bytes_per_token_layer(),
+        kv_bytes_measured=measured,
+        kv_bytes_predicted=predicted,
+        kv_bytes_match=measured == predicted,
+        index_kv_bytes=index_bytes,
+        speculative=stats.as_dict(),
     )
 
 

@@ -1,0 +1,160 @@
+"""`latentkv bench speculative`: MTP drafting's acceptance and decode tok/s, with and without."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from pathlib import Path
+
+from latentkv.commands.bench import common
+from latentkv.errors import UserError
+
+RANDOM_MODELS = ("random:tiny", "random:slice")
+
+
+def add(sub) -> None:
+    d = sub.add_parser(
+        "speculative",
+        help="MTP speculative decoding: acceptance per draft position, tokens per verify, tok/s with and without",
+        description="For each model, concurrency and draft length: greedy decode of the same prompts with "
+        "drafting (the pause rule off) and without; acceptance per draft position, tokens per verify step, "
+        "decode tok/s and its ratio to plain decoding, and whether the tokens are identical (they must be). "
+        "random:tiny and random:slice are builtin:tiny's and the GLM-5-width slice's shapes with random "
+        "weights and a random MTP layer (the low-acceptance case), built once under the cache directory.",
+    )
+    d.add_argument(
+        "--model",
+        default="builtin:fixture,random:tiny",
+        help="comma-separated: model directories, builtin:NAME, random:tiny, random:slice "
+        "(default: builtin:fixture,random:tiny)",
+    )
+    d.add_argument("--draft-tokens", default="1,2,3", help="comma-separated draft lengths (default: 1,2,3)")
+    d.add_argument(
+        "--concurrency", default="1,8", help="comma-separated sequences decoded together (default: 1,8)"
+    )
+    d.add_argument("--prompt-tokens", type=int, default=128, help="prompt length per sequence (default: 128)")
+    d.add_argument(
+        "--decode-tokens", type=int, default=64, help="tokens generated per sequence (default: 64)"
+    )
+    d.add_argument("--kv-cache-dtype", default="f32", help="one KV tier (default: f32)")
+    d.add_argument(
+        "--repeats", type=int, default=1, help="keep the fastest of this many runs per row (default: 1)"
+    )
+    common.add_output(d)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from latentkv.config import CacheConfig, ConfigError
+
+    drafts = common.ints(args.draft_tokens, "--draft-tokens")
+    if max(drafts) > 8:
+        raise UserError("--draft-tokens must be in 1..8")
+    concurrency = common.ints(args.concurrency, "--concurrency")
+    if args.prompt_tokens < 2 or args.decode_tokens < 2 or args.repeats < 1:
+        raise UserError("--prompt-tokens and --decode-tokens must be >= 2, --repeats >= 1")
+    tiers = common.tiers(args.kv_cache_dtype)
+    if len(tiers) != 1:
+        raise UserError("--kv-cache-dtype takes one tier here")
+    try:
+        cache = CacheConfig(tiers[0])
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    common.set_threads(args.threads)
+    rows: list[dict] = []
+    for name in [m.strip() for m in args.model.split(",") if m.strip()]:
+        rows += _model_rows(args, name, cache, drafts, concurrency)
+        gc.collect()
+    return {
+        "bench": "speculative",
+        "models": args.model,
+        "kv_cache_dtype": cache.kv_cache_dtype,
+        "prompt_tokens": args.prompt_tokens,
+        "decode_tokens": args.decode_tokens,
+        "notes": [
+            "drafting rows: the MTP layer drafts N tokens on every step (the pause rule off); "
+            "tok/s needs an idle machine, acceptance does not",
+        ],
+        "rows": rows,
+    }
+
+
+def _model_rows(args, name: str, cache, drafts: list[int], concurrency: list[int]) -> list[dict]:
+    from latentkv.commands.common import check_speculative
+    from latentkv.engine.speculative import SpeculativeConfig
+    from latentkv.eval.bench.speculative import bench_speculative
+    from latentkv.models.weights import load_model
+    from latentkv.runtime import check_tier
+
+    directory = _directory(name)
+    model = load_model(directory)
+    check_speculative(model, SpeculativeConfig())
+    check_tier(model.cfg, cache)
+    if args.prompt_tokens + args.decode_tokens + max(drafts) > model.cfg.max_position_embeddings:
+        raise UserError(f"{name}: --prompt-tokens + --decode-tokens exceed the model's context")
+    rows = []
+    for c in concurrency:
+        reference, plain_tps = None, None
+        for n in [0, *drafts]:
+            best = None
+            for _ in range(args.repeats):
+                row, outs = bench_speculative(
+                    model, name, directory, c, n, args.prompt_tokens, args.decode_tokens, cache, reference
+                )
+                best = row if best is None or row.decode_tps > best.decode_tps else best
+            if n == 0:
+                reference, plain_tps = outs, best.decode_tps
+            else:
+                best.vs_plain = best.decode_tps / plain_tps if plain_tps else None
+            rows.append(best.as_dict())
+            common.progress(
+                f"{name} C={c} N={n}: {best.decode_tps:.1f} tok/s, tokens/verify {best.tokens_per_verify}, "
+                f"acceptance {best.acceptance_per_position}",
+                args.json,
+            )
+    return rows
+
+
+def _directory(name: str) -> Path:
+    """A model's directory; random:tiny / random:slice are built once under the cache directory."""
+    from latentkv.config import ConfigError, cache_root
+    from latentkv.models.registry import ModelNotFound, resolve
+
+    if name in RANDOM_MODELS:
+        return _random_model(name, cache_root() / "bench" / name.replace(":", "-"))
+    try:
+        return resolve(name)
+    except (ModelNotFound, ConfigError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def _random_model(name: str, directory: Path) -> Path:
+    import json
+
+    from latentkv.models.registry import builtin_path
+    from latentkv.models.synthetic import SLICE_CONFIG, write_random_checkpoint
+
+    if (directory / "config.json").exists():
+        return directory
+    if name == "random:tiny":
+        cfg = json.loads((builtin_path("tiny") / "config.json").read_text())
+    else:
+        cfg = dict(SLICE_CONFIG)
+    cfg["num_nextn_predict_layers"] = 1
+    return write_random_checkpoint(cfg, directory, seed=17)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | KV | sequences | draft tokens | acceptance per position | tokens/verify | decode tok/s "
+        "| vs plain | same tokens |",
+        "|---|---|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        acc = " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
+        tpv = "-" if r["tokens_per_verify"] is None else f"{r['tokens_per_verify']:.2f}"
+        same = "yes" if r["same_tokens"] else "**no**"
+        lines.append(
+            f"| {r['model']} | {r['kv_cache_dtype']} | {r['concurrency']} | {r['draft_tokens'] or 'off'} | {acc} "
+            f"| {tpv} | {r['decode_tps']:,.1f} | {common.ratio(r['vs_plain'])} | {same} |"
+        )
+    return "\n".join(lines)
