@@ -41,6 +41,7 @@ ROW_KEYS = {
     "index_kv_bytes",
     "decode_vs_f32",
     "decode_vs_transformers",
+    "speculative",  # MTP drafting stats of a latentkv+mtpN row; None otherwise
 }
 
 
@@ -68,6 +69,7 @@ def _check_decode_rows(rows: list[dict], raw: dict, fill: str) -> None:
     for r in rows:
         assert set(r) == ROW_KEYS
         assert r["engine"] == "latentkv" and r["fill"] == fill and r["decode_tokens"] == 3
+        assert r["speculative"] is None  # no --speculative asked for
         assert r["kv_tokens"] == r["context"] + 2  # the last generated token is never fed back
         assert r["kv_bytes_per_token_layer"] == _row_bytes(r["kv_cache_dtype"], raw)
         predicted = r["kv_bytes_per_token_layer"] * layers * r["kv_tokens"]

@@ -274,6 +274,11 @@ def speculative_config(args: argparse.Namespace, model_arg: str | None = None):
         if args.draft_tokens is not None:
             raise UserError("--draft-tokens needs --speculative mtp")
         return None
+    if getattr(args, "ram_gb", None) is not None:
+        raise UserError(
+            "--speculative mtp does not run with streamed experts (--ram-gb) yet: the draft layer's "
+            "experts are not in the expert store; drop one of the two"
+        )
     try:
         spec = SpeculativeConfig(args.speculative, 1 if args.draft_tokens is None else args.draft_tokens)
     except ValueError as exc:

@@ -198,7 +198,10 @@ def build_model(
         lm_head = rd.linear(embed)  # tied: f32 and bf16 share the embedding's tensor
     else:
         lm_head = rd.matrix("lm_head.weight", (V, D))
-    return Model(cfg, embed, blocks, norm, lm_head, _mtp(cfg, rd))
+    # Streamed experts (moe_factory): the MTP layer's own experts would be read here and held
+    # outside the planner's budget, so a streamed model loads without its draft layer for now.
+    mtp = _mtp(cfg, rd) if moe_factory is None else None
+    return Model(cfg, embed, blocks, norm, lm_head, mtp)
 
 
 def _mtp(cfg: ModelConfig, rd: _Reader) -> MTPLayer | None:
