@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cache_arguments(p)
 
 
-COMPARE_TIERS = ("f32", "bf16", "fp8", "tq6", "tq4-r8", "tq4", "tq3", "polar4")
+COMPARE_TIERS = ("f32", "bf16", "q8s", "fp8", "tq6", "q4s", "tq4-r8", "tq4", "tq3", "polar4")
 
 
 def run(args: argparse.Namespace) -> int:
