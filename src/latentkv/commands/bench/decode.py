@@ -130,45 +130,10 @@ def run(args: argparse.Namespace) -> dict:
                 steps = [None, step] if cache_config.kv_cache_dtype in compiled_tiers else [None]
                 for compiled in steps:  # eager, then compiled where the tier compiles
                     model.compiled = compiled
-                    row = common.fastest(
-                        args.repeats,
-                        partial(
-                            bench.bench_latentkv,
-                            model,
-                            args.model,
-                            dtype,
-                            ctx,
-                            args.decode_tokens,
-                            cache_config,
-                            args.fill,
-                        ),
-                    )
-                    rows.append(row)
-                    common.progress(
-                        f"{row.engine} {dtype} {row.kv_cache_dtype} ctx {ctx}: decode {row.decode_tps:.1f} tok/s",
-                        args.json,
-                    )
+                    rows.append(_row(args, model, dtype, ctx, cache_config, fill=args.fill))
                 model.compiled = None
                 if spec is not None:
-                    row = common.fastest(
-                        args.repeats,
-                        partial(
-                            bench.bench_latentkv,
-                            model,
-                            args.model,
-                            dtype,
-                            ctx,
-                            args.decode_tokens,
-                            cache_config,
-                            speculative=spec,
-                        ),
-                    )
-                    rows.append(row)
-                    common.progress(
-                        f"{row.engine} {dtype} {row.kv_cache_dtype} ctx {ctx}: decode {row.decode_tps:.1f} "
-                        f"tok/s, {row.speculative['tokens_per_verify']:.2f} tokens/verify",
-                        args.json,
-                    )
+                    rows.append(_row(args, model, dtype, ctx, cache_config, speculative=spec))
         directory = loaded.directory
         del loaded, model
         gc.collect()
@@ -281,3 +246,19 @@ def table(rows: list[dict]) -> str:
                 f"| {r['engine']} | {r['kv_cache_dtype']} | {r['context']} | {acc} | {spec['tokens_per_verify']:.2f} |"
             )
     return "\n".join(lines)
+
+
+def _row(args: argparse.Namespace, model, dtype: str, ctx: int, cache_config, **how):
+    """The fastest of --repeats runs of one latentkv row (`how`: the fill, or MTP drafting)."""
+    from latentkv.eval import bench
+
+    row = common.fastest(
+        args.repeats,
+        partial(bench.bench_latentkv, model, args.model, dtype, ctx, args.decode_tokens, cache_config, **how),
+    )
+    drafting = f", {row.speculative['tokens_per_verify']:.2f} tokens/verify" if row.speculative else ""
+    common.progress(
+        f"{row.engine} {dtype} {row.kv_cache_dtype} ctx {ctx}: decode {row.decode_tps:.1f} tok/s{drafting}",
+        args.json,
+    )
+    return row

@@ -91,8 +91,6 @@ def bench_latentkv(
         fill_random(cache, context)
         token, prefill_tps = prompt[-1], None
     times = _decode_passes(model, cache, token, decode_tokens - 1)
-    measured, predicted = cache.allocated_nbytes(), predicted_kv_bytes(cache)
-    index_bytes = measured_index_bytes(cache)
     return BenchRow(
         engine="latentkv+compile" if model.compiled is not None else "latentkv",
         model=name,
@@ -105,13 +103,7 @@ def bench_latentkv(
         prefill_tps=prefill_tps,
         decode_tps=len(times) / sum(times),
         decode_tps_median=1 / statistics.median(times),
-        kv_tokens=cache.length,
-        kv_bytes_per_token=(measured + index_bytes) / cache.length,
-        kv_bytes_per_token_layer=cache.bytes_per_token_layer(),
-        kv_bytes_measured=measured,
-        kv_bytes_predicted=predicted,
-        kv_bytes_match=measured == predicted,
-        index_kv_bytes=index_bytes,
+        **_kv_fields(cache),
     )
 
 
@@ -138,8 +130,6 @@ def bench_speculative(
     n = sum(
         1 for _ in speculative_steps(model, prompt, cache, _GREEDY, speculative, decode_tokens, timing, stats)
     )
-    measured, predicted = cache.allocated_nbytes(), predicted_kv_bytes(cache)
-    index_bytes = measured_index_bytes(cache)
     return BenchRow(
         engine=f"latentkv+mtp{speculative.draft_tokens}",
         model=name,
@@ -152,13 +142,7 @@ def bench_speculative(
         prefill_tps=context / times["prompt"],
         decode_tps=(n - 1) / times["decode"] if times["decode"] else 0.0,
         decode_tps_median=None,
-        kv_tokens=cache.length,
-        kv_bytes_per_token=(measured + index_bytes) / cache.length,
-        kv_bytes_per_token_layer=cache.bytes_per_token_layer(),
-        kv_bytes_measured=measured,
-        kv_bytes_predicted=predicted,
-        kv_bytes_match=measured == predicted,
-        index_kv_bytes=index_bytes,
+        **_kv_fields(cache),
         speculative=stats.as_dict(),
     )
 
@@ -250,3 +234,18 @@ def _cache_bytes(cache) -> int:
                 seen.add(id(value))
                 total += value.numel() * value.element_size()
     return total
+
+
+def _kv_fields(cache) -> dict:
+    """A row's KV memory fields: bytes measured from the cache's tensors beside the prediction."""
+    measured, predicted = cache.allocated_nbytes(), predicted_kv_bytes(cache)
+    index_bytes = measured_index_bytes(cache)
+    return {
+        "kv_tokens": cache.length,
+        "kv_bytes_per_token": (measured + index_bytes) / cache.length,
+        "kv_bytes_per_token_layer": cache.bytes_per_token_layer(),
+        "kv_bytes_measured": measured,
+        "kv_bytes_predicted": predicted,
+        "kv_bytes_match": measured == predicted,
+        "index_kv_bytes": index_bytes,
+    }
