@@ -193,9 +193,10 @@ def test_chat_json_writes_one_object_per_turn(tmp_path, monkeypatch, capsys):
     ],
 )
 def test_held_text_never_shows_the_start_of_a_stop_text(deltas, shown, text, stopped):
-    from latentkv.commands.chat import HeldText
+    from latentkv.tokenizer import StopStrings
 
-    held = HeldText(PlainFormat.stop_texts)
-    assert [held.push(d) for d in deltas] == shown
-    assert (held.text, held.stopped) == (text, stopped)
-    assert "".join(shown) + held.flush() == text
+    stops = StopStrings(list(PlainFormat.stop_texts))
+    pushed = [stops.push(d) for d in deltas]
+    assert [t for t, _ in pushed] == shown
+    assert any(hit for _, hit in pushed) == stopped
+    assert "".join(shown) + ("" if stopped else stops.flush()) == text

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from latentkv.server.text import StopStrings
+from latentkv.tokenizer import StopStrings
 
 
 def _reference(text: str, stops: list[str], bounds: list[int]) -> tuple[str, bool]:

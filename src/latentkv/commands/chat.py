@@ -35,6 +35,7 @@ from latentkv.commands.common import (
 from latentkv.commands.session import add_session_arguments, check_name
 from latentkv.errors import UserError
 from latentkv.runtime import load, stop_ids
+from latentkv.tokenizer import StopStrings
 
 COMMANDS_HELP = "/reset starts over, /exit (or end of input) ends"
 
@@ -212,25 +213,28 @@ class Chat:
 
         stats = GenerationStats()
         reply: list[int] = []
-        held = HeldText(self.fmt.stop_texts)
+        stops, text, hit = StopStrings(list(self.fmt.stop_texts)), "", False
         for token, delta, _ in stream_generate(
             self.model, todo, self.max_tokens, self.sampling, self.tokenizer,
             cache=self.conv.cache, stop_ids=self.stop, stats=stats, speculative=self.speculative,
         ):  # fmt: skip
             if token not in self.stop:
                 reply.append(token)
-            shown = held.push(delta)
+            shown, hit = stops.push(delta)
+            text += shown
             if stdout is not None:
                 stdout.write(shown)
                 stdout.flush()
-            if held.stopped:
+            if hit:
                 stats.finish_reason = "stop"
-                reply = ids_before(self.tokenizer, reply, held.text)
+                reply = ids_before(self.tokenizer, reply, text)
                 break
+        tail = "" if hit else stops.flush()
+        text += tail
         if stdout is not None:
-            stdout.write(held.flush() + "\n")
+            stdout.write(tail + "\n")
             stdout.flush()
-        return reply, held.text, stats
+        return reply, text, stats
 
     def _turn_json(self, user: str, reply: str, stats) -> dict:
         return {
@@ -242,36 +246,6 @@ class Chat:
             "reused_tokens": self.conv.resumed_tokens,
             "stats": stats.as_dict(),
         }
-
-
-class HeldText:
-    """Streamed text with stop texts cut out: `push` returns what is safe to show (nothing that
-    could still become a stop text); once one appears, `stopped` and `text` ends before it."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
-        self.text = ""  # everything shown or held, up to a stop text
-        self.shown = 0
-        self.stopped = False
-
-    def push(self, delta: str) -> str:
-        if self.stopped:
-            return ""
-        self.text += delta
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.stopped = self.text[:cut], True
-            return self.flush()
-        # hold back a tail that is the start of a stop text
-        hold = max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
-        return self._show(len(self.text) - hold)
-
-    def flush(self) -> str:
-        return self._show(len(self.text))
-
-    def _show(self, upto: int) -> str:
-        out, self.shown = self.text[self.shown : upto], max(self.shown, upto)
-        return out
 
 
 def ids_before(tokenizer, ids: list[int], text: str) -> list[int]:

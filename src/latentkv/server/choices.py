@@ -5,7 +5,7 @@
         ...
 
 A choice is one scheduler request (n choices of a prompt are n requests with derived seeds).
-Its events become text through `tokenizer.Detokenizer` and `server.text.StopStrings`; reaching a
+Its events become text through `tokenizer.Detokenizer` and `tokenizer.StopStrings`; reaching a
 stop string cancels the handle, trims the text and reports finish_reason "stop". A Piece carries
 the tokens consumed since the previous piece, so streamed logprobs line up with streamed text.
 
@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from latentkv.server.errors import APIError, bad_request
-from latentkv.server.text import StopStrings
-from latentkv.tokenizer import Detokenizer
+from latentkv.tokenizer import Detokenizer, StopStrings
 
 if TYPE_CHECKING:
     from latentkv.engine.sampling import SamplingParams
