@@ -1,45 +1,62 @@
 #!/usr/bin/env bash
 # Speed of two commits side by side, on one idle machine: the issue-14 check that the one
 # forward (models/batch.py) costs nothing. Each commit is checked out into its own worktree and
-# installed into this checkout's venv in turn (editable), then timed with the same commands.
+# run with this checkout's venv (its own src/ first on PYTHONPATH), with the same commands.
 #
-#   bash benchmarks/compare_commits.sh OLD NEW        # e.g. b88308c i14
+#   bash benchmarks/compare_commits.sh OLD NEW [ROUNDS]     # e.g. b88308c main 3
 #
-# Writes benchmarks/results/compare-<commit>-<bench>.json for each; prints the decode tok/s side
-# by side. Rows within 3% are noise on a 2-core VM; run it twice and keep the better of each.
+# The two commits are interleaved: every round runs each bench for OLD and then NEW (the order
+# flips every other round), so a slow minute of a shared VM hits both. Each row keeps its best
+# round (the least disturbed); the table also prints each commit's spread over the rounds (worst /
+# best), which says how much of a difference is noise. Writes
+# benchmarks/results/compare-<commit>-<bench>-r<round>.json and prints one table.
 set -euo pipefail
-old=${1:?old commit}; new=${2:?new commit}
+old=${1:?old commit}; new=${2:?new commit}; rounds=${3:-3}
 root=$(git rev-parse --show-toplevel)
 py=$root/.venv/bin/python
 out=$root/benchmarks/results
 mkdir -p "$out"
+benches=(
+  "tiny:decode builtin:tiny --context 128,1024 --decode-tokens 128 --repeats 3 --threads 1"
+  "batch8:batch builtin:tiny --batch 8 --context 128 --steps 128 --threads 1 --kv-cache-dtype f32,bf16,tq4"
+  "fixture:decode builtin:fixture --context 128 --decode-tokens 64 --repeats 3 --threads 2"
+  "slice1k:decode builtin:slice --context 1024 --decode-tokens 16 --repeats 3 --threads 2"
+)
+declare -A tree
 for rev in "$old" "$new"; do
   sha=$(git rev-parse --short "$rev")
-  tree=$(mktemp -d)/latentkv-$sha
-  git worktree add -q --detach "$tree" "$rev"
-  for bench in \
-    "tiny:decode builtin:tiny --context 128,1024 --decode-tokens 128 --repeats 3 --threads 1" \
-    "batch8:batch builtin:tiny --batch 8 --context 128 --steps 128 --threads 1 --kv-cache-dtype f32,bf16,tq4" \
-    "fixture:decode builtin:fixture --context 128 --decode-tokens 64 --repeats 3 --threads 2" \
-    "slice1k:decode builtin:slice --context 1024 --decode-tokens 16 --repeats 3 --threads 2"; do
-    name=${bench%%:*}; args=${bench#*:}
-    # shellcheck disable=SC2086
-    (cd "$tree" && PYTHONPATH="$tree/src" "$py" -m latentkv bench $args --json --out "$out/compare-$sha-$name.json" >/dev/null)
-    echo "$sha $name done"
-  done
-  git worktree remove --force "$tree"
+  tree[$sha]=$(mktemp -d)/latentkv-$sha
+  git worktree add -q --detach "${tree[$sha]}" "$rev"
 done
-"$py" - "$out" "$(git rev-parse --short "$old")" "$(git rev-parse --short "$new")" <<'PY'
+cleanup() { for t in "${tree[@]}"; do git worktree remove --force "$t" || true; done; }
+trap cleanup EXIT
+a=$(git rev-parse --short "$old"); b=$(git rev-parse --short "$new")
+for ((r = 1; r <= rounds; r++)); do
+  order=("$a" "$b"); ((r % 2 == 0)) && order=("$b" "$a")
+  for bench in "${benches[@]}"; do
+    name=${bench%%:*}; args=${bench#*:}
+    for sha in "${order[@]}"; do
+      # shellcheck disable=SC2086
+      (cd "${tree[$sha]}" && PYTHONPATH="${tree[$sha]}/src" "$py" -m latentkv bench $args --json \
+        --out "$out/compare-$sha-$name-r$r.json" >/dev/null)
+      echo "round $r: $sha $name done" >&2
+    done
+  done
+done
+"$py" - "$out" "$a" "$b" "$rounds" <<'PY'
 import json, sys
 from pathlib import Path
-out, old, new = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-def rows(sha, name):
-    return json.loads((out / f"compare-{sha}-{name}.json").read_text())["rows"]
-print(f"| bench | row | {old} tok/s | {new} tok/s | new/old |")
-print("|---|---|---|---|---|")
+out, old, new, rounds = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+def speeds(sha, name):
+    per_round = [json.loads((out / f"compare-{sha}-{name}-r{r}.json").read_text())["rows"] for r in range(1, rounds + 1)]
+    field = "decode_tps" if "decode_tps" in per_round[0][0] else "aggregate_tps"
+    return per_round[0], [[row[field] for row in rows] for rows in zip(*per_round, strict=True)]
+print(f"| bench | row | {old} tok/s (best; worst/best) | {new} tok/s (best; worst/best) | new/old |")
+print("|---|---|---:|---:|---:|")
 for name in ("tiny", "batch8", "fixture", "slice1k"):
-    for a, b in zip(rows(old, name), rows(new, name), strict=True):
-        field = "decode_tps" if "decode_tps" in a else "aggregate_tps"
-        row = f"{a['kv_cache_dtype']} ctx {a['context']}" + (f" B={a['batch']}" if "batch" in a else "")
-        print(f"| {name} | {row} | {a[field]:.1f} | {b[field]:.1f} | {b[field] / a[field]:.3f} |")
+    rows, olds = speeds(old, name)
+    _, news = speeds(new, name)
+    for row, o, n in zip(rows, olds, news, strict=True):
+        label = f"{row['kv_cache_dtype']} ctx {row['context']}" + (f" B={row['batch']}" if "batch" in row else "")
+        print(f"| {name} | {label} | {max(o):.1f} ({min(o) / max(o):.2f}) | {max(n):.1f} ({min(n) / max(n):.2f}) | {max(n) / max(o):.3f} |")
 PY
