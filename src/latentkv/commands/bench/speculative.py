@@ -7,9 +7,15 @@ import gc
 from pathlib import Path
 
 from latentkv.commands.bench import common
+from latentkv.commands.common import add_streaming_arguments
 from latentkv.errors import UserError
 
 RANDOM_MODELS = ("random:tiny", "random:slice")
+STREAMED_NOTE = (
+    "--ram-gb: the experts (the MTP layer's too) stream from disk into one cache shared by all rows "
+    "of a model, in row order (the first row starts cold: use --repeats 2+ to compare warm rows); "
+    "expert columns cover each row's prompt pass too; drop the page cache before a cold run"
+)
 
 
 def add(sub) -> None:
@@ -20,7 +26,9 @@ def add(sub) -> None:
         "drafting (the pause rule off) and without; acceptance per draft position, tokens per verify step, "
         "decode tok/s and its ratio to plain decoding, and whether the tokens are identical (they must be). "
         "random:tiny and random:slice are builtin:tiny's and the GLM-5-width slice's shapes with random "
-        "weights and a random MTP layer (the low-acceptance case), built once under the cache directory.",
+        "weights and a random MTP layer (the low-acceptance case), built once under the cache directory. "
+        "With --ram-gb the experts (the MTP layer's too) stream from disk within that budget and each row "
+        "adds the expert cache's hit rates and MiB read per token.",
     )
     d.add_argument(
         "--model",
@@ -40,6 +48,7 @@ def add(sub) -> None:
     d.add_argument(
         "--repeats", type=int, default=1, help="keep the fastest of this many runs per row (default: 1)"
     )
+    add_streaming_arguments(d)
     common.add_output(d)
 
 
@@ -64,16 +73,21 @@ def run(args: argparse.Namespace) -> dict:
     for name in [m.strip() for m in args.model.split(",") if m.strip()]:
         rows += _model_rows(args, name, cache, drafts, concurrency)
         gc.collect()
+    notes = [
+        "drafting rows: the MTP layer drafts N tokens on every step (the pause rule off); "
+        "tok/s needs an idle machine, acceptance does not",
+    ]
+    if args.ram_gb is not None:
+        notes.append(STREAMED_NOTE)
     return {
         "bench": "speculative",
         "models": args.model,
         "kv_cache_dtype": cache.kv_cache_dtype,
         "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens,
-        "notes": [
-            "drafting rows: the MTP layer drafts N tokens on every step (the pause rule off); "
-            "tok/s needs an idle machine, acceptance does not",
-        ],
+        "ram_gb": args.ram_gb,
+        "expert_cache_policy": args.expert_cache_policy if args.ram_gb is not None else None,
+        "notes": notes,
         "rows": rows,
     }
 
@@ -81,16 +95,43 @@ def run(args: argparse.Namespace) -> dict:
 def _model_rows(args, name: str, cache, drafts: list[int], concurrency: list[int]) -> list[dict]:
     from latentkv.commands.common import check_speculative
     from latentkv.engine.speculative import SpeculativeConfig
-    from latentkv.eval.bench.speculative import bench_speculative
-    from latentkv.models.weights import load_model
-    from latentkv.runtime import check_tier
 
     directory = _directory(name)
-    model = load_model(directory)
-    check_speculative(model, SpeculativeConfig())
-    check_tier(model.cfg, cache)
-    if args.prompt_tokens + args.decode_tokens + max(drafts) > model.cfg.max_position_embeddings:
-        raise UserError(f"{name}: --prompt-tokens + --decode-tokens exceed the model's context")
+    loaded = _load(args, directory, cache, max(drafts), max(concurrency))
+    try:
+        check_speculative(loaded.model, SpeculativeConfig())
+        return _rows(args, name, directory, loaded, cache, drafts, concurrency)
+    finally:
+        loaded.close()
+
+
+def _load(args, directory: Path, cache, draft_tokens: int, sequences: int):
+    """The model, resident or (--ram-gb) with its experts streamed, planned for these rows."""
+    from latentkv.config import ConfigError, EngineConfig, ModelConfig
+    from latentkv.runtime import check_tier, load
+
+    length = args.prompt_tokens + args.decode_tokens + draft_tokens
+    if length > ModelConfig.from_hf(directory).max_position_embeddings:
+        raise UserError(f"{directory}: --prompt-tokens + --decode-tokens exceed the model's context")
+    try:
+        engine = EngineConfig(cache=cache, ram_gb=args.ram_gb, expert_policy=args.expert_cache_policy)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    check_tier(ModelConfig.from_hf(directory), cache)
+    return load(
+        str(directory),
+        engine,
+        quiet=args.json,
+        max_model_len=length,
+        max_num_seqs=sequences,
+        draft_tokens=draft_tokens,
+    )
+
+
+def _rows(args, name: str, directory: Path, loaded, cache, drafts: list[int], concurrency: list[int]):
+    from latentkv.eval.bench.speculative import bench_speculative
+
+    model, streamer = loaded.model, loaded.streamer
     rows = []
     for c in concurrency:
         reference, plain_tps = None, None
@@ -98,7 +139,16 @@ def _model_rows(args, name: str, cache, drafts: list[int], concurrency: list[int
             best = None
             for _ in range(args.repeats):
                 row, outs = bench_speculative(
-                    model, name, directory, c, n, args.prompt_tokens, args.decode_tokens, cache, reference
+                    model,
+                    name,
+                    directory,
+                    c,
+                    n,
+                    args.prompt_tokens,
+                    args.decode_tokens,
+                    cache,
+                    reference,
+                    streamer,
                 )
                 best = row if best is None or row.decode_tps > best.decode_tps else best
             if n == 0:
@@ -106,9 +156,10 @@ def _model_rows(args, name: str, cache, drafts: list[int], concurrency: list[int
             else:
                 best.vs_plain = best.decode_tps / plain_tps if plain_tps else None
             rows.append(best.as_dict())
+            hits = f", expert hits {best.experts['hit_rate']:.0%}" if best.experts else ""
             common.progress(
                 f"{name} C={c} N={n}: {best.decode_tps:.1f} tok/s, tokens/verify {best.tokens_per_verify}, "
-                f"acceptance {best.acceptance_per_position}",
+                f"acceptance {best.acceptance_per_position}{hits}",
                 args.json,
             )
     return rows
@@ -144,10 +195,12 @@ def _random_model(name: str, directory: Path) -> Path:
 
 
 def table(rows: list[dict]) -> str:
+    streamed = any(r.get("experts") for r in rows)
+    extra = " expert hits (main / MTP) | MiB read/token |" if streamed else ""
     lines = [
         "| model | KV | sequences | draft tokens | acceptance per position | tokens/verify | decode tok/s "
-        "| vs plain | same tokens |",
-        "|---|---|---:|---:|---|---:|---:|---:|---|",
+        "| vs plain | same tokens |" + extra,
+        "|---|---|---:|---:|---|---:|---:|---:|---|" + ("---|---:|" if streamed else ""),
     ]
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
@@ -156,5 +209,13 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['kv_cache_dtype']} | {r['concurrency']} | {r['draft_tokens'] or 'off'} | {acc} "
             f"| {tpv} | {r['decode_tps']:,.1f} | {common.ratio(r['vs_plain'])} | {same} |"
+            + (_expert_cells(r.get("experts")) if streamed else "")
         )
     return "\n".join(lines)
+
+
+def _expert_cells(e: dict | None) -> str:
+    if not e:
+        return " - | - |"
+    draft = "-" if e["draft_hit_rate"] is None else f"{e['draft_hit_rate']:.0%}"
+    return f" {e['main_hit_rate']:.0%} / {draft} | {e['mib_read_per_token']:.2f} |"
