@@ -255,14 +255,19 @@ def test_a_store_without_the_mtp_experts_is_refused_in_one_line(old_store, capsy
         load("builtin:fixture", EngineConfig(ram_gb=1.0), quiet=True, draft_tokens=1)
 
 
-def test_bench_speculative_runs_streamed(capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("budget", [["--ram-gb", "1"], ["--expert-share", "0.25"]])
+def test_bench_speculative_runs_streamed(capsys, tmp_path, monkeypatch, budget):
     monkeypatch.setenv("LATENTKV_CACHE", str(tmp_path))
-    argv = ["bench", "speculative", "--model", "builtin:fixture", "--ram-gb", "1", "--draft-tokens", "1"]
+    argv = ["bench", "speculative", "--model", "builtin:fixture", *budget, "--draft-tokens", "1"]
     argv += ["--concurrency", "1,2", "--prompt-tokens", "16", "--decode-tokens", "8", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     rows = out["rows"]
-    assert out["ram_gb"] == 1 and [(r["concurrency"], r["draft_tokens"]) for r in rows] == [
+    if budget[0] == "--expert-share":  # a quarter of the 4 x 8 experts (the MTP layer's included)
+        store = default_store_dir(resolve("builtin:fixture"), "f32")
+        stride = max(e.layout.stride for e in read_manifest(store).layers.values())
+        assert all(r["experts"]["budget_bytes"] // stride == 8 for r in rows)
+    assert [(r["concurrency"], r["draft_tokens"]) for r in rows] == [
         (1, 0),
         (1, 1),
         (2, 0),

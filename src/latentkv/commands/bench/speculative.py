@@ -49,6 +49,14 @@ def add(sub) -> None:
         "--repeats", type=int, default=1, help="keep the fastest of this many runs per row (default: 1)"
     )
     add_streaming_arguments(d)
+    d.add_argument(
+        "--expert-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="stream the experts with a RAM budget whose expert cache holds this share of all experts "
+        "(the MTP layer's included), e.g. 0.25; per model, from `latentkv plan` (instead of --ram-gb)",
+    )
     common.add_output(d)
 
 
@@ -59,6 +67,8 @@ def run(args: argparse.Namespace) -> dict:
     if max(drafts) > 8:
         raise UserError("--draft-tokens must be in 1..8")
     concurrency = common.ints(args.concurrency, "--concurrency")
+    if args.expert_share is not None and (args.ram_gb is not None or not 0 < args.expert_share <= 1):
+        raise UserError("--expert-share takes a share in (0, 1], instead of --ram-gb")
     if args.prompt_tokens < 2 or args.decode_tokens < 2 or args.repeats < 1:
         raise UserError("--prompt-tokens and --decode-tokens must be >= 2, --repeats >= 1")
     tiers = common.tiers(args.kv_cache_dtype)
@@ -77,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
         "drafting rows: the MTP layer drafts N tokens on every step (the pause rule off); "
         "tok/s needs an idle machine, acceptance does not",
     ]
-    if args.ram_gb is not None:
+    if args.ram_gb is not None or args.expert_share is not None:
         notes.append(STREAMED_NOTE)
     return {
         "bench": "speculative",
@@ -86,7 +96,8 @@ def run(args: argparse.Namespace) -> dict:
         "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens,
         "ram_gb": args.ram_gb,
-        "expert_cache_policy": args.expert_cache_policy if args.ram_gb is not None else None,
+        "expert_share": args.expert_share,
+        "expert_cache_policy": args.expert_cache_policy if args.ram_gb or args.expert_share else None,
         "notes": notes,
         "rows": rows,
     }
@@ -114,7 +125,8 @@ def _load(args, directory: Path, cache, draft_tokens: int, sequences: int):
     if length > ModelConfig.from_hf(directory).max_position_embeddings:
         raise UserError(f"{directory}: --prompt-tokens + --decode-tokens exceed the model's context")
     try:
-        engine = EngineConfig(cache=cache, ram_gb=args.ram_gb, expert_policy=args.expert_cache_policy)
+        ram_gb = _ram_gb(args, directory, cache, length, sequences, draft_tokens)
+        engine = EngineConfig(cache=cache, ram_gb=ram_gb, expert_policy=args.expert_cache_policy)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
     check_tier(ModelConfig.from_hf(directory), cache)
@@ -126,6 +138,31 @@ def _load(args, directory: Path, cache, draft_tokens: int, sequences: int):
         max_num_seqs=sequences,
         draft_tokens=draft_tokens,
     )
+
+
+def _ram_gb(args, directory: Path, cache, length: int, sequences: int, draft_tokens: int) -> float | None:
+    """--ram-gb, or the budget whose expert cache holds --expert-share of the experts (the
+    resident parts as `latentkv plan` sizes them, plus that share of the expert bytes)."""
+    if args.expert_share is None:
+        return args.ram_gb
+    from latentkv.config import ModelConfig
+    from latentkv.streaming.attach import default_store_dir
+    from latentkv.streaming.planner import GIB, make_plan
+
+    store = default_store_dir(directory, "f32")
+    p = make_plan(
+        ModelConfig.from_hf(directory),
+        directory,
+        1 << 50,
+        cache=cache,
+        max_model_len=length,
+        max_num_seqs=sequences,
+        store_dir=store if (store / "manifest.json").exists() else None,
+        draft_tokens=draft_tokens,
+    )
+    fixed = p.dense_bytes + p.kv_bytes + p.activation_bytes + p.working_bytes
+    experts = round(args.expert_share * p.experts_total)
+    return (fixed + experts * p.expert_extent_bytes + p.expert_extent_bytes // 2) / GIB
 
 
 def _rows(args, name: str, directory: Path, loaded, cache, drafts: list[int], concurrency: list[int]):
