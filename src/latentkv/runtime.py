@@ -168,6 +168,12 @@ def _load_streamed(
         )
         for note in streamer.notes:
             _note(note)
+        if draft_tokens:
+            _note(
+                "drafting with streamed experts: each round also asks for the MTP layer's experts and "
+                f"routes {draft_tokens + 1} tokens per sequence through every MoE layer; the pause rule "
+                "stops drafting while it measures slower (docs/speculative.md)"
+            )
     return model, streamer
 
 

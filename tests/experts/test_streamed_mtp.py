@@ -26,6 +26,7 @@ from latentkv.engine.scheduler import SamplingParams as RequestSampling
 from latentkv.engine.speculative import SpeculativeConfig
 from latentkv.errors import UserError
 from latentkv.experts.extent import expert_from_extent
+from latentkv.experts.history import UsageHistory
 from latentkv.experts.reader import ExpertReader
 from latentkv.experts.store_file import read_manifest
 from latentkv.experts.streamed import StreamConfig
@@ -308,3 +309,24 @@ def test_metrics_split_the_draft_layers_hit_rate():
     assert values["latentkv_expert_draft_requests_total"] == 4
     plain = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts={**snapshot, "draft_asked": 0})
     assert "latentkv_expert_draft" not in render("m", True, plain, (0.0, 0.0), Registry())
+
+
+def test_the_hot_set_never_pins_the_draft_layer(converted):
+    """However often the history saw the MTP layer's experts, pinning picks main layers' only."""
+    model_dir, store, _ = converted
+    cfg = ModelConfig.from_hf(model_dir)
+    model, streamer = _streamed(model_dir, store, experts_per_layer=4)
+    try:
+        main_layer = min(i for i, t in enumerate(cfg.mlp_layer_types) if t == "sparse")
+        streamer.history = UsageHistory(
+            streamer.manifest.fingerprint, {i: e.n_experts for i, e in streamer.manifest.layers.items()}
+        )
+        for _ in range(50):
+            streamer.history.record(cfg.num_layers, [0, 1, 2])
+        streamer.history.record(main_layer, [3])
+        pinned = streamer.pin_hot_set()
+    finally:
+        streamer.history = None  # nothing saved into the shared store
+        streamer.close()
+    assert streamer.draft_layer == cfg.num_layers
+    assert pinned == [(main_layer, 3)]

@@ -255,7 +255,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=["mtp"],
         default=None,
-        help="draft tokens with the model's own MTP layer and verify them in one pass (lossless)",
+        help="draft tokens with the model's own MTP layer and verify them in one pass (lossless; default: "
+        "off). With --ram-gb leave it off unless `latentkv bench speculative --ram-gb` measures it faster "
+        "on your disk and budget (docs/speculative.md)",
     )
     p.add_argument(
         "--draft-tokens",

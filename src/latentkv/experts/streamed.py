@@ -139,10 +139,13 @@ class ExpertStreamer:
             self.notes.append(note)
 
     def pin_hot_set(self) -> list[tuple[int, int]]:
-        """Read and pin the most used experts, up to pin_fraction of the budget."""
+        """Read and pin the most used experts, up to pin_fraction of the budget. The MTP draft
+        layer's are left out: a run that does not draft would hold them for nothing, and a
+        drafting run asks for them every round, so the cache keeps them by its policy."""
         if self.history is None:
             return []
-        hot = self.history.hot_set(int(self.config.budget * self.config.pin_fraction), self.expert_bytes)
+        sizes = {i: n for i, n in self.expert_bytes.items() if i != self.draft_layer}
+        hot = self.history.hot_set(int(self.config.budget * self.config.pin_fraction), sizes)
         futures = [(key, self.reader.submit(*key)) for key in hot]
         for key, f in futures:
             ext = f.result()
