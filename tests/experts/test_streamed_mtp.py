@@ -330,3 +330,37 @@ def test_the_hot_set_never_pins_the_draft_layer(converted):
         streamer.close()
     assert streamer.draft_layer == cfg.num_layers
     assert pinned == [(main_layer, 3)]
+
+
+@pytest.mark.slow
+def test_streamed_server_drafts_and_matches_plain(tmp_path):
+    """serve --ram-gb --speculative mtp (the engine process, batched verify) answers concurrent
+    greedy requests with the tokens the streamed server without drafting gives."""
+    import asyncio
+
+    import httpx
+    from tests.server.conftest import start_server
+
+    prompts = [[5, 17, 99, 3, 42], [300, 12, 12, 7], [1000, 2000, 3, 4, 5, 6, 7]]
+
+    async def together(server) -> list[list[int]]:
+        body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_tokens_as_token_ids": True}
+        body["logprobs"] = 1
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as client:
+            replies = await asyncio.gather(
+                *(client.post("/v1/completions", json={**body, "prompt": p}) for p in prompts)
+            )
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        return [r.json()["choices"][0]["logprobs"]["tokens"] for r in replies]
+
+    env = {"LATENTKV_CACHE": str(tmp_path / "cache")}
+    flags = ("--max-num-seqs", "3", "--max-model-len", "128", "--ram-gb", "1")
+    tokens = []
+    for extra in ((), ("--speculative", "mtp", "--draft-tokens", "2")):
+        server = start_server("builtin:fixture", tmp_path / f"{len(extra)}.log", *flags, *extra, env=env)
+        try:
+            tokens.append(asyncio.run(together(server)))
+        finally:
+            server.stop()
+    assert tokens[1] == tokens[0]
+    assert "drafting with streamed experts" in server.log_text()
