@@ -12,9 +12,9 @@ Drafting rows run with the pause rule off, so they show what drafting itself cos
 Acceptance does not depend on machine load (greedy tokens are fixed); tok/s does: time on an
 idle machine. With experts streamed from disk (`--ram-gb`) each row also reports the expert
 cache over the row (the prompt's pass included): hit rate of the main layers and of the MTP
-draft layer, and MiB read from disk per generated token. Prompts are windows of the model's heldout.txt when it ships one (real text,
-what the draft layer was trained on), else random token ids (a random model's drafts are
-random anyway).
+draft layer, and MiB read from disk per generated token. Prompts are windows of the model's
+heldout.txt when it ships one (real text, what the draft layer was trained on), else random
+token ids (a random model's drafts are random anyway).
 """
 
 from __future__ import annotations
