@@ -58,10 +58,12 @@ def load(
     quiet: bool = False,
     max_model_len: int | None = None,
     max_num_seqs: int = 1,
+    draft_tokens: int = 0,
 ) -> Loaded:
     """Resolve MODEL, check the KV tier against its config.json, then load the weights (progress
     on stderr) and the tokenizer if there is one. With `engine.ram_gb` the routed experts stream
-    from disk, planned for `max_model_len` (default: 4096) x `max_num_seqs` tokens of KV."""
+    from disk, planned for `max_model_len` (default: 4096) x `max_num_seqs` tokens of KV and for
+    MTP drafting of `draft_tokens` per step (0: none; the MTP layer's experts stream too)."""
     import torch
 
     from latentkv.config import ConfigError, ModelConfig
@@ -86,7 +88,9 @@ def load(
             check_compilable(engine.cache)
         streamer = None
         if engine.ram_gb is not None:
-            model, streamer = _load_streamed(directory, engine, quiet, max_model_len, max_num_seqs)
+            model, streamer = _load_streamed(
+                directory, engine, quiet, max_model_len, max_num_seqs, draft_tokens
+            )
         else:
             model = load_model(
                 directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
@@ -122,17 +126,25 @@ def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: fl
 
 
 def _load_streamed(
-    directory: Path, engine: EngineConfig, quiet: bool, max_model_len: int | None, max_num_seqs: int
+    directory: Path,
+    engine: EngineConfig,
+    quiet: bool,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    draft_tokens: int = 0,
 ) -> tuple[Model, ExpertStreamer]:
-    """Plan --ram-gb, convert the experts if needed, load the dense weights: (model, streamer)."""
+    """Plan --ram-gb, convert the experts if needed, load the dense weights: (model, streamer).
+    Drafting (`draft_tokens`) with a store that lacks the MTP layer's experts is refused."""
     from latentkv.config import ModelConfig
     from latentkv.experts.streamed import StreamConfig
-    from latentkv.streaming.attach import ensure_store, load_streamed
+    from latentkv.streaming.attach import ensure_store, load_streamed, mtp_store_problem
     from latentkv.streaming.planner import GIB, make_plan
 
     cfg = ModelConfig.from_hf(directory)
     length = max_model_len or min(cfg.max_position_embeddings, 4096)
     store = ensure_store(directory, engine.experts, progress=not quiet)
+    if draft_tokens and (problem := mtp_store_problem(directory, store)) is not None:
+        raise UserError(problem)
     plan = make_plan(
         cfg,
         directory,
@@ -142,6 +154,7 @@ def _load_streamed(
         length,
         max_num_seqs,
         store_dir=store,
+        draft_tokens=draft_tokens,
     )
     if not plan.fits:
         raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")
@@ -155,6 +168,12 @@ def _load_streamed(
         )
         for note in streamer.notes:
             _note(note)
+        if draft_tokens:
+            _note(
+                "drafting with streamed experts: each round also asks for the MTP layer's experts and "
+                f"routes {draft_tokens + 1} tokens per sequence through every MoE layer; the pause rule "
+                "stops drafting while it measures slower (docs/speculative.md)"
+            )
     return model, streamer
 
 
@@ -162,8 +181,13 @@ def experts_line(streamer: ExpertStreamer) -> str:
     """One line of expert-streaming telemetry."""
     t = streamer.snapshot()
     per_pass = t["bytes_read"] / max(1, t["passes"]) / 2**20
+    drafting = (
+        f" (main layers {t['main_hit_rate']:.1%}, MTP draft layer {t['draft_hit_rate']:.1%})"
+        if t["draft_asked"]
+        else ""
+    )
     return (
-        f"experts: hit rate {t['hit_rate']:.1%}, prefetch recall {t['recall']:.1%}, "
+        f"experts: hit rate {t['hit_rate']:.1%}{drafting}, prefetch recall {t['recall']:.1%}, "
         f"{per_pass:.1f} MiB read per pass, {t['read_gbps']:.2f} GB/s, "
         f"resident {t['resident_bytes'] / 2**30:.3f} of {t['budget'] / 2**30:.3f} GiB"
     )

@@ -65,7 +65,6 @@ def test_bench_decode_refuses_a_model_without_mtp(capsys):
     [
         (["--draft-tokens", "2"], "needs --speculative mtp"),
         (["--speculative", "mtp", "--draft-tokens", "0"], "1..8"),
-        (["--speculative", "mtp", "--ram-gb", "1"], "does not run with streamed experts"),
     ],
 )
 def test_bad_flags_exit_2(capsys, flags, message):

@@ -28,6 +28,7 @@ from latentkv.commands.common import (
     add_sampling_arguments,
     add_speculative_arguments,
     check_speculative,
+    draft_tokens,
     engine_config,
     sampling_params,
     speculative_config,
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_params(args)
     engine = engine_config(args)
     args.speculative_config = speculative_config(args, args.model)
-    loaded = load(args.model, engine, quiet=True)
+    loaded = load(args.model, engine, quiet=True, draft_tokens=draft_tokens(args.speculative_config))
     check_speculative(loaded.model, args.speculative_config)
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.directory} has no tokenizer.json: chat needs one")

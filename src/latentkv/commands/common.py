@@ -255,7 +255,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=["mtp"],
         default=None,
-        help="draft tokens with the model's own MTP layer and verify them in one pass (lossless)",
+        help="draft tokens with the model's own MTP layer and verify them in one pass (lossless; default: "
+        "off). With --ram-gb leave it off unless `latentkv bench speculative --ram-gb` measures it faster "
+        "on your disk and budget (docs/speculative.md)",
     )
     p.add_argument(
         "--draft-tokens",
@@ -274,11 +276,6 @@ def speculative_config(args: argparse.Namespace, model_arg: str | None = None):
         if args.draft_tokens is not None:
             raise UserError("--draft-tokens needs --speculative mtp")
         return None
-    if getattr(args, "ram_gb", None) is not None:
-        raise UserError(
-            "--speculative mtp does not run with streamed experts (--ram-gb) yet: the draft layer's "
-            "experts are not in the expert store; drop one of the two"
-        )
     try:
         spec = SpeculativeConfig(args.speculative, 1 if args.draft_tokens is None else args.draft_tokens)
     except ValueError as exc:
@@ -288,18 +285,42 @@ def speculative_config(args: argparse.Namespace, model_arg: str | None = None):
         from latentkv.models.registry import ModelNotFound, resolve
 
         try:
-            mtp_layers = ModelConfig.from_hf(resolve(model_arg)).num_mtp_layers
+            directory = resolve(model_arg)
+            mtp_layers = ModelConfig.from_hf(directory).num_mtp_layers
         except (ConfigError, ModelNotFound, OSError):
             return spec  # `load` reports the model's problem
         if not mtp_layers:
             raise UserError(_NO_MTP)
+        if getattr(args, "ram_gb", None) is not None:
+            _check_streamed_mtp(args, directory)
     return spec
+
+
+def _check_streamed_mtp(args: argparse.Namespace, directory) -> None:
+    """--speculative mtp with --ram-gb: the expert store the run would use (if it exists yet)
+    must hold the MTP layer's experts (stores converted before they were written do not)."""
+    from latentkv.streaming.attach import default_store_dir, mtp_store_problem
+
+    weight_dtypes = str(getattr(args, "weight_dtype", "f32") or "f32").split(",")
+    for dtype in weight_dtypes:
+        fmt = getattr(args, "expert_dtype", None) or dtype.strip()
+        try:
+            problem = mtp_store_problem(directory, default_store_dir(directory, fmt))
+        except (ValueError, OSError):
+            return  # `load` reports the checkpoint's problem
+        if problem is not None:
+            raise UserError(problem)
 
 
 _NO_MTP = (
     "--speculative mtp needs a model with an MTP (multi-token prediction) layer; this one has none "
     "(config.json: num_nextn_predict_layers is 0)"
 )
+
+
+def draft_tokens(spec) -> int:
+    """Tokens drafted per step under `spec` (a SpeculativeConfig or None): 0 when not drafting."""
+    return 0 if spec is None else spec.draft_tokens
 
 
 def check_speculative(model, spec) -> None:

@@ -56,8 +56,9 @@ def _convert(args: argparse.Namespace) -> int:
         m = convert_experts(directory, out, args.weight_dtype, replace=args.force, progress=True)
     except (ModelNotFound, ExpertFileError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
+    mtp = " + the MTP layer" if "mtp_layer" in m.meta else ""
     print(
-        f"wrote {out}: {len(m.layers)} MoE layers, {m.expert_bytes / 2**30:.3f} GiB of experts",
+        f"wrote {out}: {len(m.layers) - bool(mtp)} MoE layers{mtp}, {m.expert_bytes / 2**30:.3f} GiB of experts",
         file=sys.stderr,
     )
     return 0

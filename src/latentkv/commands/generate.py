@@ -19,6 +19,7 @@ from latentkv.commands.common import (
     check_speculative,
     check_text,
     describe_tier,
+    draft_tokens,
     engine_config,
     parse_ids,
     sampling_params,
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         check_text(args.prompt, "--prompt")  # before the weights load
     engine = engine_config(args)
     args.speculative_config = speculative_config(args, args.model)  # refused before the weights load
-    loaded = load(args.model, engine, quiet=args.json)
+    loaded = load(args.model, engine, quiet=args.json, draft_tokens=draft_tokens(args.speculative_config))
     model, tokenizer = loaded.model, loaded.tokenizer
     check_speculative(model, args.speculative_config)
     if args.prompt is not None:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from latentkv.commands.common import add_cache_arguments, cache_config
+from latentkv.commands.common import (
+    add_cache_arguments,
+    add_speculative_arguments,
+    cache_config,
+    speculative_config,
+)
 from latentkv.errors import UserError
 
 
@@ -26,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cache_arguments(p)
     p.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
     p.add_argument("--max-num-seqs", type=int, default=1, help="sequences decoded together (default: 1)")
+    add_speculative_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -39,12 +45,23 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--ram-gb must be positive, got {args.ram_gb}")
     if args.max_model_len < 1 or args.max_num_seqs < 1:
         raise UserError("--max-model-len and --max-num-seqs must be at least 1")
+    spec = speculative_config(args, args.model)
+    draft_tokens = spec.draft_tokens if spec is not None else 0
     try:
         model_dir = resolve(args.model)
         cfg = ModelConfig.from_hf(model_dir)
         cache = cache_config(args)
         ram = None if args.ram_gb is None else int(args.ram_gb * (1 << 30))
-        plan = make_plan(cfg, model_dir, ram, args.weight_dtype, cache, args.max_model_len, args.max_num_seqs)
+        plan = make_plan(
+            cfg,
+            model_dir,
+            ram,
+            args.weight_dtype,
+            cache,
+            args.max_model_len,
+            args.max_num_seqs,
+            draft_tokens=draft_tokens,
+        )
     except (ModelNotFound, ConfigError, CheckpointError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))

@@ -310,7 +310,13 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
         engine = config.engine
         if engine.threads is None:  # leave a core to the HTTP process (torch would take them all)
             engine = replace(engine, threads=len(cpus) if cpus else default_engine_threads())
-        loaded = load(config.model, engine, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs)
+        loaded = load(
+            config.model,
+            engine,
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            draft_tokens=config.speculative_draft_tokens,
+        )
         scheduler = Scheduler.for_server(config, loaded, max_model_len, sink=sink)
         scheduler.start()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which reports it to the user

@@ -48,9 +48,16 @@ class UsageHistory:
             row[e] += 1
 
     def hot_set(self, budget: int, expert_bytes: Mapping[int, int]) -> list[tuple[int, int]]:
-        """The most used (layer, expert) pairs, most used first, whose bytes fit in `budget`."""
+        """The most used (layer, expert) pairs, most used first, whose bytes fit in `budget`;
+        only layers that `expert_bytes` names."""
         ranked = sorted(
-            ((c, layer, e) for layer, row in self.counts.items() for e, c in enumerate(row) if c > 0),
+            (
+                (c, layer, e)
+                for layer, row in self.counts.items()
+                if layer in expert_bytes
+                for e, c in enumerate(row)
+                if c > 0
+            ),
             key=lambda t: (-t[0], t[1], t[2]),
         )
         out, used = [], 0

@@ -63,10 +63,22 @@ class Telemetry:
     resident_bytes: int = 0
     budget: int = 0
     passes: int = 0
+    draft_asked: int = 0  # of `asked`, the MTP draft layer's (drafting touches it every step)
+    draft_hits: int = 0  # of `hits`, the MTP draft layer's
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.asked if self.asked else 0.0
+
+    @property
+    def main_hit_rate(self) -> float:
+        """The hit rate of the main model's layers alone (the draft layer's asks left out)."""
+        asked = self.asked - self.draft_asked
+        return (self.hits - self.draft_hits) / asked if asked else 0.0
+
+    @property
+    def draft_hit_rate(self) -> float:
+        return self.draft_hits / self.draft_asked if self.draft_asked else 0.0
 
     @property
     def recall(self) -> float:
@@ -78,7 +90,13 @@ class Telemetry:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(hit_rate=self.hit_rate, recall=self.recall, read_gbps=self.read_gbps)
+        d.update(
+            hit_rate=self.hit_rate,
+            main_hit_rate=self.main_hit_rate,
+            draft_hit_rate=self.draft_hit_rate,
+            recall=self.recall,
+            read_gbps=self.read_gbps,
+        )
         return d
 
 
@@ -96,6 +114,7 @@ class ExpertStreamer:
         layers = self.manifest.layers
         self.expert_bytes = {i: e.layout.stride for i, e in layers.items()}
         self.first_layer = min(layers) if layers else 0
+        self.draft_layer: int | None = None  # the MTP layer's index, once attached (telemetry)
         largest = max(self.expert_bytes.values(), default=0)
         self.prefetch_bytes = config.prefetch_bytes if config.prefetch_bytes is not None else 8 * largest
         self._inflight: dict[tuple[int, int], Future[Extent]] = {}
@@ -120,10 +139,13 @@ class ExpertStreamer:
             self.notes.append(note)
 
     def pin_hot_set(self) -> list[tuple[int, int]]:
-        """Read and pin the most used experts, up to pin_fraction of the budget."""
+        """Read and pin the most used experts, up to pin_fraction of the budget. The MTP draft
+        layer's are left out: a run that does not draft would hold them for nothing, and a
+        drafting run asks for them every round, so the cache keeps them by its policy."""
         if self.history is None:
             return []
-        hot = self.history.hot_set(int(self.config.budget * self.config.pin_fraction), self.expert_bytes)
+        sizes = {i: n for i, n in self.expert_bytes.items() if i != self.draft_layer}
+        hot = self.history.hot_set(int(self.config.budget * self.config.pin_fraction), sizes)
         futures = [(key, self.reader.submit(*key)) for key in hot]
         for key, f in futures:
             ext = f.result()
@@ -143,6 +165,7 @@ class ExpertStreamer:
             self._next_pass()
         t = self.telemetry
         t.asked += len(ids)
+        hits_before = t.hits
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             t.predicted += len(ids)
@@ -162,6 +185,9 @@ class ExpertStreamer:
                 t.misses += 1
                 future = self.reader.submit(layer, e)
             pending.append((e, future))
+        if layer == self.draft_layer:
+            t.draft_asked += len(ids)
+            t.draft_hits += t.hits - hits_before
         self._discard_unused_prefetch(layer)
         self.cache.protect((layer, e) for e in ids)
         try:

@@ -17,11 +17,16 @@ The layer's cache is one more single-layer cache in the sequence's tier (`make_c
 every KV tier works; its rows may start at any position (a resumed conversation starts the
 MTP cache where drafting starts): `forward` takes the position explicitly for RoPE, and
 attention is causal within the rows the cache holds.
+
+With experts streamed from disk (`--ram-gb`) the layer's routed experts live in the same expert
+store as the main layers', keyed by its checkpoint index `num_hidden_layers` (`routed_layer`), and
+compete for the same cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +36,21 @@ from latentkv.kv.cache import CacheLayout, SequenceCache, make_cache
 from latentkv.models import batch as batches
 from latentkv.models.layers import RMSNorm, Rope
 from latentkv.weights.base import Linear
+
+
+def checkpoint_prefix(cfg: ModelConfig) -> str:
+    """The (first) MTP layer's tensor names start here: layer `num_hidden_layers`."""
+    return f"model.layers.{cfg.num_layers}."
+
+
+def routed_layer(cfg: ModelConfig, names: Container[str]) -> int | None:
+    """The layer index the MTP layer's routed experts go by (its checkpoint index, which the
+    expert store keys them by) when the config declares an MTP layer and the checkpoint (`names`)
+    holds it with a MoE MLP; else None."""
+    p = checkpoint_prefix(cfg)
+    if cfg.num_mtp_layers >= 1 and p + "eh_proj.weight" in names and p + "mlp.gate.weight" in names:
+        return cfg.num_layers
+    return None
 
 
 @dataclass

@@ -31,7 +31,7 @@ from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_b
 from latentkv.models.mla import MLA, MLAWeights
 from latentkv.models.model import Block, Model
 from latentkv.models.moe import MoE, Router, RouterWeights
-from latentkv.models.mtp import MTPLayer
+from latentkv.models.mtp import MTPLayer, checkpoint_prefix
 from latentkv.weights import FORMATS, Linear, make_linear
 from latentkv.weights.base import DenseLinear, format_class
 from latentkv.weights.heads import HeadLinears
@@ -132,10 +132,11 @@ def load_model(
     device: str = "cpu",
     moe_factory: MoEFactory | None = None,
     expert_dtype: str | None = None,
+    load_mtp: bool = True,
 ) -> Model:
     """The model in `directory`, its matrices in `weight_dtype` and its routed experts in
     `expert_dtype` (default: the same), every tensor on `device` (the one device the model, its
-    caches and its passes then use). `moe_factory`: see `build_model`."""
+    caches and its passes then use). `moe_factory`, `load_mtp`: see `build_model`."""
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
@@ -155,6 +156,7 @@ def load_model(
         moe_factory,
         expert_dtype,
         packed,
+        load_mtp,
     )
 
 
@@ -178,9 +180,11 @@ def build_model(
     moe_factory: MoEFactory | None = None,
     expert_dtype: str | None = None,
     packed: dict | None = None,
+    load_mtp: bool = True,
 ) -> Model:
     """`moe_factory(layer, router, shared)`, when given, builds each MoE layer instead of the
-    resident experts: their tensors are then never read (experts streamed from disk)."""
+    resident experts: their tensors are then never read (experts streamed from disk); the MTP
+    layer's goes by layer `num_hidden_layers`. `load_mtp=False` leaves the MTP layer out."""
     for name in (weight_dtype, expert_dtype or weight_dtype):
         if name not in FORMATS:
             raise ValueError(f"weight dtype {name!r} not in {sorted(FORMATS)}")
@@ -198,17 +202,16 @@ def build_model(
         lm_head = rd.linear(embed)  # tied: f32 and bf16 share the embedding's tensor
     else:
         lm_head = rd.matrix("lm_head.weight", (V, D))
-    # Streamed experts (moe_factory): the MTP layer's own experts would be read here and held
-    # outside the planner's budget, so a streamed model loads without its draft layer for now.
-    mtp = _mtp(cfg, rd) if moe_factory is None else None
+    mtp = _mtp(cfg, rd, moe_factory) if load_mtp else None
     return Model(cfg, embed, blocks, norm, lm_head, mtp)
 
 
-def _mtp(cfg: ModelConfig, rd: _Reader) -> MTPLayer | None:
+def _mtp(cfg: ModelConfig, rd: _Reader, moe_factory: MoEFactory | None = None) -> MTPLayer | None:
     """The first MTP layer, if config and checkpoint have one: the config restricted to one
     layer whose MLP kind the checkpoint says (DeepSeek-V3 and GLM-5: MoE) and which runs its own
-    DSA indexer when the model has one; its embedding and head are the main model's."""
-    p = f"model.layers.{cfg.num_layers}."
+    DSA indexer when the model has one; its embedding and head are the main model's. Its MoE
+    comes from `moe_factory` as layer `num_hidden_layers` when one is given."""
+    p = checkpoint_prefix(cfg)
     if cfg.num_mtp_layers < 1 or not rd.has(p + "eh_proj.weight"):
         return None
     D = cfg.hidden_size
@@ -222,9 +225,16 @@ def _mtp(cfg: ModelConfig, rd: _Reader) -> MTPLayer | None:
         enorm=RMSNorm(rd.vector(p + "enorm.weight", (D,)), cfg.rms_norm_eps),
         hnorm=RMSNorm(rd.vector(p + "hnorm.weight", (D,)), cfg.rms_norm_eps),
         eh_proj=rd.matrix(p + "eh_proj.weight", (D, 2 * D)),
-        block=_block(one, rd, 0, prefix=p),
+        block=_block(one, rd, 0, _as_layer(moe_factory, cfg.num_layers), prefix=p),
         head_norm=RMSNorm(rd.vector(p + "shared_head.norm.weight", (D,)), cfg.rms_norm_eps),
     )
+
+
+def _as_layer(moe_factory: MoEFactory | None, layer: int) -> MoEFactory | None:
+    """`moe_factory` for a block built from a one-layer config: its MoE goes by `layer`."""
+    if moe_factory is None:
+        return None
+    return lambda _i, router, shared: moe_factory(layer, router, shared)
 
 
 def _block(

@@ -142,9 +142,35 @@ EXPERT_METRICS = (
 )
 
 
+# With --speculative mtp: the MTP draft layer's share (its experts are asked for every step).
+DRAFT_EXPERT_METRICS = (
+    (
+        "latentkv_expert_draft_requests_total",
+        "counter",
+        "Experts asked for by the MTP draft layer (included in latentkv_expert_requests_total)",
+        "draft_asked",
+    ),
+    (
+        "latentkv_expert_draft_hit_rate",
+        "gauge",
+        "Expert cache hits of the MTP draft layer over its experts asked for",
+        "draft_hit_rate",
+    ),
+    (
+        "latentkv_expert_main_hit_rate",
+        "gauge",
+        "Expert cache hit rate of the main model's layers (the draft layer's left out)",
+        "main_hit_rate",
+    ),
+)
+
+
 def _experts(out, snapshot: dict) -> None:
     for name, kind, help_text, key in EXPERT_METRICS:
         out.metric(name, kind, help_text, snapshot[key])
+    if snapshot.get("draft_asked"):
+        for name, kind, help_text, key in DRAFT_EXPERT_METRICS:
+            out.metric(name, kind, help_text, snapshot[key])
 
 
 def _escape(value: str) -> str:

@@ -132,7 +132,11 @@ def _local_scheduler(config: ServerConfig, max_model_len: int) -> Scheduler:
     from latentkv.runtime import load as load_model
 
     loaded = load_model(
-        config.model, config.engine, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs
+        config.model,
+        config.engine,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        draft_tokens=config.speculative_draft_tokens,
     )
     scheduler = Scheduler.for_server(config, loaded, max_model_len)
     scheduler.start()

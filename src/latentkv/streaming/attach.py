@@ -8,6 +8,11 @@ union, so batched decode reads each expert once). Before its own experts, layer 
 router on the current hidden state (the residual stream after L's attention, through the next
 layer's MLP norm) and starts reading the experts it predicts: the reads overlap layer L's
 compute. Prediction is advice only; what is computed never depends on it.
+
+The MTP draft layer's MoE (layer `num_hidden_layers`) streams from the same store and cache
+when the store holds its experts (stores converted before it did load without the draft
+layer, with a note). Nothing prefetches for it: its input needs the token the main model has
+just produced, so its experts are read on demand (and, drafting every step, mostly stay cached).
 """
 
 from __future__ import annotations
@@ -65,6 +70,13 @@ def stream_model(
         for i in moe_layers(model):
             mlp = model.blocks[i].mlp
             model.blocks[i].mlp = StreamedMoE(mlp.router, _layer_store(streamer, i), mlp.shared)
+        mtp = model.mtp
+        layer = model.cfg.num_layers if mtp is not None and isinstance(mtp.block.mlp, MoE) else None
+        if not _keeps_mtp(streamer, layer):
+            model.mtp = None
+        elif layer is not None:
+            mlp = mtp.block.mlp
+            mtp.block.mlp = StreamedMoE(mlp.router, streamer.layer(layer), mlp.shared)
     except BaseException:
         streamer.close()
         raise
@@ -82,22 +94,68 @@ def load_streamed(
 ):
     """Load the dense weights of the checkpoint at `model_dir` and serve its routed experts from
     the expert store at `store_dir` (which must be this checkpoint's): (model, streamer)."""
+    from latentkv.config import ModelConfig
     from latentkv.models.loader import Checkpoint
+    from latentkv.models.mtp import routed_layer
     from latentkv.models.weights import load_model
 
-    streamer = ExpertStreamer(store_dir, Checkpoint(model_dir).fingerprint(), config)
+    ckpt = Checkpoint(model_dir)
+    streamer = ExpertStreamer(store_dir, ckpt.fingerprint(), config)
     try:
         model = load_model(
             model_dir,
             weight_dtype,
             progress,
             moe_factory=lambda i, router, shared: StreamedMoE(router, _layer_store(streamer, i), shared),
+            load_mtp=_keeps_mtp(streamer, routed_layer(ModelConfig.from_hf(model_dir), ckpt)),
         )
     except BaseException:
         streamer.close()
         raise
     _wire(model, streamer, prefetch)
     return model, streamer
+
+
+def _keeps_mtp(streamer: ExpertStreamer, layer: int | None) -> bool:
+    """Whether the model keeps its MTP layer: it has no routed experts (`layer` None) or the store
+    holds them. A store converted before the MTP layer's experts were written: False (its
+    resident experts would sit outside the budget), and a note says what drafting needs."""
+    if layer is None:
+        return True
+    if layer in streamer.manifest.layers:
+        streamer.draft_layer = layer
+        return True
+    streamer.notes.append(missing_mtp_message(streamer.directory, layer))
+    return False
+
+
+def missing_mtp_message(store: Path, layer: int) -> str:
+    """The one line that says a store lacks the MTP layer's experts."""
+    return (
+        f"the expert store at {store} has no experts for the MTP layer (layer {layer}; converted by an "
+        "older latentkv), so the model loads without its draft layer and --speculative mtp cannot run: "
+        "convert again with `latentkv experts convert MODEL --force` (or delete that folder)"
+    )
+
+
+def mtp_store_problem(model_dir: str | Path, store: str | Path) -> str | None:
+    """Before loading: the line refusing --speculative mtp with --ram-gb when the expert store
+    at `store` exists and lacks the MTP layer's experts; None when drafting can stream (a store
+    converted on first use writes them)."""
+    from latentkv.config import ModelConfig
+    from latentkv.experts.store_file import ExpertFileError, read_manifest
+    from latentkv.models.loader import Checkpoint
+    from latentkv.models.mtp import routed_layer
+
+    store = Path(store)
+    layer = routed_layer(ModelConfig.from_hf(model_dir), Checkpoint(model_dir))
+    if layer is None or not (store / "manifest.json").exists():
+        return None
+    try:
+        manifest = read_manifest(store)
+    except ExpertFileError:
+        return None  # the load reports a damaged store
+    return None if layer in manifest.layers else missing_mtp_message(store, layer)
 
 
 def _layer_store(streamer: ExpertStreamer, layer: int):

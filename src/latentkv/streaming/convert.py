@@ -1,5 +1,5 @@
 """Write a model's routed experts as an expert store (`docs/expert-file-format.md`), one expert
-in memory at a time.
+in memory at a time: every MoE layer's, and the MTP draft layer's (layer `num_hidden_layers`).
 
     convert_experts(model_dir, out_dir, "f32")      # from a checkpoint folder
     write_store(out_dir, fingerprint, layers, ...)   # from any source of Expert objects
@@ -21,6 +21,7 @@ from latentkv.experts.base import Expert
 from latentkv.experts.extent import expert_layout, tensor_bytes
 from latentkv.experts.store_file import ExpertStoreWriter, Manifest
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
+from latentkv.models.mtp import routed_layer
 from latentkv.weights.base import DenseLinear, format_class, make_linear
 
 # (layer index, number of experts, expert e -> Expert)
@@ -78,6 +79,7 @@ def convert_experts(
     ckpt = Checkpoint(model_dir)
     source = _ExpertSource(cfg, ckpt, tuple(block) if block else None)
     sparse = [i for i in range(cfg.num_layers) if cfg.mlp_layer_types[i] == "sparse"]
+    mtp = routed_layer(cfg, ckpt)  # the MTP layer is one more MoE layer, keyed by its index
 
     def layer(i: int) -> LayerSource:
         return i, cfg.n_routed_experts, lambda e: source.expert(i, e, weight_format, params)
@@ -88,6 +90,9 @@ def convert_experts(
         "params": params,
         "source": str(model_dir),
     }
+    if mtp is not None:
+        sparse.append(mtp)
+        meta["mtp_layer"] = mtp
     return write_store(out_dir, ckpt.fingerprint(), [layer(i) for i in sparse], meta, replace, progress)
 
 

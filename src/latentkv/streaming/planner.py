@@ -6,12 +6,18 @@
           + activations            ACTIVATION_BASE + per sequence: logits, attention scores over
                                    max_model_len per head, a few hidden states
           + working set            one layer's experts read for a pass that did not fit
-                                   (min(E, k x max_num_seqs)) + the prefetch reads in flight (k)
+                                   (min(E, k x max_num_seqs x (1 + draft tokens))) + the
+                                   prefetch reads in flight (k)
           + expert cache           the rest
 
 A smaller KV tier shrinks the KV pool and the expert cache gets the difference. Cold bytes per
 token = k x MoE layers x one expert's extent (every expert read); with a cache holding a share
 f of the experts and routing spread evenly, about (1 - f) of that is read per token.
+
+The MTP draft layer (layer `num_hidden_layers`, when the checkpoint has one with routed experts)
+is one more MoE layer in the store and the cache: its experts count in the totals, and each
+drafted token asks for k of them (`draft_cold_bytes_per_token` when none is cached). With
+--draft-tokens N a verify pass feeds N + 1 tokens per sequence, which widens the working set.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from latentkv.config import CacheConfig, ModelConfig
 from latentkv.experts.store_file import ALIGN, ExpertFileError, read_manifest
 from latentkv.kv.cache import CacheLayout, resolve_tier
 from latentkv.models.loader import Checkpoint
+from latentkv.models.mtp import routed_layer
 from latentkv.weights.base import make_linear
 
 GIB = 1 << 30
@@ -50,11 +57,14 @@ class Plan:
     expert_cache_bytes: int
     expert_bytes: int  # all routed experts
     expert_extent_bytes: int  # one expert on disk (and in the cache)
-    moe_layers: int
+    moe_layers: int  # the main model's
+    mtp_layers: int  # the MTP draft layer, when its routed experts stream (0 or 1)
+    draft_tokens: int  # planned for --speculative mtp --draft-tokens N (0: no drafting)
     top_k: int
     cached_experts: int
-    experts_total: int  # routed experts over all MoE layers
-    cold_bytes_per_token: int
+    experts_total: int  # routed experts over all MoE layers, the MTP layer's included
+    cold_bytes_per_token: int  # the main model's, nothing cached
+    draft_cold_bytes_per_token: int  # the MTP layer's per drafted token, nothing cached
     expected_bytes_per_token: int
     fits: bool
     all_experts_fit: bool
@@ -149,6 +159,7 @@ def make_plan(
     max_model_len: int = 4096,
     max_num_seqs: int = 1,
     store_dir: Path | None = None,
+    draft_tokens: int = 0,
 ) -> Plan:
     cache = cache or CacheConfig()
     source = "--ram-gb"
@@ -160,15 +171,18 @@ def make_plan(
     index_bytes = len(layout.index_layers) * layout.index_head_dim * 4  # indexer keys, float32
     per_token = resolve_tier(layout, cache).bytes_per_token_layer * layout.num_layers + index_bytes
     kv = per_token * max_model_len * max_num_seqs
-    dense = dense_bytes(Checkpoint(model_dir), weight_dtype)
+    ckpt = Checkpoint(model_dir)
+    dense = dense_bytes(ckpt, weight_dtype)
     act = ACTIVATION_BASE + max_num_seqs * 4 * (
         cfg.vocab_size + cfg.num_heads * max_model_len + 16 * cfg.hidden_size
     )
     moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
+    mtp = int(routed_layer(cfg, ckpt) is not None)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     extent, _ = expert_extent_bytes(cfg, model_dir, weight_dtype, store_dir)
-    working = (min(E, k * max_num_seqs) + k) * extent if moe_layers else 0
-    all_experts = moe_layers * E * extent
+    tokens = max_num_seqs * (1 + draft_tokens)  # one pass's tokens (a verify pass: N + 1 each)
+    working = (min(E, k * tokens) + k) * extent if moe_layers else 0
+    all_experts = (moe_layers + mtp) * E * extent
     cache_bytes = max(0, min(ram_bytes - dense - kv - act - working, all_experts))
     problems = []
     if dense + kv + act + working > ram_bytes:
@@ -178,7 +192,7 @@ def make_plan(
         )
     cached = cache_bytes // extent if extent else 0
     cold = k * moe_layers * extent
-    share = cached / (moe_layers * E) if moe_layers else 1.0
+    share = cached / (moe_layers * E) if moe_layers else 1.0  # decoding without drafting
     return Plan(
         ram_bytes=ram_bytes,
         ram_source=source,
@@ -195,10 +209,13 @@ def make_plan(
         expert_bytes=all_experts,
         expert_extent_bytes=extent,
         moe_layers=moe_layers,
+        mtp_layers=mtp,
+        draft_tokens=draft_tokens,
         top_k=k,
         cached_experts=int(cached),
-        experts_total=moe_layers * E,
+        experts_total=(moe_layers + mtp) * E,
         cold_bytes_per_token=cold,
+        draft_cold_bytes_per_token=k * extent * mtp,
         expected_bytes_per_token=int(cold * (1 - min(1.0, share))),
         fits=not problems,
         all_experts_fit=cache_bytes >= all_experts,
@@ -216,14 +233,21 @@ def format_plan(p: Plan) -> str:
         f"KV pool         {gib(p.kv_bytes)}   ({p.kv_cache_dtype}: {p.kv_bytes_per_token} B/token incl. "
         f"indexer keys, x {p.max_model_len} tokens x {p.max_num_seqs} seqs)",
         f"activations     {gib(p.activation_bytes)}",
-        f"working set     {gib(p.working_bytes)}   (one layer's uncached experts + prefetch)",
+        f"working set     {gib(p.working_bytes)}   (one layer's uncached experts + prefetch"
+        + (f"; verify passes of {p.draft_tokens + 1} tokens per sequence)" if p.draft_tokens else ")"),
         f"expert cache    {gib(p.expert_cache_bytes)}   ({p.cached_experts} of "
         f"{p.experts_total} experts, "
         f"{p.expert_extent_bytes / 2**20:.2f} MiB each)",
-        f"all experts     {gib(p.expert_bytes)}   ({p.moe_layers} MoE layers)",
+        f"all experts     {gib(p.expert_bytes)}   ({p.moe_layers} MoE layers"
+        + (" + the MTP draft layer)" if p.mtp_layers else ")"),
         f"cold read/token {p.cold_bytes_per_token / 2**20:9.1f} MiB   (top-{p.top_k} x {p.moe_layers} layers, "
         f"nothing cached); ~{p.expected_bytes_per_token / 2**20:.1f} MiB with this cache if routing is even",
     ]
+    if p.mtp_layers:
+        lines.append(
+            f"MTP draft layer {p.draft_cold_bytes_per_token / 2**20:9.1f} MiB   per drafted token, nothing "
+            f"cached (top-{p.top_k} of its experts; only with --speculative mtp)"
+        )
     if p.all_experts_fit:
         lines.append("every expert fits: nothing will be read from disk after warm-up")
     lines += [f"does not fit: {msg}" for msg in p.problems]

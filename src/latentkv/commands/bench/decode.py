@@ -106,7 +106,13 @@ def run(args: argparse.Namespace) -> dict:
             )
         except ConfigError as exc:
             raise UserError(str(exc)) from None
-        loaded = load(args.model, engine, quiet=args.json, max_model_len=max(contexts) + args.decode_tokens)
+        loaded = load(
+            args.model,
+            engine,
+            quiet=args.json,
+            max_model_len=max(contexts) + args.decode_tokens + (spec.draft_tokens if spec else 0),
+            draft_tokens=spec.draft_tokens if spec else 0,
+        )
         model = loaded.model
         if spec is not None:
             from latentkv.commands.common import check_speculative

@@ -7,9 +7,15 @@ import gc
 from pathlib import Path
 
 from latentkv.commands.bench import common
+from latentkv.commands.common import add_streaming_arguments
 from latentkv.errors import UserError
 
 RANDOM_MODELS = ("random:tiny", "random:slice")
+STREAMED_NOTE = (
+    "--ram-gb: the experts (the MTP layer's too) stream from disk into one cache shared by all rows "
+    "of a model, in row order (the first row starts cold: use --repeats 2+ to compare warm rows); "
+    "expert columns cover each row's prompt pass too; drop the page cache before a cold run"
+)
 
 
 def add(sub) -> None:
@@ -20,7 +26,9 @@ def add(sub) -> None:
         "drafting (the pause rule off) and without; acceptance per draft position, tokens per verify step, "
         "decode tok/s and its ratio to plain decoding, and whether the tokens are identical (they must be). "
         "random:tiny and random:slice are builtin:tiny's and the GLM-5-width slice's shapes with random "
-        "weights and a random MTP layer (the low-acceptance case), built once under the cache directory.",
+        "weights and a random MTP layer (the low-acceptance case), built once under the cache directory. "
+        "With --ram-gb the experts (the MTP layer's too) stream from disk within that budget and each row "
+        "adds the expert cache's hit rates and MiB read per token.",
     )
     d.add_argument(
         "--model",
@@ -40,6 +48,15 @@ def add(sub) -> None:
     d.add_argument(
         "--repeats", type=int, default=1, help="keep the fastest of this many runs per row (default: 1)"
     )
+    add_streaming_arguments(d)
+    d.add_argument(
+        "--expert-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="stream the experts with a RAM budget whose expert cache holds this share of all experts "
+        "(the MTP layer's included), e.g. 0.25; per model, from `latentkv plan` (instead of --ram-gb)",
+    )
     common.add_output(d)
 
 
@@ -50,6 +67,8 @@ def run(args: argparse.Namespace) -> dict:
     if max(drafts) > 8:
         raise UserError("--draft-tokens must be in 1..8")
     concurrency = common.ints(args.concurrency, "--concurrency")
+    if args.expert_share is not None and (args.ram_gb is not None or not 0 < args.expert_share <= 1):
+        raise UserError("--expert-share takes a share in (0, 1], instead of --ram-gb")
     if args.prompt_tokens < 2 or args.decode_tokens < 2 or args.repeats < 1:
         raise UserError("--prompt-tokens and --decode-tokens must be >= 2, --repeats >= 1")
     tiers = common.tiers(args.kv_cache_dtype)
@@ -64,16 +83,22 @@ def run(args: argparse.Namespace) -> dict:
     for name in [m.strip() for m in args.model.split(",") if m.strip()]:
         rows += _model_rows(args, name, cache, drafts, concurrency)
         gc.collect()
+    notes = [
+        "drafting rows: the MTP layer drafts N tokens on every step (the pause rule off); "
+        "tok/s needs an idle machine, acceptance does not",
+    ]
+    if args.ram_gb is not None or args.expert_share is not None:
+        notes.append(STREAMED_NOTE)
     return {
         "bench": "speculative",
         "models": args.model,
         "kv_cache_dtype": cache.kv_cache_dtype,
         "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens,
-        "notes": [
-            "drafting rows: the MTP layer drafts N tokens on every step (the pause rule off); "
-            "tok/s needs an idle machine, acceptance does not",
-        ],
+        "ram_gb": args.ram_gb,
+        "expert_share": args.expert_share,
+        "expert_cache_policy": args.expert_cache_policy if args.ram_gb or args.expert_share else None,
+        "notes": notes,
         "rows": rows,
     }
 
@@ -81,16 +106,69 @@ def run(args: argparse.Namespace) -> dict:
 def _model_rows(args, name: str, cache, drafts: list[int], concurrency: list[int]) -> list[dict]:
     from latentkv.commands.common import check_speculative
     from latentkv.engine.speculative import SpeculativeConfig
-    from latentkv.eval.bench.speculative import bench_speculative
-    from latentkv.models.weights import load_model
-    from latentkv.runtime import check_tier
 
     directory = _directory(name)
-    model = load_model(directory)
-    check_speculative(model, SpeculativeConfig())
-    check_tier(model.cfg, cache)
-    if args.prompt_tokens + args.decode_tokens + max(drafts) > model.cfg.max_position_embeddings:
-        raise UserError(f"{name}: --prompt-tokens + --decode-tokens exceed the model's context")
+    loaded = _load(args, directory, cache, max(drafts), max(concurrency))
+    try:
+        check_speculative(loaded.model, SpeculativeConfig())
+        return _rows(args, name, directory, loaded, cache, drafts, concurrency)
+    finally:
+        loaded.close()
+
+
+def _load(args, directory: Path, cache, draft_tokens: int, sequences: int):
+    """The model, resident or (--ram-gb) with its experts streamed, planned for these rows."""
+    from latentkv.config import ConfigError, EngineConfig, ModelConfig
+    from latentkv.runtime import check_tier, load
+
+    length = args.prompt_tokens + args.decode_tokens + draft_tokens
+    if length > ModelConfig.from_hf(directory).max_position_embeddings:
+        raise UserError(f"{directory}: --prompt-tokens + --decode-tokens exceed the model's context")
+    try:
+        ram_gb = _ram_gb(args, directory, cache, length, sequences, draft_tokens)
+        engine = EngineConfig(cache=cache, ram_gb=ram_gb, expert_policy=args.expert_cache_policy)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    check_tier(ModelConfig.from_hf(directory), cache)
+    return load(
+        str(directory),
+        engine,
+        quiet=args.json,
+        max_model_len=length,
+        max_num_seqs=sequences,
+        draft_tokens=draft_tokens,
+    )
+
+
+def _ram_gb(args, directory: Path, cache, length: int, sequences: int, draft_tokens: int) -> float | None:
+    """--ram-gb, or the budget whose expert cache holds --expert-share of the experts (the
+    resident parts as `latentkv plan` sizes them, plus that share of the expert bytes)."""
+    if args.expert_share is None:
+        return args.ram_gb
+    from latentkv.config import ModelConfig
+    from latentkv.streaming.attach import default_store_dir
+    from latentkv.streaming.planner import GIB, make_plan
+
+    store = default_store_dir(directory, "f32")
+    p = make_plan(
+        ModelConfig.from_hf(directory),
+        directory,
+        1 << 50,
+        cache=cache,
+        max_model_len=length,
+        max_num_seqs=sequences,
+        store_dir=store if (store / "manifest.json").exists() else None,
+        draft_tokens=draft_tokens,
+    )
+    fixed = p.dense_bytes + p.kv_bytes + p.activation_bytes + p.working_bytes
+    experts = round(args.expert_share * p.experts_total)
+    return (fixed + experts * p.expert_extent_bytes + p.expert_extent_bytes // 2) / GIB
+
+
+def _rows(args, name: str, directory: Path, loaded, cache, drafts: list[int], concurrency: list[int]):
+    from latentkv.eval.bench.speculative import bench_speculative
+
+    model, streamer = loaded.model, loaded.streamer
     rows = []
     for c in concurrency:
         reference, plain_tps = None, None
@@ -98,7 +176,16 @@ def _model_rows(args, name: str, cache, drafts: list[int], concurrency: list[int
             best = None
             for _ in range(args.repeats):
                 row, outs = bench_speculative(
-                    model, name, directory, c, n, args.prompt_tokens, args.decode_tokens, cache, reference
+                    model,
+                    name,
+                    directory,
+                    c,
+                    n,
+                    args.prompt_tokens,
+                    args.decode_tokens,
+                    cache,
+                    reference,
+                    streamer,
                 )
                 best = row if best is None or row.decode_tps > best.decode_tps else best
             if n == 0:
@@ -106,9 +193,10 @@ def _model_rows(args, name: str, cache, drafts: list[int], concurrency: list[int
             else:
                 best.vs_plain = best.decode_tps / plain_tps if plain_tps else None
             rows.append(best.as_dict())
+            hits = f", expert hits {best.experts['hit_rate']:.0%}" if best.experts else ""
             common.progress(
                 f"{name} C={c} N={n}: {best.decode_tps:.1f} tok/s, tokens/verify {best.tokens_per_verify}, "
-                f"acceptance {best.acceptance_per_position}",
+                f"acceptance {best.acceptance_per_position}{hits}",
                 args.json,
             )
     return rows
@@ -144,10 +232,12 @@ def _random_model(name: str, directory: Path) -> Path:
 
 
 def table(rows: list[dict]) -> str:
+    streamed = any(r.get("experts") for r in rows)
+    extra = " expert hits (main / MTP) | MiB read/token |" if streamed else ""
     lines = [
         "| model | KV | sequences | draft tokens | acceptance per position | tokens/verify | decode tok/s "
-        "| vs plain | same tokens |",
-        "|---|---|---:|---:|---|---:|---:|---:|---|",
+        "| vs plain | same tokens |" + extra,
+        "|---|---|---:|---:|---|---:|---:|---:|---|" + ("---|---:|" if streamed else ""),
     ]
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
@@ -156,5 +246,13 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['kv_cache_dtype']} | {r['concurrency']} | {r['draft_tokens'] or 'off'} | {acc} "
             f"| {tpv} | {r['decode_tps']:,.1f} | {common.ratio(r['vs_plain'])} | {same} |"
+            + (_expert_cells(r.get("experts")) if streamed else "")
         )
     return "\n".join(lines)
+
+
+def _expert_cells(e: dict | None) -> str:
+    if not e:
+        return " - | - |"
+    draft = "-" if e["draft_hit_rate"] is None else f"{e['draft_hit_rate']:.0%}"
+    return f" {e['main_hit_rate']:.0%} / {draft} | {e['mib_read_per_token']:.2f} |"

@@ -10,9 +10,11 @@ the same C prompts greedily:
 
 Drafting rows run with the pause rule off, so they show what drafting itself costs or saves.
 Acceptance does not depend on machine load (greedy tokens are fixed); tok/s does: time on an
-idle machine. Prompts are windows of the model's heldout.txt when it ships one (real text,
-what the draft layer was trained on), else random token ids (a random model's drafts are
-random anyway).
+idle machine. With experts streamed from disk (`--ram-gb`) each row also reports the expert
+cache over the row (the prompt's pass included): hit rate of the main layers and of the MTP
+draft layer, and MiB read from disk per generated token. Prompts are windows of the model's
+heldout.txt when it ships one (real text, what the draft layer was trained on), else random
+token ids (a random model's drafts are random anyway).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SpecRow:
     verify_steps: int
     same_tokens: bool  # every sequence's tokens equal plain decoding's (greedy is lossless)
     vs_plain: float | None = None  # decode_tps / the plain row's (same model, tier, concurrency)
+    experts: dict | None = None  # streamed experts: `expert_delta` over the row
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +108,20 @@ def run_batched(
         scheduler.shutdown()
 
 
+def expert_delta(before: dict, after: dict, tokens: int) -> dict:
+    """Two `ExpertStreamer.snapshot()`s around a row of `tokens` generated tokens -> the row's
+    hit rates (all layers, the main model's, the MTP draft layer's) and MiB read per token."""
+    d = {k: after[k] - before[k] for k in ("asked", "hits", "draft_asked", "draft_hits", "bytes_read")}
+    main_asked = d["asked"] - d["draft_asked"]
+    return {
+        "hit_rate": d["hits"] / d["asked"] if d["asked"] else 0.0,
+        "main_hit_rate": (d["hits"] - d["draft_hits"]) / main_asked if main_asked else 0.0,
+        "draft_hit_rate": d["draft_hits"] / d["draft_asked"] if d["draft_asked"] else None,
+        "mib_read_per_token": d["bytes_read"] / max(1, tokens) / 2**20,
+        "budget_bytes": after["budget"],
+    }
+
+
 def bench_speculative(
     model,
     name: str,
@@ -115,10 +132,13 @@ def bench_speculative(
     decode_tokens: int,
     cache: CacheConfig,
     reference: list[list[int]] | None,
+    streamer=None,
 ) -> tuple[SpecRow, list[list[int]]]:
-    """One row; `reference`: the plain row's tokens (None for the plain row itself)."""
+    """One row; `reference`: the plain row's tokens (None for the plain row itself);
+    `streamer`: the model's ExpertStreamer when its experts stream from disk."""
     spec = SpeculativeConfig(draft_tokens=draft_tokens, adaptive=False) if draft_tokens else None
     prompts = prompts_for(model, directory, concurrency, prompt_tokens)
+    before = streamer.snapshot() if streamer is not None else None
     t0 = time.perf_counter()
     if concurrency == 1:
         tokens, seconds, stats = run_single(model, prompts[0], decode_tokens, cache, spec)
@@ -142,4 +162,6 @@ def bench_speculative(
         verify_steps=summary["verify_steps"] if summary else 0,
         same_tokens=reference is None or outs == reference,
     )
+    if streamer is not None:
+        row.experts = expert_delta(before, streamer.snapshot(), sum(len(t) for t in outs))
     return row, outs
