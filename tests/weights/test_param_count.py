@@ -36,3 +36,10 @@ def test_a_tied_head_is_counted_once(tiny_dir, tmp_path, fmt):
     (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     model = load_model(tmp_path, fmt)
     assert model.num_parameters() == sum(t.numel() for t in tensors.values())
+
+
+def test_weight_bytes_follow_the_format(tiny_dir):
+    """f32: four bytes per parameter exactly; each packed format smaller than the one above it."""
+    size = {fmt: load_model(tiny_dir, fmt).weight_bytes() for fmt in ("f32", "bf16", "int8", "int4")}
+    assert size["f32"] == 4 * _checkpoint_count(tiny_dir)
+    assert size["f32"] > size["bf16"] > size["int8"] > size["int4"], size

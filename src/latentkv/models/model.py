@@ -260,29 +260,41 @@ class Model:
         per-expert views of a stacked tensor) is counted once: the byte spans of each storage are
         merged. A packed matrix (int8, int4) counts its logical [out, in] (and bias), not its
         bytes; a tied lm_head packed apart from the embedding is the embedding's weights."""
-        parts = [self.embed, self.blocks, self.norm, self.mtp]
-        if not (self.cfg.tie_word_embeddings and self.lm_head.dense is None):
-            parts.append(self.lm_head)
+        tied_apart = self.cfg.tie_word_embeddings and self.lm_head.dense is None
+        return self._weights(
+            lambda lin: lin.out_features * lin.in_features + _numel(lin.bias), not tied_apart
+        )
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in their formats: each packed matrix's `nbytes`, each dense
+        tensor's bytes once (views merged); what resident memory is compared with."""
+        return self._weights(lambda lin: lin.nbytes, True, in_bytes=True)
+
+    def _weights(self, packed_size, with_head: bool, in_bytes: bool = False) -> int:
         spans: dict[int, list[tuple[int, int, int]]] = {}
         packed: dict[int, int] = {}
+        parts = [self.embed, self.blocks, self.norm, self.mtp] + ([self.lm_head] if with_head else [])
         for t in _tensors(parts):
             if isinstance(t, Linear):
-                bias = 0 if t.bias is None else t.bias.numel()
-                packed[id(t)] = t.out_features * t.in_features + bias
+                packed[id(t)] = packed_size(t)
             elif t.numel():
                 size = t.element_size()
                 start = t.untyped_storage().data_ptr() + t.storage_offset() * size
                 spans.setdefault(t.untyped_storage().data_ptr(), []).append(
-                    (start, start + t.numel() * size, size)
+                    (start, start + t.numel() * size, 1 if in_bytes else size)
                 )
         total = sum(packed.values())
         for views in spans.values():
             end = 0
-            for start, stop, size in sorted(views):
+            for start, stop, unit in sorted(views):
                 if stop > end:
-                    total += (stop - max(start, end)) // size
+                    total += (stop - max(start, end)) // unit
                     end = stop
         return total
+
+
+def _numel(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel()
 
 
 def _tensors(obj, depth: int = 0):
