@@ -17,6 +17,12 @@ for under --llama-cpp DIR). GGUF files are converted once per format into --work
 between runs (written under a temporary name, renamed when complete). A depth the model cannot
 hold (builtin:fixture has 1024 positions) is lowered to what it can, in both engines, and the
 table says so. Run it on an idle machine: timings on a busy one say nothing.
+
+    python benchmarks/vs_llamacpp.py --kernels OUT IN [THREADS]
+
+prints the prefill kernels side by side instead (int4 and int8: torch's op vs the dequantized
+tiles their Linear runs above its row threshold, beside bf16 and f32 matmuls), interleaved in
+one process, at 1..512 rows: where the int4 threshold (weights/int4.py) comes from.
 """
 
 from __future__ import annotations
@@ -225,6 +231,49 @@ def latentkv_memory(model: Path, dtype: str) -> dict:
     return json.loads(run([sys.executable, __file__, "--measure-memory", str(model), dtype]))
 
 
+def kernel_table(out_f: int, in_f: int, rows: list[int], repeats: int = 7) -> str:
+    """int4 and int8 prefill kernels at M rows, interleaved in this process: the op, the tile path
+    (what the Linear runs above its threshold), and plain bf16 / f32 F.linear on the float matrix;
+    the fastest of `repeats` wall times, and thread CPU time (steadier on a busy machine)."""
+    import torch
+    import torch.nn.functional as F
+
+    from latentkv.weights import make_linear
+
+    w = torch.randn(out_f, in_f)
+    i4, i8, wb = make_linear(w, "int4"), make_linear(w, "int8"), w.to(torch.bfloat16)
+
+    def i4_op(x):
+        return i4._op(x.to(torch.bfloat16).contiguous(), i4.packed, i4.scale_zeros)
+
+    def i8_op(x):
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), i8.q, i8.scale)
+
+    paths = {
+        "int4 op": i4_op,
+        "int4 tiles": lambda x: i4._tiled(x.to(torch.bfloat16).contiguous()),
+        "int8 op": i8_op,
+        "int8 tiles": i8._tiled,
+        "bf16 F.linear": lambda x: F.linear(x.to(torch.bfloat16), wb),
+        "f32 F.linear": lambda x: F.linear(x, w),
+    }
+    lines = [f"{out_f}x{in_f}, {torch.get_num_threads()} threads: ms wall / ms CPU (fastest of {repeats})"]
+    lines += ["| rows | " + " | ".join(paths) + " |", "|---:|" + "---:|" * len(paths)]
+    for m in rows:
+        x = torch.randn(m, in_f)
+        wall = {name: [] for name in paths}
+        cpu = {name: [] for name in paths}
+        for _ in range(repeats):
+            for name, f in paths.items():
+                t0, c0 = time.perf_counter(), time.thread_time()
+                f(x)
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.thread_time() - c0)
+        cells = [f"{1e3 * min(wall[n]):.1f} / {1e3 * min(cpu[n]):.1f}" for n in paths]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _ratio(ours: float | None, theirs: float | None) -> float | None:
     return ours / theirs if ours and theirs else None
 
@@ -362,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--measure-memory"]:
         print(json.dumps(measure_memory(argv[1], argv[2])))
+        return 0
+    if argv[:1] == ["--kernels"]:  # --kernels OUT IN [THREADS]: the prefill kernel table
+        import torch
+
+        torch.set_num_threads(int(argv[3]) if len(argv) > 3 else 2)
+        print(kernel_table(int(argv[1]), int(argv[2]), [1, 16, 32, 48, 64, 128, 512]))
         return 0
     args = parse_args(argv)
     if (error := check_args(args)) is not None:

@@ -34,9 +34,10 @@ GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 64
 OUT_MULTIPLE = 16  # the packing op's requirement on the output dimension
 # Prefill: with more rows than this, the product runs on dequantized bfloat16 tiles (AMX /
-# AVX512-BF16 matmul) instead of the op; measured crossover between 32 and 128 rows
-# (docs/weights.md).
-PREFILL_MIN_ROWS = 48
+# AVX512-BF16 matmul) instead of the op. Unpacking costs about as much as the op's product of
+# ~100 rows (GLM-5's 6144 x 2048: even near 96 rows, tiles 1.2x at 128, 3.3x at 512; measured
+# with `benchmarks/vs_llamacpp.py --kernels`, docs/weights.md).
+PREFILL_MIN_ROWS = 96
 # Output rows dequantized at a time on the tile path: bounds the temporary to TILE_ROWS x in
 # bfloat16 (a multiple of the op's row block).
 TILE_ROWS = 1024
