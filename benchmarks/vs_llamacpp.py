@@ -415,8 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--kernels"]:  # --kernels OUT IN [THREADS]: the prefill kernel table
         import torch
 
-        torch.set_num_threads(int(argv[3]) if len(argv) > 3 else 2)
-        print(kernel_table(int(argv[1]), int(argv[2]), [1, 16, 32, 48, 64, 128, 512]))
+        try:
+            out_f, in_f, threads = (int(v) for v in [*argv[1:3], *(argv[3:4] or ["2"])])
+            assert len(argv) in (3, 4) and min(out_f, in_f, threads) > 0 and out_f % 16 == in_f % 64 == 0
+        except (ValueError, AssertionError):
+            print("error: --kernels OUT IN [THREADS]: OUT a multiple of 16, IN of 64", file=sys.stderr)
+            return 2
+        torch.set_num_threads(threads)
+        print(kernel_table(out_f, in_f, [1, 16, 32, 48, 64, 96, 128, 512]))
         return 0
     args = parse_args(argv)
     if (error := check_args(args)) is not None:
