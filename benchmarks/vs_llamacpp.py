@@ -407,23 +407,43 @@ def resolve(model: str) -> Path:
         sys.exit(f"error: {exc}")
 
 
+def kernels_main(argv: list[str]) -> int:
+    """--kernels OUT IN [THREADS]: the prefill kernel table."""
+    import torch
+
+    try:
+        out_f, in_f, threads = (int(v) for v in [*argv[:2], *(argv[2:3] or ["2"])])
+        assert len(argv) in (2, 3) and min(out_f, in_f, threads) > 0 and out_f % 16 == in_f % 64 == 0
+    except (ValueError, AssertionError):
+        print("error: --kernels OUT IN [THREADS]: OUT a multiple of 16, IN of 64", file=sys.stderr)
+        return 2
+    torch.set_num_threads(threads)
+    print(kernel_table(out_f, in_f, [1, 16, 32, 48, 64, 96, 128, 512]))
+    return 0
+
+
+def run_pairs(model: Path, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Both engines, pair by pair: (speed results, latentkv memory rows)."""
+    results, memory = [], []
+    for fmt, dtype in args.pairs:
+        t0 = time.time()
+        theirs = llama_bench(args.llama_cpp, gguf(model, fmt, args.work, args.llama_cpp), args)
+        ours = latentkv_bench(model, dtype, args)
+        memory.append(latentkv_memory(model, dtype))
+        seconds = time.time() - t0
+        results.append(
+            {"gguf": fmt, "weights": dtype, "llama.cpp": theirs, "latentkv": ours, "seconds": seconds}
+        )
+    return results, memory
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--measure-memory"]:
         print(json.dumps(measure_memory(argv[1], argv[2])))
         return 0
-    if argv[:1] == ["--kernels"]:  # --kernels OUT IN [THREADS]: the prefill kernel table
-        import torch
-
-        try:
-            out_f, in_f, threads = (int(v) for v in [*argv[1:3], *(argv[3:4] or ["2"])])
-            assert len(argv) in (3, 4) and min(out_f, in_f, threads) > 0 and out_f % 16 == in_f % 64 == 0
-        except (ValueError, AssertionError):
-            print("error: --kernels OUT IN [THREADS]: OUT a multiple of 16, IN of 64", file=sys.stderr)
-            return 2
-        torch.set_num_threads(threads)
-        print(kernel_table(out_f, in_f, [1, 16, 32, 48, 64, 96, 128, 512]))
-        return 0
+    if argv[:1] == ["--kernels"]:
+        return kernels_main(argv[1:])
     args = parse_args(argv)
     if (error := check_args(args)) is not None:
         print(f"error: {error}", file=sys.stderr)
@@ -435,40 +455,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     requested = args.depths
     args.depths, notes = fit_depths(model, args.depths, args.gen)
-    results, memory = [], []
-    for fmt, dtype in args.pairs:
-        t0 = time.time()
-        theirs = llama_bench(args.llama_cpp, gguf(model, fmt, args.work, args.llama_cpp), args)
-        ours = latentkv_bench(model, dtype, args)
-        memory.append(latentkv_memory(model, dtype))
-        results.append(
-            {
-                "gguf": fmt,
-                "weights": dtype,
-                "llama.cpp": theirs,
-                "latentkv": ours,
-                "seconds": time.time() - t0,
-            }
-        )
+    results, memory = run_pairs(model, args)
     verdicts = bars(results, args.kv)
     print(speed_table(results, args.kv) + "\n\n" + memory_table(memory) + "\n")
     print("\n".join(notes + verdicts))
     name = args.model.removeprefix("builtin:").rstrip("/").split("/")[-1]
     out = args.out or Path(__file__).parent / "results" / f"vs-llamacpp-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "model": str(model),
-        "threads": args.threads,
-        "depths": args.depths,
-        "depths_requested": requested,
-        "repetitions": args.repetitions,
-        "gen": args.gen,
-        "prefill": args.prefill,
-        "kv": {"llama.cpp": "f16", "latentkv": args.kv},
-        "cpu_count": os.cpu_count(),
-        "notes": notes,
-        "bars": verdicts,
-    }
+    settings = {"threads": args.threads, "depths": args.depths, "depths_requested": requested}
+    settings |= {"repetitions": args.repetitions, "gen": args.gen, "prefill": args.prefill}
+    settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "cpu_count": os.cpu_count()}
+    payload = {"model": str(model), **settings, "notes": notes, "bars": verdicts}
     out.write_text(json.dumps({**payload, "results": results, "memory": memory}, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0
