@@ -255,34 +255,56 @@ class Model:
         )
 
     def num_parameters(self) -> int:
-        """Weights held by the model (the RoPE tables are derived, not counted). A tensor seen
-        through several views (a tied lm_head, per-head or per-expert views of a stacked
-        tensor) is counted once: the byte spans of each storage are merged."""
+        """Weights held by the model, whatever their storage format (the RoPE tables are derived,
+        not counted). A dense tensor seen through several views (a tied lm_head, per-head or
+        per-expert views of a stacked tensor) is counted once: the byte spans of each storage are
+        merged. A packed matrix (int8, int4) counts its logical [out, in] (and bias), not its
+        bytes; a tied lm_head packed apart from the embedding is the embedding's weights."""
+        tied_apart = self.cfg.tie_word_embeddings and self.lm_head.dense is None
+        return self._weights(
+            lambda lin: lin.out_features * lin.in_features + _numel(lin.bias), not tied_apart
+        )
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in their formats: each packed matrix's `nbytes`, each dense
+        tensor's bytes once (views merged); what resident memory is compared with."""
+        return self._weights(lambda lin: lin.nbytes, True, in_bytes=True)
+
+    def _weights(self, packed_size, with_head: bool, in_bytes: bool = False) -> int:
         spans: dict[int, list[tuple[int, int, int]]] = {}
-        for t in _tensors([self.embed, self.blocks, self.norm, self.lm_head, self.mtp]):
-            if t.numel():
+        packed: dict[int, int] = {}
+        parts = [self.embed, self.blocks, self.norm, self.mtp] + ([self.lm_head] if with_head else [])
+        for t in _tensors(parts):
+            if isinstance(t, Linear):
+                packed[id(t)] = packed_size(t)
+            elif t.numel():
                 size = t.element_size()
                 start = t.untyped_storage().data_ptr() + t.storage_offset() * size
                 spans.setdefault(t.untyped_storage().data_ptr(), []).append(
-                    (start, start + t.numel() * size, size)
+                    (start, start + t.numel() * size, 1 if in_bytes else size)
                 )
-        total = 0
-        for parts in spans.values():
+        total = sum(packed.values())
+        for views in spans.values():
             end = 0
-            for start, stop, size in sorted(parts):
+            for start, stop, unit in sorted(views):
                 if stop > end:
-                    total += (stop - max(start, end)) // size
+                    total += (stop - max(start, end)) // unit
                     end = stop
         return total
 
 
+def _numel(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel()
+
+
 def _tensors(obj, depth: int = 0):
-    """Every tensor reachable from the model's plain-object tree (for counting parameters);
-    private attributes hold derived tensors (e.g. RMSNorm's doubled scale) and are skipped."""
+    """Every tensor (or packed Linear) reachable from the model's plain-object tree (for counting
+    parameters); private attributes hold derived tensors (e.g. RMSNorm's doubled scale) and are
+    skipped."""
     if depth > 12:
         return
-    if isinstance(obj, torch.Tensor):
-        yield obj
+    if isinstance(obj, torch.Tensor) or (isinstance(obj, Linear) and obj.dense is None):
+        yield obj  # a packed Linear is counted by its shape, not its storage
     elif isinstance(obj, (list, tuple, dict)):
         for item in obj.values() if isinstance(obj, dict) else obj:
             yield from _tensors(item, depth + 1)

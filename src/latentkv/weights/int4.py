@@ -28,10 +28,19 @@ import torch.nn.functional as F
 
 from latentkv.weights.base import Linear, register
 from latentkv.weights.int8 import bf16_at_least
+from latentkv.weights.kernels import matmul_dtype
 
 GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 64
 OUT_MULTIPLE = 16  # the packing op's requirement on the output dimension
+# Prefill: with more rows than this, the product runs on dequantized bfloat16 tiles (AMX /
+# AVX512-BF16 matmul) instead of the op. Unpacking costs about as much as the op's product of
+# ~100 rows (GLM-5's 6144 x 2048: even near 96 rows, tiles 1.2x at 128, 3.3x at 512; measured
+# with `benchmarks/vs_llamacpp.py --kernels`, docs/weights.md).
+PREFILL_MIN_ROWS = 96
+# Output rows dequantized at a time on the tile path: bounds the temporary to TILE_ROWS x in
+# bfloat16 (a multiple of the op's row block).
+TILE_ROWS = 1024
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,14 +150,49 @@ class Int4Linear(Linear):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
         if self._in_padded != self.in_features:
             x2 = F.pad(x2, (0, self._in_padded - self.in_features))
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.contiguous(), self.packed, self.group_size, self.scale_zeros
-        ).float()  # [M, out_padded]
+        x2 = x2.contiguous()
+        tiled = x2.shape[0] > PREFILL_MIN_ROWS and prefill_tiles()
+        y = self._tiled(x2) if tiled else self._op(x2, self.packed, self.scale_zeros)
         if self._out_padded != self.out_features:
             y = y[:, : self.out_features]
         if self._bias is not None:
             y = y + self._bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _op(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+        """x bfloat16 [M, in_padded] -> float32 [M, rows of packed] through torch's int4 op."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scale_zeros).float()
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x bfloat16 [M, in_padded] -> float32 [M, out_padded]: TILE_ROWS output rows at a time
+        dequantized to bfloat16 from the op's layout and multiplied by torch's matmul; rows past
+        the last full block of the layout (a partial block, packed apart) go through the op."""
+        block = tile_layout()[0]
+        full = self._out_padded // block * block
+        out = torch.empty(x.shape[0], self._out_padded)
+        for r0 in range(0, full, TILE_ROWS):
+            r1 = min(r0 + TILE_ROWS, full)
+            out[:, r0:r1] = x @ self._dequantized_tile(r0, r1)
+        if full < self._out_padded:
+            tail = self.packed.view(-1)[full * self._in_padded // 2 :].view(self._out_padded - full, -1)
+            out[:, full:] = self._op(x, tail, self.scale_zeros[:, full:].contiguous())
+        return out
+
+    def _dequantized_tile(self, r0: int, r1: int) -> torch.Tensor:
+        """W~^T [in_padded, r1 - r0] bfloat16 for output rows r0..r1 (whole blocks of the op's
+        layout): q - 8 unpacked as signed nibbles, then scale * (q - 8) + zero per group."""
+        block, low, high = tile_layout()
+        k, n = self._in_padded, r1 - r0
+        raw = self.packed.view(-1)[r0 * k // 2 : r1 * k // 2].view(n // block, k, block // 2)
+        flipped = raw ^ 0x88  # each nibble q ^ 8: q - 8 as a signed 4-bit number
+        tile = torch.empty(k, n // block, block, dtype=torch.bfloat16)
+        rows = tile.permute(1, 0, 2)  # [blocks, in, block]: the layout's order
+        _put(rows, low, (flipped << 4).view(torch.int8) >> 4)  # low nibbles, sign-extended
+        _put(rows, high, flipped.view(torch.int8) >> 4)
+        tile = tile.view(k // self.group_size, self.group_size, n)
+        sz = self.scale_zeros[:, r0:r1]  # [groups, n, 2]
+        torch.addcmul(sz[:, None, :, 1], tile, sz[:, None, :, 0], out=tile)
+        return tile.view(k, n)
 
     def nibbles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(nibbles [out, in_padded / 2], scale, zero [out, groups]): the portable form a file
@@ -198,3 +242,63 @@ def _op_positions(out_f: int, in_f: int) -> torch.Tensor:
 
 def _nibbles_flat(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten()
+
+
+def prefill_tiles() -> bool:
+    """Whether int4 prefill runs dequantized bfloat16 tiles on this CPU: where bfloat16 matmuls
+    are native (elsewhere unmeasured: the op stays) and the op's layout is understood."""
+    return matmul_dtype() == torch.bfloat16 and tile_layout() is not None
+
+
+Rows = slice | torch.Tensor
+
+
+@functools.cache
+def tile_layout() -> tuple[int, Rows, Rows] | None:
+    """How this CPU's op layout holds a full block of output rows, for the tile path: (block,
+    low, high) such that, for a block starting at row b, the bytes of its K columns viewed
+    [K, block / 2] hold at [k, j] W[b + low[j], k] in the low nibble and W[b + high[j], k] in the
+    high one (low, high: a slice of 0..block when consecutive, else an index tensor). Found by
+    packing probes (`_op_positions`) and checked on two shapes; None where the layout is not of
+    that form (int4 prefill then stays on the op)."""
+    found = None
+    for in_f in (64, 128):
+        layout = _probe_layout(256, in_f)
+        if layout is None or (found is not None and not _same(layout, found)):
+            return None
+        found = layout
+    return found
+
+
+def _probe_layout(out_f: int, in_f: int) -> tuple[int, Rows, Rows] | None:
+    where = _op_positions(out_f, in_f)
+    rows, cols = where // in_f, where % in_f
+    block = int((cols != 0).nonzero()[0]) if bool((cols != 0).any()) else out_f
+    if block % 2 or out_f % block or TILE_ROWS % block:
+        return None
+    perm = rows[:block]
+    j = torch.arange(where.numel())
+    within = j % (block * in_f)
+    blocked = torch.equal(cols, within // block)
+    if not (blocked and torch.equal(rows, j // (block * in_f) * block + perm[within % block])):
+        return None
+    return block, _as_slice(perm[0::2]), _as_slice(perm[1::2])
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and all(
+        x == y if isinstance(x, slice) else isinstance(y, torch.Tensor) and torch.equal(x, y)
+        for x, y in zip(a[1:], b[1:], strict=True)
+    )
+
+
+def _put(rows: torch.Tensor, where: Rows, values: torch.Tensor) -> None:
+    """rows[..., where] = values (an index tensor needs values in rows' dtype)."""
+    rows[..., where] = values if isinstance(where, slice) else values.to(rows.dtype)
+
+
+def _as_slice(rows: torch.Tensor) -> Rows:
+    """rows as a slice when they are consecutive ascending (a fast strided copy), else as is."""
+    start = int(rows[0])
+    consecutive = torch.equal(rows, torch.arange(start, start + rows.numel()))
+    return slice(start, start + rows.numel()) if consecutive else rows

@@ -40,9 +40,12 @@ def describe(fmt: str) -> str:
     extras = [name for name in ("vnni", "avx512_bf16", "amx") if f[name]]
     cpu = str(f["capability"]) + (f" + {', '.join(extras)}" if extras else "")
     tile = "bf16" if matmul_dtype() == torch.bfloat16 else "f32"
+    from latentkv.weights.int4 import prefill_tiles
+
+    int4_prefill = "prefill via dequantized bf16 tiles" if prefill_tiles() else "prefill via the same op"
     kernels = {
         "int8": "decode via _weight_int8pack_mm, prefill via dequantized " + tile + " tiles",
-        "int4": "decode and prefill via _weight_int4pack_mm_for_cpu",
+        "int4": "decode via _weight_int4pack_mm_for_cpu, " + int4_prefill,
     }
     how = kernels.get(fmt, "torch matmul")
     return f"weights: {fmt} {how} ({cpu})"
