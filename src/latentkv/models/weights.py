@@ -146,7 +146,7 @@ def load_model(
         _check_converted(directory, manifest, weight_dtype, expert_dtype or weight_dtype)
     ckpt = Checkpoint(directory, progress=progress)
     packed = manifest["tensors"] if manifest else None
-    return build_model(
+    model = build_model(
         cfg,
         ckpt,
         weight_dtype,
@@ -158,6 +158,21 @@ def load_model(
         packed,
         load_mtp,
     )
+    release_freed_memory()
+    return model
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages that loading freed (float and dequantized temporaries) back to the OS:
+    glibc keeps them in its arenas, where they count as resident memory (an int4 slice measured
+    1.24x its weights' bytes after load, 1.00x after this). Nothing on other C libraries."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _check_converted(directory: Path, manifest: dict, weights: str, experts: str) -> None:
