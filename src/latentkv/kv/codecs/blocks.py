@@ -64,10 +64,44 @@ def block_for(width: int) -> int:
 
 
 def _fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 stored at bytes [start, start + 2) of each block [N, B, bytes] -> float32 [N, B, 1]."""
+    """The fp16 stored at bytes [start, start + 2) of each block [N, B, bytes] -> float32 [N, B, 1].
+
+    Read in place when every block's pair of bytes is 2-aligned (an even block size and row
+    offset: every format at blocks of 32 or 16); otherwise through a fresh, aligned copy."""
     raw = blocks[..., start : start + 2]
-    dense = torch.empty(raw.shape, dtype=torch.uint8).copy_(raw)  # a fresh tensor: always 2-aligned rows
-    return dense.view(torch.float16).to(torch.float32)
+    if raw.storage_offset() % 2 or any(s % 2 for s in raw.stride()[:-1]):
+        raw = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device).copy_(raw)
+    return raw.view(torch.float16).to(torch.float32)
+
+
+def _fifth_bit_table() -> torch.Tensor:
+    """q5_0's fifth-bit bytes: byte v of the field -> 8 level bytes (bit i of v -> 16 in byte i),
+    as one int64 each (little-endian), so a field expands with one gather: int64 [256]."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]
+    return (bits * 16).to(torch.uint8).view(torch.int64)[:, 0]
+
+
+FIFTH_BITS = _fifth_bit_table()
+
+
+def _levels(blocks: torch.Tensor, header: int, high: int, bits: int) -> torch.Tensor:
+    """The 4- or 5-bit codes of blocks [N, B, bytes] (header bytes, then the fifth-bit field of
+    `high` bytes, then the nibbles) -> uint8 [N, B, b], value order (low nibbles, then high)."""
+    body = blocks[..., header + high :].contiguous()  # [N, B, b/2]
+    levels = torch.cat((body & 15, body >> 4), dim=-1)  # [N, B, b]
+    if bits == 5:  # the fifth bits, one gather of 8 level bytes per field byte
+        field = blocks[..., header : header + high].reshape(-1).to(torch.int32)
+        fifth = FIFTH_BITS.to(blocks.device).index_select(0, field).view(torch.uint8)
+        levels |= fifth.view(levels.shape)
+    return levels
+
+
+def _scaled(levels: torch.Tensor, d: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Integer levels [N, B, b] (uint8 or int8) -> (level - offset) * d, float32 [N, B, b]: the
+    offset taken in int8 (levels < 32), then one widening and one in-place multiply."""
+    if offset:
+        levels = levels.view(torch.int8).sub(offset)
+    return levels.to(torch.float32).mul_(d)
 
 
 def _half_away(v: torch.Tensor) -> torch.Tensor:
@@ -169,19 +203,12 @@ class BlockCodec(Codec):
         n = codes.shape[0]
         blocks = codes.view(n, self.blocks, self.block_bytes)
         d = _fp16_at(blocks, 0)  # [N, B, 1]
-        body = blocks[..., self.header + self.high :]
         if self.bits == 8:
-            levels = body.contiguous().view(torch.int8).to(torch.float32)
-            return (levels * d).view(n, self.width)
-        levels = torch.cat((body & 15, body >> 4), dim=-1).to(torch.int32)  # [N, B, b]
-        if self.bits == 5:
-            field = blocks[..., self.header : self.header + self.high].to(torch.int32)  # [N, B, b/8]
-            shifts = torch.arange(8, dtype=torch.int32)
-            levels = levels | (((field[..., None] >> shifts) & 1).view(n, self.blocks, self.block) << 4)
+            return _scaled(blocks[..., self.header :].view(torch.int8), d).view(n, self.width)
+        levels = _levels(blocks, self.header, self.high, self.bits)  # [N, B, b]
         if self.format.affine:
-            m = _fp16_at(blocks, 2)
-            return torch.addcmul(m, levels.to(torch.float32), d).view(n, self.width)
-        return ((levels - self.format.offset).to(torch.float32) * d).view(n, self.width)
+            return _scaled(levels, d).add_(_fp16_at(blocks, 2)).view(n, self.width)
+        return _scaled(levels, d, self.format.offset).view(n, self.width)
 
     def decode(self, enc: EncodedRows) -> torch.Tensor:
         self.check_encoded(enc)
@@ -310,18 +337,13 @@ class SearchedBlockCodec(Codec):
         n = codes.shape[0]
         blocks = codes.view(n, self.blocks, self.block_bytes)
         d = _fp16_at(blocks, 0)  # [N, B, 1]
-        body = blocks[..., 2:]
         if self.bits == 8:
-            return (body.contiguous().view(torch.int8).to(torch.float32) * d).view(n, self.width)
-        body = body[..., self.high :]
-        idx = torch.cat((body & 15, body >> 4), dim=-1).to(torch.int64)  # [N, B, b]
-        if self.bits == 5:
-            field = blocks[..., 2 : 2 + self.high].to(torch.int64)
-            shifts = torch.arange(8, dtype=torch.int64)
-            idx = idx | (((field[..., None] >> shifts) & 1).view(n, self.blocks, self.block) << 4)
+            return _scaled(blocks[..., 2:].view(torch.int8), d).view(n, self.width)
+        levels = _levels(blocks, 2, self.high, self.bits)  # [N, B, b] codes
         if self.name in ("q4s", "q5s"):  # q4_0's (q5_0's) levels: code - 8 (- 16)
-            return ((idx - len(self.table) // 2).to(torch.float32) * d).view(n, self.width)
-        return (self.table[idx] * d).view(n, self.width)
+            return _scaled(levels, d, len(self.table) // 2).view(n, self.width)
+        values = self.table.to(codes.device).index_select(0, levels.view(-1).to(torch.int32))
+        return values.view(levels.shape).mul_(d).view(n, self.width)
 
     def decode(self, enc: EncodedRows) -> torch.Tensor:
         self.check_encoded(enc)
