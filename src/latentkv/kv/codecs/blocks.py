@@ -303,12 +303,14 @@ class SearchedBlockCodec(Codec):
 
     def _level_index(self, v: torch.Tensor) -> torch.Tensor:
         """The index of the nearest level to each v (int64), the lower one on a tie: the number
-        of midpoints below v. Integer levels (q8s, q5s, q4s): ceil(v - 1/2), clamped (v - 1/2 is
-        exact in float32 where |v| < 2^22); wq4: a comparison with each of its 15 midpoints."""
+        of midpoints below v. Integer levels (q8s, q5s, q4s): floor(v), plus one where v is above
+        the midpoint floor(v) + 1/2 (exact in float32 up to 2^22, beyond which every v is clamped
+        to an end level); wq4: a comparison with each of its 15 midpoints."""
         if self.name == "wq4":
             return (v.unsqueeze(-1) > self._mids).sum(dim=-1)
         low, high = float(self.table[0]), float(self.table[-1])
-        return (torch.ceil(v - 0.5).clamp_(low, high) - low).to(torch.int64)
+        below = torch.floor(v)
+        return (below + (v > below + 0.5)).clamp_(low, high).sub_(low).to(torch.int64)
 
     def weight(self, blocks: torch.Tensor) -> torch.Tensor:
         """The error weight of each value: x^2 (q8s, wq4); q4s adds the block's mean x^2, so
