@@ -123,6 +123,7 @@ def test_nearest_level_is_bucketize_over_the_midpoints(name):
     )
     v = torch.cat((v, codec._mids.nextafter(torch.tensor(1e9)), torch.tensor([0.0, -0.0, 1e30, -1e30])))
     assert torch.equal(codec._level_index(v), torch.bucketize(v, codec._mids))
+    assert torch.equal(codec._nearest_level(v), codec.table[torch.bucketize(v, codec._mids)])
 
 
 @pytest.mark.parametrize("name", ["q8s", "q4s", "wq4"])

@@ -277,6 +277,10 @@ class SearchedBlockCodec(Codec):
         self.scale_count = 0
         self.table = level_table(name)
         self._mids = (self.table[1:] + self.table[:-1]) / 2
+        self._top = self.table.abs().max()
+        signs = (1.0, -1.0) if name in ("q4s", "q5s") else (1.0,)  # either side may take -8 (-16)
+        trials = [g * s for g in SCALE_GRID for s in signs]
+        self._grid = torch.tensor(trials, dtype=torch.float32).view(-1, 1, 1, 1)  # [G, 1, 1, 1]
 
     def params(self) -> dict[str, Any]:
         return {"name": self.name, "width": self.width, "bits": self.bits, "block": self.block}
@@ -285,7 +289,8 @@ class SearchedBlockCodec(Codec):
         x = self.check_rows(x)
         n = x.shape[0]
         blocks = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).view(n, self.blocks, self.block)
-        idx, d16 = self._search(blocks)
+        levels, d16 = self._search(blocks)
+        idx = self._level_index(levels)  # the code of each level
         bad = ~torch.isfinite(d16[..., 0]) | ~torch.isfinite(x).all(dim=-1, keepdim=True)  # [N, B]
         if self.bits == 8:
             body = [(idx - 127).to(torch.int8).view(torch.uint8)]
@@ -294,12 +299,20 @@ class SearchedBlockCodec(Codec):
         codes = torch.cat([d16.view(torch.uint8), *body], dim=-1).masked_fill(bad[..., None], 0)
         return EncodedRows(codes.reshape(n, self.code_bytes), torch.empty(n, 0, dtype=torch.float32))
 
-    def _nearest(self, blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes of the nearest level under scales d [..., N, B, 1] (trial scales lead), and each
-        block's weighted error [..., N, B, 1]."""
-        safe = torch.where(d == 0, torch.ones_like(d), d)
-        idx = self._level_index(blocks / safe)
-        return idx, (self.weight(blocks) * (self.table[idx] * d - blocks).square()).sum(dim=-1, keepdim=True)
+    def _nearest(
+        self, blocks: torch.Tensor, w: torch.Tensor, d: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The nearest level (its value) to each of blocks [N, B, b] under scales d [..., N, B, 1]
+        (trial scales lead), and each block's error [..., N, B, 1] weighted by w [N, B, b]."""
+        levels = self._nearest_level(blocks / d.masked_fill(d == 0, 1.0))
+        return levels, (w * (levels * d - blocks).square()).sum(dim=-1, keepdim=True)
+
+    def _nearest_level(self, v: torch.Tensor) -> torch.Tensor:
+        """table[_level_index(v)], float32; integer levels without the table lookup."""
+        if self.name == "wq4":
+            return self.table[self._level_index(v)]
+        below = torch.floor(v)
+        return (below + (v > below + 0.5)).clamp_(float(self.table[0]), float(self.table[-1]))
 
     def _level_index(self, v: torch.Tensor) -> torch.Tensor:
         """The index of the nearest level to each v (int64), the lower one on a tie: the number
@@ -318,19 +331,20 @@ class SearchedBlockCodec(Codec):
         w = blocks.square()
         return w + w.mean(dim=-1, keepdim=True) if self.name in ("q4s", "q5s") else w
 
-    def _best(self, blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Over trial scales [G, N, B, 1], all at once: the codes [N, B, b] and the scale [N, B, 1]
+    def _best(
+        self, blocks: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Over trial scales [G, N, B, 1], all at once: the levels [N, B, b] and the scale [N, B, 1]
         of least weighted error, the first such trial on a tie (a NaN error never wins, unless it
         is the first trial's: as a running `err < best` comparison over the trials would pick)."""
-        idx, err = self._nearest(blocks, scales)  # [G, N, B, b], [G, N, B, 1]
+        levels, err = self._nearest(blocks, w, scales)  # [G, N, B, b], [G, N, B, 1]
         nan = torch.isnan(err)
         pick = torch.where(nan, torch.inf, err).argmin(dim=0, keepdim=True)  # [1, N, B, 1]
         pick = pick.masked_fill(nan[:1], 0)
-        best_idx = idx.gather(0, pick.expand(1, *idx.shape[1:]))[0]
-        return best_idx, scales.gather(0, pick)[0]
+        return levels.gather(0, pick.expand(1, *levels.shape[1:]))[0], scales.gather(0, pick)[0]
 
     def _search(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """blocks [N, B, b] -> codes [N, B, b] and fp16 scales [N, B, 1], SEARCH_ROWS rows at a
+        """blocks [N, B, b] -> levels [N, B, b] and fp16 scales [N, B, 1], SEARCH_ROWS rows at a
         time (the trial scales multiply the work by len(SCALE_GRID), or twice it)."""
         if blocks.shape[0] <= SEARCH_ROWS:
             return self._search_rows(blocks)
@@ -341,16 +355,14 @@ class SearchedBlockCodec(Codec):
         def fp16(d: torch.Tensor) -> torch.Tensor:
             return d.to(torch.float16).to(torch.float32)
 
-        unit = blocks.abs().amax(dim=-1, keepdim=True) / self.table.abs().max()  # [N, B, 1]
-        signs = (1.0, -1.0) if self.name in ("q4s", "q5s") else (1.0,)  # either side may take -8 (-16)
-        grid = torch.tensor([g * s for g in SCALE_GRID for s in signs], dtype=torch.float32)
-        idx, d = self._best(blocks, fp16(unit * grid.view(-1, 1, 1, 1)))
-        q, w = self.table[idx], self.weight(blocks)
+        unit = blocks.abs().amax(dim=-1, keepdim=True) / self._top  # [N, B, 1]
+        w = self.weight(blocks)
+        q, d = self._best(blocks, w, fp16(unit * self._grid))
         refit = (w * blocks * q).sum(-1, keepdim=True) / (w * q.square()).sum(-1, keepdim=True).clamp_min(
             1e-30
         )
-        idx, d = self._best(blocks, torch.stack((d, fp16(refit))))
-        return idx, d.to(torch.float16)
+        q, d = self._best(blocks, w, torch.stack((d, fp16(refit))))
+        return q, d.to(torch.float16)
 
     def block_values(self, codes: torch.Tensor) -> torch.Tensor:
         """codes uint8 [N, code_bytes] -> level[code] * d, float32 [N, n] (what attention reads)."""
