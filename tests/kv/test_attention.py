@@ -230,3 +230,32 @@ def test_f32_window_attention_with_lse():
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="width 40 against rows of width 36"):
         attention.attend_f32_with_lse(query, rows[:, :36], 32)
+
+
+def test_default_tile_holds_a_decode_step_and_bounds_a_prefill(monkeypatch):
+    """By default a decode query block reads thousands of rows as one tile; many queries keep
+    tiles of DEFAULT_TILE rows, so the scores block stays within TILE_ELEMENTS values."""
+    assert attention.tile_rows(64, 576) == attention.TILE_ELEMENTS // 640 > 4 * attention.DEFAULT_TILE
+    assert attention.tile_rows(64 * 512, 576) == attention.DEFAULT_TILE
+    assert attention.tile_rows(64, 576, tile=7) == 7
+    codec_c, codec_r = make("q4_0", 64), make("q4_0", 32)
+    tokens = 2 * attention.DEFAULT_TILE + 9
+    c, r = cache(codec_c, tokens), cache(codec_r, tokens)
+    seen: list[int] = []
+    consumer = attention.consumer_for(codec_c)
+
+    def spy(codec_: Codec, rows: EncodedRows):
+        seen.append(len(rows))
+        return consumer.read(codec_, rows)
+
+    monkeypatch.setitem(attention.CONSUMERS, type(codec_c), attention.Consumer(spy, consumer.rotated))
+    decode = torch.randn(8, 1, 96)  # [H, S, n_c + n_r]
+    out = attention.attend(codec_c, codec_r, decode, c, r)
+    assert seen == [tokens, tokens]  # c and r, each one tile
+    full = torch.cat((codec_c.decode(c), codec_r.decode(r)), dim=1).double()
+    reference = torch.softmax(decode.double() @ full.T, dim=-1) @ full[:, :64]
+    assert rel(out, reference) < 1e-5
+    seen.clear()
+    many = attention.TILE_ELEMENTS // attention.DEFAULT_TILE  # queries that force the smallest tile
+    attention.attend(codec_c, codec_r, torch.randn(many, 1, 96), c, r)
+    assert seen == [attention.DEFAULT_TILE] * 4 + [9] * 2  # c and r of each tile in turn

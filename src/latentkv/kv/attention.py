@@ -21,9 +21,13 @@ a row is `factor_t * values_t`, with the per-row factor kept out of the dot prod
     s_t = factor_t * (B q) . values_t          B = R (rotate) for tq / polar, identity otherwise
     o   = B^T sum_t (w_t factor_t) values_t    one unrotation per call, however large T is
 
-The token axis is walked in tiles of `tile` rows (512 by default), so the extra memory is one
-tile of unpacked values (about 1 MB at n = 512) plus one [M, tile] block of M = prod(...)
-queries, whatever T is; prefill (many queries) and decode (one) share the code. DSA reads
+The token axis is walked in tiles of `tile` rows, so the extra memory is one tile of unpacked
+values plus one [M, tile] block of scores for M = prod(...) queries, whatever T is; prefill (many
+queries) and decode (one) share the code. By default a tile holds as many rows as keep those two
+within TILE_ELEMENTS float32 values (16 MB), and never fewer than DEFAULT_TILE: a decode step
+(M = heads) reads up to ~7,000 rows of GLM-5's 512 + 64 in one tile, a plain softmax without the
+running-max bookkeeping of the tiled loop (which costs ~0.3 ms a tile on a CPU core), while a
+long prefill keeps tiles of 512. DSA reads
 its top-k tokens the same way, from `enc.select(index)`. f32 rows are a free view of the cache and are read in one matmul.
 The consumer is chosen by the codec's class through `CONSUMERS`, never by inspecting it.
 """
@@ -49,7 +53,17 @@ from latentkv.kv.codecs import (
     TurboCodec,
 )
 
-DEFAULT_TILE = 512
+DEFAULT_TILE = 512  # the fewest rows in a tile
+TILE_ELEMENTS = 4 * 1024 * 1024  # float32 values of one tile's unpacked rows plus its scores
+
+
+def tile_rows(queries: int, width: int, tile: int | None = None) -> int:
+    """Rows per tile: `tile` when given, else as many as keep the unpacked rows [tile, width]
+    and the scores [queries, tile] within TILE_ELEMENTS values, at least DEFAULT_TILE."""
+    if tile is not None:
+        return tile
+    return max(DEFAULT_TILE, TILE_ELEMENTS // (width + queries))
+
 
 # (codec, rows of one tile) -> (values [Tt, n] in the working basis, factor [Tt] or None)
 TileReader = Callable[[Codec, EncodedRows], tuple[torch.Tensor, torch.Tensor | None]]
@@ -123,13 +137,13 @@ def _spans(total: int, tile: int, consumer: Consumer) -> Iterator[tuple[int, int
         yield start, min(start + step, total)
 
 
-def _check(codec: Codec, enc: EncodedRows, tile: int) -> None:
+def _check(codec: Codec, enc: EncodedRows, tile: int | None) -> None:
     codec.check_encoded(enc)
-    if tile < 1:
+    if tile is not None and tile < 1:
         raise ValueError(f"tile must be positive, got {tile}")
 
 
-def scores(codec: Codec, q: torch.Tensor, enc: EncodedRows, *, tile: int = DEFAULT_TILE) -> torch.Tensor:
+def scores(codec: Codec, q: torch.Tensor, enc: EncodedRows, *, tile: int | None = None) -> torch.Tensor:
     """q [..., n] against T packed rows -> float32 [..., T]: q . decode(row_t)."""
     _check(codec, enc, tile)
     consumer = consumer_for(codec)
@@ -140,7 +154,7 @@ def scores(codec: Codec, q: torch.Tensor, enc: EncodedRows, *, tile: int = DEFAU
     if consumer.rotated:
         qb = codec.rotation.rotate(qb)
     out = torch.empty(qb.shape[0], len(enc), dtype=torch.float32, device=q.device)  # [M, T]
-    for start, stop in _spans(len(enc), tile, consumer):
+    for start, stop in _spans(len(enc), tile_rows(qb.shape[0], codec.width, tile), consumer):
         values, factor = consumer.read(codec, enc.rows(start, stop))  # [Tt, n], [Tt]
         block = qb @ values.T  # [M, Tt]
         if factor is not None:
@@ -149,7 +163,7 @@ def scores(codec: Codec, q: torch.Tensor, enc: EncodedRows, *, tile: int = DEFAU
     return out.view(*lead, len(enc))
 
 
-def context(codec: Codec, w: torch.Tensor, enc: EncodedRows, *, tile: int = DEFAULT_TILE) -> torch.Tensor:
+def context(codec: Codec, w: torch.Tensor, enc: EncodedRows, *, tile: int | None = None) -> torch.Tensor:
     """Weights w [..., T] over T packed rows -> float32 [..., n]: sum_t w_t decode(row_t)."""
     _check(codec, enc, tile)
     consumer = consumer_for(codec)
@@ -160,7 +174,7 @@ def context(codec: Codec, w: torch.Tensor, enc: EncodedRows, *, tile: int = DEFA
     acc = torch.zeros(
         wb.shape[0], codec.width, dtype=torch.float32, device=w.device
     )  # [M, n] in the working basis
-    for start, stop in _spans(len(enc), tile, consumer):
+    for start, stop in _spans(len(enc), tile_rows(wb.shape[0], codec.width, tile), consumer):
         values, factor = consumer.read(codec, enc.rows(start, stop))  # [Tt, n], [Tt]
         wt = wb[:, start:stop]
         if factor is not None:
@@ -179,7 +193,7 @@ def attend(
     r: EncodedRows,
     allowed: torch.Tensor | None = None,
     *,
-    tile: int = DEFAULT_TILE,
+    tile: int | None = None,
 ) -> torch.Tensor:
     """Fused MLA attention over packed rows, one pass with an online softmax.
 
@@ -203,7 +217,7 @@ def attend_with_lse(
     r: EncodedRows,
     allowed: torch.Tensor | None = None,
     *,
-    tile: int = DEFAULT_TILE,
+    tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend`, plus the log-sum-exp of each query's scores [H, S] (-inf where nothing is allowed),
     so that attention over two disjoint sets of rows can be merged exactly (`merge`)."""
@@ -246,7 +260,7 @@ def _attend(
     c: EncodedRows,
     r: EncodedRows,
     allowed: torch.Tensor | None,
-    tile: int,
+    tile: int | None,
     want_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check(codec_c, c, tile)
@@ -265,6 +279,7 @@ def _attend(
     if cons_r.rotated:
         qr = codec_r.rotation.rotate(qr)
     M = H * S
+    tile = tile_rows(M, width, tile)
     if len(c) <= tile:  # one tile: a plain softmax, without the running-max bookkeeping
         vc, fc = cons_c.read(codec_c, c)
         vr, fr = cons_r.read(codec_r, r)

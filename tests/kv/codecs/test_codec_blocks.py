@@ -269,7 +269,9 @@ def test_wq4_decodes_as_the_reference_codes_are_nearest_and_beats_q4_0():
 @pytest.mark.parametrize("name", ["q8s", "q5s", "q4s", "wq4"])
 def test_searched_codecs_inert_rows_and_refusals(name):
     codec = get_codec(name, 64)
-    rows = torch.randn(3, 64)
+    # a fixed draw: a 4-bit code's error on one random row of 64 reaches 0.3 of its norm now and
+    # then (1 draw in 8 for wq4), so an unseeded one made this test fail at random
+    rows = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     rows[0, 1] = float("nan")
     rows[1] = 0.0
     out = codec.decode(codec.encode(rows))

@@ -64,10 +64,44 @@ def block_for(width: int) -> int:
 
 
 def _fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 stored at bytes [start, start + 2) of each block [N, B, bytes] -> float32 [N, B, 1]."""
+    """The fp16 stored at bytes [start, start + 2) of each block [N, B, bytes] -> float32 [N, B, 1].
+
+    Read in place when every block's pair of bytes is 2-aligned (an even block size and row
+    offset: every format at blocks of 32 or 16); otherwise through a fresh, aligned copy."""
     raw = blocks[..., start : start + 2]
-    dense = torch.empty(raw.shape, dtype=torch.uint8).copy_(raw)  # a fresh tensor: always 2-aligned rows
-    return dense.view(torch.float16).to(torch.float32)
+    if raw.storage_offset() % 2 or any(s % 2 for s in raw.stride()[:-1]):
+        raw = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device).copy_(raw)
+    return raw.view(torch.float16).to(torch.float32)
+
+
+def _fifth_bit_table() -> torch.Tensor:
+    """q5_0's fifth-bit bytes: byte v of the field -> 8 level bytes (bit i of v -> 16 in byte i),
+    as one int64 each (little-endian), so a field expands with one gather: int64 [256]."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]
+    return (bits * 16).to(torch.uint8).view(torch.int64)[:, 0]
+
+
+FIFTH_BITS = _fifth_bit_table()
+
+
+def _levels(blocks: torch.Tensor, header: int, high: int, bits: int) -> torch.Tensor:
+    """The 4- or 5-bit codes of blocks [N, B, bytes] (header bytes, then the fifth-bit field of
+    `high` bytes, then the nibbles) -> uint8 [N, B, b], value order (low nibbles, then high)."""
+    body = blocks[..., header + high :].contiguous()  # [N, B, b/2]
+    levels = torch.cat((body & 15, body >> 4), dim=-1)  # [N, B, b]
+    if bits == 5:  # the fifth bits, one gather of 8 level bytes per field byte
+        field = blocks[..., header : header + high].reshape(-1).to(torch.int32)
+        fifth = FIFTH_BITS.to(blocks.device).index_select(0, field).view(torch.uint8)
+        levels |= fifth.view(levels.shape)
+    return levels
+
+
+def _scaled(levels: torch.Tensor, d: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Integer levels [N, B, b] (uint8 or int8) -> (level - offset) * d, float32 [N, B, b]: the
+    offset taken in int8 (levels < 32), then one widening and one in-place multiply."""
+    if offset:
+        levels = levels.view(torch.int8).sub(offset)
+    return levels.to(torch.float32).mul_(d)
 
 
 def _half_away(v: torch.Tensor) -> torch.Tensor:
@@ -169,19 +203,12 @@ class BlockCodec(Codec):
         n = codes.shape[0]
         blocks = codes.view(n, self.blocks, self.block_bytes)
         d = _fp16_at(blocks, 0)  # [N, B, 1]
-        body = blocks[..., self.header + self.high :]
         if self.bits == 8:
-            levels = body.contiguous().view(torch.int8).to(torch.float32)
-            return (levels * d).view(n, self.width)
-        levels = torch.cat((body & 15, body >> 4), dim=-1).to(torch.int32)  # [N, B, b]
-        if self.bits == 5:
-            field = blocks[..., self.header : self.header + self.high].to(torch.int32)  # [N, B, b/8]
-            shifts = torch.arange(8, dtype=torch.int32)
-            levels = levels | (((field[..., None] >> shifts) & 1).view(n, self.blocks, self.block) << 4)
+            return _scaled(blocks[..., self.header :].view(torch.int8), d).view(n, self.width)
+        levels = _levels(blocks, self.header, self.high, self.bits)  # [N, B, b]
         if self.format.affine:
-            m = _fp16_at(blocks, 2)
-            return torch.addcmul(m, levels.to(torch.float32), d).view(n, self.width)
-        return ((levels - self.format.offset).to(torch.float32) * d).view(n, self.width)
+            return _scaled(levels, d).add_(_fp16_at(blocks, 2)).view(n, self.width)
+        return _scaled(levels, d, self.format.offset).view(n, self.width)
 
     def decode(self, enc: EncodedRows) -> torch.Tensor:
         self.check_encoded(enc)
@@ -202,6 +229,7 @@ class RotatedBlockCodec(BlockCodec):
 # (blocks of 32) under the error weight x^2, so they crowd towards the large values.
 WQ4_LEVELS = (0.1844, 0.3147, 0.4262, 0.5329, 0.6406, 0.7521, 0.8703, 1.0)
 SCALE_GRID = tuple(0.85 + 0.01 * i for i in range(21))  # trial scales, in units of amax / top level
+SEARCH_ROWS = 256  # rows searched at once: 256 x 512 values x 42 trials, about 90 MB of temporaries
 
 
 def level_table(name: str) -> torch.Tensor:
@@ -249,6 +277,10 @@ class SearchedBlockCodec(Codec):
         self.scale_count = 0
         self.table = level_table(name)
         self._mids = (self.table[1:] + self.table[:-1]) / 2
+        self._top = self.table.abs().max()
+        signs = (1.0, -1.0) if name in ("q4s", "q5s") else (1.0,)  # either side may take -8 (-16)
+        trials = [g * s for g in SCALE_GRID for s in signs]
+        self._grid = torch.tensor(trials, dtype=torch.float32).view(-1, 1, 1, 1)  # [G, 1, 1, 1]
 
     def params(self) -> dict[str, Any]:
         return {"name": self.name, "width": self.width, "bits": self.bits, "block": self.block}
@@ -257,7 +289,8 @@ class SearchedBlockCodec(Codec):
         x = self.check_rows(x)
         n = x.shape[0]
         blocks = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).view(n, self.blocks, self.block)
-        idx, d16 = self._search(blocks)
+        levels, d16 = self._search(blocks)
+        idx = self._level_index(levels)  # the code of each level
         bad = ~torch.isfinite(d16[..., 0]) | ~torch.isfinite(x).all(dim=-1, keepdim=True)  # [N, B]
         if self.bits == 8:
             body = [(idx - 127).to(torch.int8).view(torch.uint8)]
@@ -266,11 +299,31 @@ class SearchedBlockCodec(Codec):
         codes = torch.cat([d16.view(torch.uint8), *body], dim=-1).masked_fill(bad[..., None], 0)
         return EncodedRows(codes.reshape(n, self.code_bytes), torch.empty(n, 0, dtype=torch.float32))
 
-    def _nearest(self, blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes of the nearest level under scales d [N, B, 1], and each block's weighted error."""
-        safe = torch.where(d == 0, torch.ones_like(d), d)
-        idx = torch.bucketize((blocks / safe).contiguous(), self._mids)
-        return idx, (self.weight(blocks) * (self.table[idx] * d - blocks).square()).sum(dim=-1, keepdim=True)
+    def _nearest(
+        self, blocks: torch.Tensor, w: torch.Tensor, d: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The nearest level (its value) to each of blocks [N, B, b] under scales d [..., N, B, 1]
+        (trial scales lead), and each block's error [..., N, B, 1] weighted by w [N, B, b]."""
+        levels = self._nearest_level(blocks / d.masked_fill(d == 0, 1.0))
+        return levels, (w * (levels * d - blocks).square()).sum(dim=-1, keepdim=True)
+
+    def _nearest_level(self, v: torch.Tensor) -> torch.Tensor:
+        """table[_level_index(v)], float32; integer levels without the table lookup."""
+        if self.name == "wq4":
+            return self.table[self._level_index(v)]
+        below = torch.floor(v)
+        return (below + (v > below + 0.5)).clamp_(float(self.table[0]), float(self.table[-1]))
+
+    def _level_index(self, v: torch.Tensor) -> torch.Tensor:
+        """The index of the nearest level to each v (int64), the lower one on a tie: the number
+        of midpoints below v. Integer levels (q8s, q5s, q4s): floor(v), plus one where v is above
+        the midpoint floor(v) + 1/2 (exact in float32 up to 2^22, beyond which every v is clamped
+        to an end level); wq4: a comparison with each of its 15 midpoints."""
+        if self.name == "wq4":
+            return (v.unsqueeze(-1) > self._mids).sum(dim=-1)
+        low, high = float(self.table[0]), float(self.table[-1])
+        below = torch.floor(v)
+        return (below + (v > below + 0.5)).clamp_(low, high).sub_(low).to(torch.int64)
 
     def weight(self, blocks: torch.Tensor) -> torch.Tensor:
         """The error weight of each value: x^2 (q8s, wq4); q4s adds the block's mean x^2, so
@@ -278,50 +331,51 @@ class SearchedBlockCodec(Codec):
         w = blocks.square()
         return w + w.mean(dim=-1, keepdim=True) if self.name in ("q4s", "q5s") else w
 
-    def _best(self, blocks: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor]:
-        """Over trial scales [N, B, 1]: the codes and the scale of least weighted error."""
-        best_idx = best_err = best_d = None
-        for d in scales:
-            idx, err = self._nearest(blocks, d)
-            if best_err is None:
-                best_idx, best_err, best_d = idx, err, d
-                continue
-            better = err < best_err
-            best_idx = torch.where(better, idx, best_idx)
-            best_err, best_d = torch.where(better, err, best_err), torch.where(better, d, best_d)
-        return best_idx, best_d
+    def _best(
+        self, blocks: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Over trial scales [G, N, B, 1], all at once: the levels [N, B, b] and the scale [N, B, 1]
+        of least weighted error, the first such trial on a tie (a NaN error never wins, unless it
+        is the first trial's: as a running `err < best` comparison over the trials would pick)."""
+        levels, err = self._nearest(blocks, w, scales)  # [G, N, B, b], [G, N, B, 1]
+        nan = torch.isnan(err)
+        pick = torch.where(nan, torch.inf, err).argmin(dim=0, keepdim=True)  # [1, N, B, 1]
+        pick = pick.masked_fill(nan[:1], 0)
+        return levels.gather(0, pick.expand(1, *levels.shape[1:]))[0], scales.gather(0, pick)[0]
 
     def _search(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks [N, B, b] -> levels [N, B, b] and fp16 scales [N, B, 1], SEARCH_ROWS rows at a
+        time (the trial scales multiply the work by len(SCALE_GRID), or twice it)."""
+        if blocks.shape[0] <= SEARCH_ROWS:
+            return self._search_rows(blocks)
+        parts = [self._search_rows(part) for part in blocks.split(SEARCH_ROWS)]
+        return torch.cat([i for i, _ in parts]), torch.cat([d for _, d in parts])
+
+    def _search_rows(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         def fp16(d: torch.Tensor) -> torch.Tensor:
             return d.to(torch.float16).to(torch.float32)
 
-        unit = blocks.abs().amax(dim=-1, keepdim=True) / self.table.abs().max()  # [N, B, 1]
-        signs = (1.0, -1.0) if self.name in ("q4s", "q5s") else (1.0,)  # either side may take -8 (-16)
-        idx, d = self._best(blocks, [fp16(unit * (g * s)) for g in SCALE_GRID for s in signs])
-        q, w = self.table[idx], self.weight(blocks)
+        unit = blocks.abs().amax(dim=-1, keepdim=True) / self._top  # [N, B, 1]
+        w = self.weight(blocks)
+        q, d = self._best(blocks, w, fp16(unit * self._grid))
         refit = (w * blocks * q).sum(-1, keepdim=True) / (w * q.square()).sum(-1, keepdim=True).clamp_min(
             1e-30
         )
-        idx, d = self._best(blocks, [d, fp16(refit)])
-        return idx, d.to(torch.float16)
+        q, d = self._best(blocks, w, torch.stack((d, fp16(refit))))
+        return q, d.to(torch.float16)
 
     def block_values(self, codes: torch.Tensor) -> torch.Tensor:
         """codes uint8 [N, code_bytes] -> level[code] * d, float32 [N, n] (what attention reads)."""
         n = codes.shape[0]
         blocks = codes.view(n, self.blocks, self.block_bytes)
         d = _fp16_at(blocks, 0)  # [N, B, 1]
-        body = blocks[..., 2:]
         if self.bits == 8:
-            return (body.contiguous().view(torch.int8).to(torch.float32) * d).view(n, self.width)
-        body = body[..., self.high :]
-        idx = torch.cat((body & 15, body >> 4), dim=-1).to(torch.int64)  # [N, B, b]
-        if self.bits == 5:
-            field = blocks[..., 2 : 2 + self.high].to(torch.int64)
-            shifts = torch.arange(8, dtype=torch.int64)
-            idx = idx | (((field[..., None] >> shifts) & 1).view(n, self.blocks, self.block) << 4)
+            return _scaled(blocks[..., 2:].view(torch.int8), d).view(n, self.width)
+        levels = _levels(blocks, 2, self.high, self.bits)  # [N, B, b] codes
         if self.name in ("q4s", "q5s"):  # q4_0's (q5_0's) levels: code - 8 (- 16)
-            return ((idx - len(self.table) // 2).to(torch.float32) * d).view(n, self.width)
-        return (self.table[idx] * d).view(n, self.width)
+            return _scaled(levels, d, len(self.table) // 2).view(n, self.width)
+        values = self.table.to(codes.device).index_select(0, levels.view(-1).to(torch.int32))
+        return values.view(levels.shape).mul_(d).view(n, self.width)
 
     def decode(self, enc: EncodedRows) -> torch.Tensor:
         self.check_encoded(enc)

@@ -1,0 +1,105 @@
+"""In-process speed ratios of the KV tiers against f32 (issue 18), behind docs/kv-tiers.md "Speed".
+
+Two measurements, each as a ratio of f32's time taken in the same process, the tiers
+interleaved and the fastest of --repeats kept, on one thread and as the calling thread's CPU
+time: ratios that hold up on a shared machine (absolute times do not; for those, run `latentkv
+bench decode` on an idle one).
+
+    attention  one decode token of --heads heads over --rows rows of kv_lora 512 + rope 64 (the
+               slice's widths; 2,048 rows is what DSA reads at 4,096 tokens of context): f32 as
+               `F32Rows` (one matmul over float32 rows), every other tier through
+               `kv.attention.attend` over its packed rows
+    fixture    greedy generation of --tokens tokens of the demo prompt on builtin:fixture
+
+    PYTHONPATH=src .venv/bin/python benchmarks/kv_block_speed.py
+    PYTHONPATH=OLD/src .venv/bin/python benchmarks/kv_block_speed.py   # an older checkout: "before"
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+TIERS = "f32,q8_0,q8s,q5_0,q5s,q4_0,q4s,q4_1,hq4_0,wq4,fp8,tq4"
+PROMPT = "class Stack:\n    def __init__(self):\n        self."
+
+
+def fastest(runs: dict[str, object], repeats: int) -> dict[str, float]:
+    """CPU seconds of each callable, fastest of `repeats` after one untimed warm-up call, the
+    callables interleaved."""
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.thread_time()
+            run()
+            best[name] = min(best[name], time.thread_time() - start)
+    return best
+
+
+def attention_runs(tiers: list[str], rows: int, heads: int) -> dict[str, object]:
+    from latentkv.kv import attention
+    from latentkv.kv.cache import F32Rows
+    from latentkv.kv.codecs import get_codec
+
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(heads, 1, 576, generator=g) * 0.05
+    runs = {}
+    for tier in tiers:
+        x = torch.randn(rows, 576, generator=g)
+        if tier == "f32":
+            reader = F32Rows(x, 512)
+            runs[tier] = lambda reader=reader: reader.attend(query, None)
+            continue
+        codec_c, codec_r = get_codec(tier, 512), get_codec(tier, 64)
+        c, r = codec_c.encode(x[:, :512]), codec_r.encode(x[:, 512:])
+        runs[tier] = lambda a=(codec_c, codec_r, query, c, r): attention.attend(*a)
+    return runs
+
+
+def fixture_runs(tiers: list[str], tokens: int) -> dict[str, object]:
+    from latentkv.config import CacheConfig, EngineConfig
+    from latentkv.engine.generate import generate
+    from latentkv.engine.sampling import SamplingParams
+    from latentkv.runtime import load
+
+    loaded = load("builtin:fixture", EngineConfig(threads=1), quiet=True)
+    model, tok = loaded.model, loaded.tokenizer
+    prompt = tok.encode(PROMPT)
+
+    def run(tier: str) -> None:
+        cache = model.make_cache(CacheConfig(tier))
+        generate(model, prompt, tokens, SamplingParams(0.0, 1.0), tok, cache=cache, stop_ids=())
+
+    return {tier: (lambda tier=tier: run(tier)) for tier in tiers}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiers", default=TIERS, help=f"comma-separated, f32 first (default: {TIERS})")
+    p.add_argument("--rows", type=int, default=2048, help="cached rows of the attention call (default: 2048)")
+    p.add_argument("--heads", type=int, default=64, help="query heads (default: 64)")
+    p.add_argument("--tokens", type=int, default=48, help="tokens generated on the fixture (default: 48)")
+    p.add_argument("--repeats", type=int, default=11, help="interleaved repeats, fastest kept (default: 11)")
+    args = p.parse_args()
+    tiers = args.tiers.split(",")
+    if tiers[0] != "f32":
+        raise SystemExit("--tiers must start with f32 (the ratios are against it)")
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        attend = fastest(attention_runs(tiers, args.rows, args.heads), args.repeats)
+    fixture = fastest(fixture_runs(tiers, args.tokens), max(1, args.repeats // 2))
+    print(f"| tier | attention ms ({args.rows} rows) | x f32 | fixture tok/s | x f32 |")
+    print("|---|---:|---:|---:|---:|")
+    for tier in tiers:
+        print(
+            f"| {tier} | {attend[tier] * 1e3:.2f} | {attend['f32'] / attend[tier]:.2f}x "
+            f"| {args.tokens / fixture[tier]:.1f} | {fixture['f32'] / fixture[tier]:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
