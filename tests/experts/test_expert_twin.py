@@ -7,6 +7,7 @@ build and is not tested here."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -89,3 +90,72 @@ def test_projection_bf16_matches_float(store):
         b = twin.read_projection(r, 2, 1, "down_proj", torch.float32)
     assert a.dtype == torch.float16
     assert torch.allclose(a.float(), b, rtol=1e-3, atol=1e-6)
+
+
+lce = importlib.import_module("llamacpp_experts")
+
+BENCH_JSON = """load_backend: loaded CPU backend
+[
+  {"model_type": "glm-dsa 7B", "n_prompt": 16, "n_gen": 0, "avg_ts": 41.5, "stddev_ts": 0.0},
+  {"model_type": "glm-dsa 7B", "n_prompt": 0, "n_gen": 32, "avg_ts": 0.25, "stddev_ts": 0.0}
+]
+"""
+
+
+def _run(**kw):
+    base = {"returncode": 0, "timed_out": False, "peak": 5 << 30, "oom_kills": 0, "seconds": 9.0}
+    return {**base, "stdout": BENCH_JSON, "stderr": "", **kw}
+
+
+def test_parse_bench_takes_generation_speed():
+    got = lce.parse_bench(BENCH_JSON)
+    assert got == {"tok_s": 0.25, "pp_tok_s": 41.5, "n_gen": 32, "n_prompt": 16}
+    with pytest.raises(ValueError):
+        lce.parse_bench('[{"n_prompt": 16, "n_gen": 0, "avg_ts": 3.0}]')
+    with pytest.raises(ValueError):
+        lce.parse_bench("error: failed to load model")
+
+
+def test_outcome_reports_every_ending():
+    assert lce.outcome(_run())["status"] == "ok" and lce.outcome(_run())["tok_s"] == 0.25
+    killed = lce.outcome(_run(returncode=-9, oom_kills=1, stdout=""))
+    assert killed["status"] == "oom-killed" and killed["tok_s"] is None
+    slow = lce.outcome(_run(returncode=-9, timed_out=True, stdout=""))
+    assert slow["status"] == "timeout" and slow["tok_s"] is None
+    failed = lce.outcome(_run(returncode=1, stdout="", stderr="GGML_ASSERT(x) failed"))
+    assert failed["status"] == "failed" and "GGML_ASSERT" in failed["error"]
+    garbled = lce.outcome(_run(stdout="[{"))
+    assert garbled["status"] == "failed"
+
+
+def test_ratio_and_table():
+    assert lce.ratio(0.5, 0.25) == 2.0
+    assert lce.ratio(None, 0.25) is None and lce.ratio(0.5, None) is None
+    ok = {"label": "0.25 of experts", "limit": 6 << 30, "tok_s": 0.5, "ours_vs_llamacpp": 2.0}
+    ok["llamacpp"] = {**lce.outcome(_run())}
+    bad = {"label": "0.125 of experts", "limit": 5 << 30, "tok_s": 0.4, "ours_vs_llamacpp": None}
+    bad["llamacpp"] = lce.outcome(_run(returncode=-9, oom_kills=2, stdout=""))
+    lines = lce.table([ok, bad]).splitlines()
+    assert len(lines) == 4
+    assert lines[2] == "| 0.25 of experts | 6.00 | ok (9 s) | 5.00 | 0.250 | 0.500 | 2.00x |"
+    assert "oom-killed" in lines[3] and lines[3].endswith("| - | 0.400 | - |")
+
+
+def test_bench_cmd_keeps_mmap_and_no_repack(monkeypatch, tmp_path):
+    monkeypatch.setattr(lce.llamacpp, "binary", lambda name: tmp_path / name)
+    cmd = lce.bench_cmd(tmp_path / "t.gguf", 32, 16, 2)
+    assert cmd[0].endswith("llama-bench")
+    flags = dict(zip(cmd[1::2], cmd[2::2], strict=False))
+    assert flags["-lm"] == "mmap" and flags["--repack"] == "0" and flags["-t"] == "2"
+    assert flags["-n"] == "32" and flags["-p"] == "16" and flags["-o"] == "json"
+
+
+def test_experts_bench_refuses_a_missing_twin(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "bench_experts_script", Path(__file__).parents[2] / "benchmarks" / "experts.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["builtin:tiny", "--no-limit", "--llamacpp", str(tmp_path / "none.gguf")]
+    assert script.main(argv) == 2
+    assert "no GGUF twin" in capsys.readouterr().err
