@@ -251,6 +251,15 @@ def gguf_tensor_bytes(path: Path, contains: str) -> int:
     return sum(int(t.n_bytes) for t in r.tensors if contains in t.name)
 
 
+def _dequantize(gguf, tensor, expert: int) -> torch.Tensor:
+    """One expert's slice of a merged GGUF tensor, dequantized to float32."""
+    return torch.from_numpy(gguf.quants.dequantize(tensor.data[expert], tensor.tensor_type).copy()).float()
+
+
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
 def verify_twin(gguf_path: Path, store: Path, experts: list[tuple[int, int]]) -> list[dict]:
     """For some (layer, expert): the twin's dequantized projections vs the store's (float32).
     Reports the relative RMS error (Q4_K re-quantizing our int4 values: a few percent)."""
@@ -265,17 +274,17 @@ def verify_twin(gguf_path: Path, store: Path, experts: list[tuple[int, int]]) ->
             for proj in PROJECTIONS:
                 t = by_name[gguf_expert_name(layer, proj)]
                 ours = read_projection(reader, layer, e, proj, torch.float32)
-                theirs = torch.from_numpy(gguf.quants.dequantize(t.data[e], t.tensor_type).copy()).reshape(
-                    ours.shape
-                )
-                err = (theirs - ours).pow(2).mean().sqrt() / ours.pow(2).mean().sqrt()
+                theirs = _dequantize(gguf, t, e).reshape(ours.shape)
+                # control: the same tensor's next expert, so a wrong mapping cannot pass
+                other = _dequantize(gguf, t, (e + 1) % t.data.shape[0]).reshape(ours.shape)
                 rows.append(
                     {
                         "layer": layer,
                         "expert": e,
                         "proj": proj,
                         "type": t.tensor_type.name,
-                        "rel_rms": float(err),
+                        "rel_rms": _rel_rms(theirs, ours),
+                        "rel_rms_other_expert": _rel_rms(other, ours),
                     }
                 )
     return rows
@@ -303,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         picks = [(first, 0), (last, layers[last].n_experts - 1)]
         rows = verify_twin(args.out / TWIN, args.model / "experts", picks)
         print(json.dumps(rows, indent=1))
-        return 0 if all(r["rel_rms"] < 0.2 for r in rows) else 1
+        return 0 if all(r["rel_rms"] < 0.1 < r["rel_rms_other_expert"] for r in rows) else 1
     info = build_twin(args.model, args.out, args.tokenizer_from, args.threads)
     print(json.dumps(info, indent=1))
     return 0
