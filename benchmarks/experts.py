@@ -14,6 +14,10 @@ count page cache; root), limited to the plan's RAM plus --margin-mib, after the 
 dropped. First the store's O_DIRECT read speed is measured (every extent once, 4 threads): the
 disk-bound limit of a budget is that speed / the expert bytes it missed per token, and a run's
 efficiency is its tok/s over that limit. Run on an idle machine (check `uptime`).
+
+`--llamacpp [TWIN.gguf]` adds llama.cpp (mmap) on the model's GGUF twin (benchmarks/expert_twin.py)
+after each of our runs: the same cgroup limit, the page cache dropped, llama-bench's generation
+speed (benchmarks/llamacpp_experts.py); a second table gives ours / llama.cpp per budget.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import os
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp_experts  # noqa: E402
 
 GIB = 1 << 30
 
@@ -210,6 +217,25 @@ def table(rows: list[dict], disk: dict) -> str:
     return "\n".join(lines)
 
 
+def with_llamacpp(args, row: dict) -> dict:
+    """Row plus llama.cpp on the twin under the same limit (when --llamacpp), and ours / theirs."""
+    if not args.llamacpp:
+        return row
+    lc = llamacpp_experts.llamacpp_run(
+        Path(args.llamacpp),
+        None if args.no_limit else row["limit"],
+        args.tokens,
+        max(1, args.context - args.tokens),
+        args.llamacpp_threads,
+        args.llamacpp_timeout,
+        not args.no_drop_caches,
+        args.llamacpp_repack,
+    )
+    row["llamacpp"] = lc
+    row["ours_vs_llamacpp"] = llamacpp_experts.ratio(row.get("tok_s"), lc["tok_s"])
+    return row
+
+
 def run_parent(args: argparse.Namespace) -> int:
     from latentkv.experts import memlimit
     from latentkv.experts.store_file import read_manifest
@@ -222,6 +248,14 @@ def run_parent(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.llamacpp and not Path(args.llamacpp).is_file():
+        print(
+            f"experts.py: no GGUF twin at {args.llamacpp} (build it: benchmarks/expert_twin.py)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.llamacpp:
+        llamacpp_experts.llamacpp.binary("llama-bench")  # one line and exit when it is not built
     store = ensure_store(resolve(args.model), args.weight_dtype, progress=True)
     experts = read_manifest(store).expert_bytes
     disk = measure_disk(store, not args.no_drop_caches)
@@ -229,29 +263,30 @@ def run_parent(args: argparse.Namespace) -> int:
     if args.tiers:
         for tier in args.tiers.split(","):
             plan = _plan(args, tier, args.context, int(args.ram_gb * GIB))
-            rows.append(
-                one_run(
-                    args,
-                    f"ram {args.ram_gb} GiB, ctx {args.context}",
-                    plan.expert_cache_bytes,
-                    tier,
-                    args.context,
-                    disk["gbps"],
-                )
+            row = one_run(
+                args,
+                f"ram {args.ram_gb} GiB, ctx {args.context}",
+                plan.expert_cache_bytes,
+                tier,
+                args.context,
+                disk["gbps"],
             )
+            rows.append(with_llamacpp(args, row))
     else:
         for frac in (float(f) for f in args.fractions.split(",")):
-            rows.append(
-                one_run(
-                    args,
-                    f"{frac:g} of experts",
-                    int(frac * experts),
-                    args.kv_cache_dtype,
-                    args.context,
-                    disk["gbps"],
-                )
+            row = one_run(
+                args,
+                f"{frac:g} of experts",
+                int(frac * experts),
+                args.kv_cache_dtype,
+                args.context,
+                disk["gbps"],
             )
+            rows.append(with_llamacpp(args, row))
     print(table(rows, disk))
+    if args.llamacpp:
+        print()
+        print(llamacpp_experts.table(rows))
     if args.out:
         out = {
             "model": args.model,
@@ -293,6 +328,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--no-drop-caches", action="store_true", help="keep the page cache (tests on a shared machine)"
+    )
+    p.add_argument(
+        "--llamacpp",
+        nargs="?",
+        const=str(llamacpp_experts.DEFAULT_TWIN),
+        default=None,
+        metavar="TWIN_GGUF",
+        help=f"also run llama.cpp (mmap) on the GGUF twin under each limit (default twin: {llamacpp_experts.DEFAULT_TWIN})",
+    )
+    p.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp threads (default: 2)")
+    p.add_argument(
+        "--llamacpp-timeout",
+        type=float,
+        default=900,
+        help="seconds before a llama.cpp run counts as thrashing",
+    )
+    p.add_argument(
+        "--llamacpp-repack",
+        action="store_true",
+        help="let llama.cpp repack weights (copies them out of the mmap: off by default)",
     )
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
