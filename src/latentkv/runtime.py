@@ -108,7 +108,7 @@ def load(
 
 def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: float) -> None:
     """The load's lines on stderr: parameters and formats, peak RSS, the int8/int4 kernels used."""
-    from latentkv.weights.kernels import describe
+    from latentkv.weights import describe
 
     params = model.num_parameters()
     print(

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from latentkv.weights import make_linear
+from latentkv.weights import describe, make_linear
 from latentkv.weights.int4 import (
     Int4Linear,
     dequantize_int4,
@@ -18,7 +18,7 @@ from latentkv.weights.int4 import (
     unpack_op_layout,
 )
 from latentkv.weights.int8 import PREFILL_MIN_ROWS, Int8Linear
-from latentkv.weights.kernels import describe, matmul_dtype
+from latentkv.weights.kernels import matmul_dtype
 
 
 def _gen() -> tuple[torch.Generator, int]:

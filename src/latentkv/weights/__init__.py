@@ -7,7 +7,25 @@
 A new format is one file here: a `Linear` subclass decorated with `@register` (see base.py).
 """
 
+import torch
+
 from latentkv.weights import bf16, f32, int4, int8  # noqa: F401  (register the built-in formats)
 from latentkv.weights.base import FORMATS, Linear, make_linear, register
+from latentkv.weights.kernels import cpu_features, matmul_dtype
 
-__all__ = ["FORMATS", "Linear", "make_linear", "register"]
+__all__ = ["FORMATS", "Linear", "describe", "make_linear", "register"]
+
+
+def describe(fmt: str) -> str:
+    """One line for the start of a run: which kernel a format uses on this CPU."""
+    f = cpu_features()
+    extras = [name for name in ("vnni", "avx512_bf16", "amx") if f[name]]
+    cpu = str(f["capability"]) + (f" + {', '.join(extras)}" if extras else "")
+    tile = "bf16" if matmul_dtype() == torch.bfloat16 else "f32"
+    int4_prefill = "prefill via dequantized bf16 tiles" if int4.prefill_tiles() else "prefill via the same op"
+    kernels = {
+        "int8": "decode via _weight_int8pack_mm, prefill via dequantized " + tile + " tiles",
+        "int4": "decode via _weight_int4pack_mm_for_cpu, " + int4_prefill,
+    }
+    how = kernels.get(fmt, "torch matmul")
+    return f"weights: {fmt} {how} ({cpu})"

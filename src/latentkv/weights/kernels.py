@@ -32,20 +32,3 @@ def matmul_dtype() -> torch.dtype:
     """The dtype large dequantized-tile matmuls run in: bfloat16 where the CPU has it natively."""
     f = cpu_features()
     return torch.bfloat16 if f["mkldnn_bf16"] and (f["avx512_bf16"] or f["amx"]) else torch.float32
-
-
-def describe(fmt: str) -> str:
-    """One line for the start of a run: which kernel a format uses on this CPU."""
-    f = cpu_features()
-    extras = [name for name in ("vnni", "avx512_bf16", "amx") if f[name]]
-    cpu = str(f["capability"]) + (f" + {', '.join(extras)}" if extras else "")
-    tile = "bf16" if matmul_dtype() == torch.bfloat16 else "f32"
-    from latentkv.weights.int4 import prefill_tiles
-
-    int4_prefill = "prefill via dequantized bf16 tiles" if prefill_tiles() else "prefill via the same op"
-    kernels = {
-        "int8": "decode via _weight_int8pack_mm, prefill via dequantized " + tile + " tiles",
-        "int4": "decode via _weight_int4pack_mm_for_cpu, " + int4_prefill,
-    }
-    how = kernels.get(fmt, "torch matmul")
-    return f"weights: {fmt} {how} ({cpu})"
