@@ -100,20 +100,6 @@ def test_writing_to_a_loaded_tensor_never_touches_the_file(tmp_path):
     assert torch.equal(Checkpoint(tmp_path).get("w"), original)
 
 
-def test_resident_tensors_are_copies_out_of_the_mapping(tmp_path):
-    """`resident`: each get is the process's own memory (equal values, not a view of the mapping):
-    writing to it changes neither a later get nor the file."""
-    original = torch.randn(16, 8)
-    save_file({"w": original}, str(tmp_path / "model.safetensors"))
-    ckpt = Checkpoint(tmp_path, resident=True)
-    view = Checkpoint(tmp_path).get("w")
-    t = ckpt.get("w")
-    assert torch.equal(t, original)
-    assert t.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
-    t.mul_(0)
-    assert torch.equal(ckpt.get("w"), original)
-
-
 # --- damaged checkpoints ----------------------------------------------------------------------
 
 

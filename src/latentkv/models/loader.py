@@ -113,14 +113,10 @@ class _SafetensorsFile:
 
 
 class Checkpoint:
-    """Named tensors of a model directory, read lazily. `get` returns an mmap-backed view, or with
-    `resident` a copy in the process's own memory: a view's pages are page cache, which the kernel
-    may drop under a memory limit and read again from disk on the next pass (a streamed model's
-    dense weights, kept beside an expert cache at the limit, must not be)."""
+    """Named tensors of a model directory, read lazily. `get` returns an mmap-backed view."""
 
-    def __init__(self, directory: str | Path, progress: bool = False, resident: bool = False):
+    def __init__(self, directory: str | Path, progress: bool = False):
         self.directory = Path(directory)
-        self.resident = resident
         files = self._shard_files()
         self._files: list[_SafetensorsFile] = []
         self._where: dict[str, _SafetensorsFile] = {}
@@ -179,8 +175,7 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise CheckpointError(f"checkpoint in {self.directory} has no tensor {name!r}")
-        view = self._where[name].tensor(name)
-        return view.clone() if self.resident else view
+        return self._where[name].tensor(name)
 
     def fingerprint(self) -> str:
         """SHA-256 over every shard's safetensors header: names, dtypes, shapes and offsets."""

@@ -133,12 +133,10 @@ def load_model(
     moe_factory: MoEFactory | None = None,
     expert_dtype: str | None = None,
     load_mtp: bool = True,
-    resident: bool = False,
 ) -> Model:
     """The model in `directory`, its matrices in `weight_dtype` and its routed experts in
     `expert_dtype` (default: the same), every tensor on `device` (the one device the model, its
-    caches and its passes then use). `moe_factory`, `load_mtp`: see `build_model`. `resident`:
-    every tensor copied out of the checkpoint's mmap (see `Checkpoint`)."""
+    caches and its passes then use). `moe_factory`, `load_mtp`: see `build_model`."""
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
@@ -146,7 +144,7 @@ def load_model(
     manifest = read_manifest(directory)
     if manifest is not None:
         _check_converted(directory, manifest, weight_dtype, expert_dtype or weight_dtype)
-    ckpt = Checkpoint(directory, progress=progress, resident=resident)
+    ckpt = Checkpoint(directory, progress=progress)
     packed = manifest["tensors"] if manifest else None
     model = build_model(
         cfg,

@@ -108,7 +108,6 @@ def load_streamed(
             progress,
             moe_factory=lambda i, router, shared: StreamedMoE(router, _layer_store(streamer, i), shared),
             load_mtp=_keeps_mtp(streamer, routed_layer(ModelConfig.from_hf(model_dir), ckpt)),
-            resident=True,  # the dense weights in our memory, never re-read from disk at the limit
         )
     except BaseException:
         streamer.close()
