@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
+from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks, own_pages
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,28 @@ def test_writing_to_a_loaded_tensor_never_touches_the_file(tmp_path):
     t.mul_(0)  # copy-on-write: a private page, not the file
     assert path.read_bytes() == before
     assert torch.equal(Checkpoint(tmp_path).get("w"), original)
+
+
+def test_owned_pages_no_longer_follow_the_file(tmp_path):
+    """own_pages gives a view's pages a private copy: the file rewritten in place afterwards (what
+    the kernel's dropping and re-reading a page cache page amounts to) no longer shows through,
+    while a view left alone (the control) does. Values and addresses are unchanged."""
+    path = tmp_path / "model.safetensors"
+    a, b = torch.randn(3000, 7), torch.randn(5000)  # several pages each, not page-aligned
+    save_file({"a": a, "b": b}, str(path))
+    owned, left = Checkpoint(tmp_path), Checkpoint(tmp_path)
+    ta, tb = owned.get("a"), owned.get("b")
+    ptr = ta.data_ptr()
+    assert own_pages([ta, tb, ta[1:]]) == ta.numel() * 4 + tb.numel() * 4
+    control = left.get("b")
+    assert ta.data_ptr() == ptr and torch.equal(ta, a) and torch.equal(tb, b)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    with open(path, "r+b") as fh:  # every data byte changed, the header kept
+        fh.seek(8 + n)
+        fh.write(bytes(x ^ 0x55 for x in raw[8 + n :]))
+    assert torch.equal(ta, a) and torch.equal(tb, b)
+    assert not torch.equal(control, b)
 
 
 # --- damaged checkpoints ----------------------------------------------------------------------

@@ -185,6 +185,27 @@ class Checkpoint:
         return digest.hexdigest()
 
 
+def own_pages(tensors) -> int:
+    """Make the pages under `tensors` (views of a checkpoint's copy-on-write mmap) the process's
+    own: one byte of every page is written back unchanged, so the kernel gives each page a private
+    anonymous copy. Until then a view's pages are page cache, which the kernel may drop under a
+    memory limit and read from disk again on the next pass (a streamed model's dense weights,
+    kept beside an expert cache at the limit, must not be). No allocation: the heap does not grow.
+    Returns the bytes owned (each storage once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or not storage.nbytes():
+            continue
+        seen.add(storage.data_ptr())
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+        raw[:: mmap.PAGESIZE].mul_(1)
+        raw[-1:].mul_(1)  # the last page, where the stride stops short of it
+        total += storage.nbytes()
+    return total
+
+
 def dequantize_fp8_blocks(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:

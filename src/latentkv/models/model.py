@@ -270,6 +270,15 @@ class Model:
         tensor's bytes once (views merged); what resident memory is compared with."""
         return self._weights(lambda lin: lin.nbytes, True, in_bytes=True)
 
+    def weight_tensors(self):
+        """Every tensor the weights are stored in (a packed matrix's too; views of one storage may
+        repeat)."""
+        for t in _tensors([self.embed, self.blocks, self.norm, self.mtp, self.lm_head]):
+            if isinstance(t, Linear):
+                yield from (v for v in vars(t).values() if isinstance(v, torch.Tensor))
+            else:
+                yield t
+
     def _weights(self, packed_size, with_head: bool, in_bytes: bool = False) -> int:
         spans: dict[int, list[tuple[int, int, int]]] = {}
         packed: dict[int, int] = {}

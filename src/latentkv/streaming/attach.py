@@ -165,7 +165,11 @@ def _layer_store(streamer: ExpertStreamer, layer: int):
 
 
 def _wire(model, streamer: ExpertStreamer, prefetch: bool) -> None:
-    """Give each MoE layer its lookahead into the next one; pin the hot set."""
+    """Own the dense weights' pages (the expert cache's neighbours at the memory limit; see
+    `own_pages`); give each MoE layer its lookahead into the next one; pin the hot set."""
+    from latentkv.models.loader import own_pages
+
+    own_pages(model.weight_tensors())
     layers = moe_layers(model)
     if prefetch:
         for here, nxt in zip(layers, layers[1:], strict=False):
