@@ -41,7 +41,9 @@ class ResidentDict:
     def stacked(self):
         return None
 
-    def get(self, ids: Sequence[int]) -> dict[int, Expert]:
+    bounded = False
+
+    def get(self, ids: Sequence[int], first: bool = True) -> dict[int, Expert]:
         self.asked.append(list(ids))
         return {e: self._experts[e] for e in ids}
 

@@ -82,12 +82,14 @@ class LazyStore:
         self.live: dict[int, Expert] = {}
         self.calls, self.hints = 0, []
 
-    def get(self, ids):
+    bounded = True  # asked for k experts at a time: the chunks' lifetimes are tested too
+
+    def get(self, ids, first=True):
         for expert in self.live.values():  # evicted: any later use would fail loudly
             expert.gate_up._w.fill_(float("nan"))
         self.calls += 1
         self.live = {
-            e: Expert(OpaqueF32(r.gate_up.dequantize()), OpaqueF32(r.down.dequantize()))
+            e: Expert(OpaqueF32(r.gate_up.dequantize().clone()), OpaqueF32(r.down.dequantize().clone()))
             for e, r in self.resident.get(ids).items()
         }
         return self.live

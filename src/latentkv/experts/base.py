@@ -71,9 +71,13 @@ class ExpertStore(Protocol):
 
     num_experts: int
     stacked: StackedExperts | None  # the whole layer stacked, when resident in a plain dtype
+    # True for a store that reads experts from disk beside a bounded cache: a pass asks it for at
+    # most one token's k experts per `get` (never a long prompt's whole layer at once)
+    bounded: bool
 
-    def get(self, ids: Sequence[int]) -> Mapping[int, Expert]:
-        """The experts `ids`, valid until the next `get` on this store."""
+    def get(self, ids: Sequence[int], first: bool = True) -> Mapping[int, Expert]:
+        """The experts `ids`, valid until the next `get` on this store. `first`: False for a
+        further `get` of the same pass (a store counting passes counts it once)."""
         ...
 
     def prefetch(self, ids: Sequence[int]) -> None:

@@ -40,7 +40,9 @@ class ResidentExperts:
     def __len__(self) -> int:
         return self.num_experts
 
-    def get(self, ids: Sequence[int]) -> Mapping[int, Expert]:
+    bounded = False
+
+    def get(self, ids: Sequence[int], first: bool = True) -> Mapping[int, Expert]:
         return {e: self.experts[e] for e in ids}
 
     def prefetch(self, ids: Sequence[int]) -> None:

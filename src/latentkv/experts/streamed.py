@@ -159,9 +159,10 @@ class ExpertStreamer:
 
     # --- reads ------------------------------------------------------------------------------
 
-    def get(self, layer: int, ids: Sequence[int]) -> dict[int, Expert]:
-        """The experts `ids` of `layer` (distinct ids): cached, prefetched or read now."""
-        if layer == self.first_layer:
+    def get(self, layer: int, ids: Sequence[int], first: bool = True) -> dict[int, Expert]:
+        """The experts `ids` of `layer` (distinct ids): cached, prefetched or read now. `first`:
+        the pass's first `get` on this layer (a new pass starts at the first layer's)."""
+        if layer == self.first_layer and first:
             self._next_pass()
         t = self.telemetry
         t.asked += len(ids)
@@ -282,8 +283,10 @@ class StreamedExperts:
     def stacked(self) -> StackedExperts | None:
         return None  # never all resident: the MoE layer takes its per-expert path
 
-    def get(self, ids: Sequence[int]) -> Mapping[int, Expert]:
-        return self.streamer.get(self.layer, ids)
+    bounded = True
+
+    def get(self, ids: Sequence[int], first: bool = True) -> Mapping[int, Expert]:
+        return self.streamer.get(self.layer, ids, first)
 
     def prefetch(self, ids: Sequence[int]) -> None:
         self.streamer.prefetch(self.layer, ids)

@@ -26,6 +26,7 @@ from the store's form and the batch's shape (each path is tested against `groupe
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -161,22 +162,28 @@ class MoE:
         return out
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Group the N*k (token, expert) pairs by expert; one matmul per hit expert."""
+        """Group the N*k (token, expert) pairs by expert; one matmul per hit expert. A store of
+        experts from disk is asked for k experts at a time: a long prompt routes to most of a
+        layer's experts, which must not all be held at once beside the expert cache
+        (`ExpertStore.bounded`)."""
         out = torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
         tokens = order // idx.shape[1]
         pair_weights = weights.reshape(-1)[order].to(x.dtype)
-        experts = self.experts.get([e for e, n in enumerate(counts) if n])
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = tokens[start : start + n]
-            y = experts[e](x.index_select(0, tok)) * pair_weights[start : start + n, None]
-            out.index_add_(0, tok, y)
-            start += n
+        hit = [e for e, n in enumerate(counts) if n]
+        starts = dict(zip(hit, itertools.accumulate((counts[e] for e in hit), initial=0), strict=False))
+        step = idx.shape[1] if self.experts.bounded else len(hit)
+        for i in range(0, len(hit), step):
+            chunk = hit[i : i + step]
+            experts = self.experts.get(chunk, first=i == 0)
+            for e in chunk:
+                expert, start, n = experts[e], starts[e], counts[e]
+                tok = tokens[start : start + n]
+                y = expert(x.index_select(0, tok)) * pair_weights[start : start + n, None]
+                out.index_add_(0, tok, y)
+            del experts
         return out
 
 
