@@ -106,13 +106,13 @@ class Int4Linear(Linear):
         self.out_features, self.in_features = out_f, in_features
         self._in_padded = 2 * half
         self._out_padded = _padded(out_f, OUT_MULTIPLE)
-        q = unpack_nibbles(nibbles).to(torch.int32)  # [out, in_padded]
+        q = unpack_nibbles(nibbles)  # uint8 [out, in_padded]
         pad_rows = self._out_padded - out_f
         sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
         if pad_rows:
             q = F.pad(q, (0, 0, 0, pad_rows), value=8)  # (8 - 8) * 1 + 0 = 0
             sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # the op's layout
+        self.packed = pack_for_op(q)  # the op's layout
         self.scale_zeros = sz.transpose(0, 1).contiguous()  # [groups, out_padded, 2]
         self._bias = None if bias is None else bias.float().contiguous()
 
@@ -238,6 +238,22 @@ def _op_positions(out_f: int, in_f: int) -> torch.Tensor:
         landed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
         where |= _nibbles_flat(landed).to(torch.int64) << (4 * digit)
     return where
+
+
+def pack_for_op(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (0..15) -> the op's packed layout, the bytes that
+    `_convert_weight_to_int4pack_for_cpu` makes: moved there directly (whole-tensor byte ops)
+    where this CPU's layout is understood (`tile_layout`), else by the op. An expert read from
+    disk is built this way on every cache miss: the op's own conversion (through int32) took
+    ~140 ms for a 4096 x 6144 matrix, 6x the bytes' read time."""
+    layout = tile_layout()
+    n, k = q.shape
+    if layout is None or n % layout[0]:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    block, low, high = layout
+    qb = q.view(n // block, block, k)
+    pairs = qb[:, low, :] | (qb[:, high, :] << 4)  # [blocks, block / 2, K]
+    return pairs.transpose(1, 2).contiguous().view(n, k // 2)
 
 
 def _nibbles_flat(packed: torch.Tensor) -> torch.Tensor:
