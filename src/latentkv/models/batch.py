@@ -66,6 +66,13 @@ class Batch:
         return self.decode or self.few
 
     @property
+    def decode_rows(self) -> bool:
+        """Whether the MoE picks among its decode paths, as for one token of each of N sequences
+        (its rows are independent): batched decode, and a `few`-token pass of more than one
+        token (a lone token takes the one-token path either way)."""
+        return self.decode or (self.few and self.tokens.shape[0] > 1)
+
+    @property
     def last_rows(self) -> torch.Tensor:
         """Each segment's last row [B]."""
         last = [o + n - 1 for o, n in zip(self.offsets, self.sizes, strict=True)]

@@ -53,7 +53,7 @@ class Block:
             layer, self.attn, self.indexer, h, k_in, query, rows, q_resid, batch.rope, selected
         )
         x = self.attn.output(context, residual=x, decode=batch.fused)
-        x = self.mlp(self.mlp_norm(x), residual=x, decode=batch.decode)
+        x = self.mlp(self.mlp_norm(x), residual=x, decode=batch.decode_rows)
         return x, selected
 
 
