@@ -85,6 +85,7 @@ class Batch:
 
 # A pass of at most this many new tokens per sequence may take the fused decode matrices (`few`):
 # on a small model a verify pass of N + 1 tokens is bound by per-op overhead, like a decode step.
+# (--draft-tokens is at most 8: engine.speculative.MAX_DRAFT_TOKENS, plus the pending token.)
 FEW_TOKENS = 9
 
 
