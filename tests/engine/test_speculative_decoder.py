@@ -63,12 +63,16 @@ class MarkovModel:
         logits = logits if all_logits or len(tokens) == 1 else logits[-1:]
         return (logits, torch.zeros(len(tokens), 1)) if hidden else logits
 
-    def draft(self, next_tokens, hidden, cache, position):
+    def verify(self, tokens, cache):
+        return self.forward(tokens, cache, all_logits=True, hidden=True)
+
+    def draft(self, next_tokens, hidden, cache, position, last_only=False):
         assert position == len(cache.tokens)  # the draft cache starts at position 0 here
         cache.tokens.extend(next_tokens.tolist())
         if self.clock is not None:
             self.clock[0] += 0.2
-        return self.draft_table[next_tokens], hidden
+        logits = self.draft_table[next_tokens]
+        return (logits[-1:], hidden[-1:]) if last_only else (logits, hidden)
 
 
 def _run(model, prompt, n_tokens, sampling, cfg, generator=None, rule=None, clock=None):

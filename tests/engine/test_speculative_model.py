@@ -122,3 +122,46 @@ def test_draft_cache_matches_a_fresh_pass(fixture_model, fixture_prompt):
     n = dec.draft_cache.length
     fixture_model.draft(seq[1 : n + 1], h[:n], fresh, 0)
     torch.testing.assert_close(dec.draft_cache.view(0), fresh.view(0), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_name", ["fixture_model", "random_mtp_model"])
+@pytest.mark.parametrize("n", [1, 2, 4, 9, 10])
+def test_verify_pass_matches_the_general_forward(request, fixture_prompt, model_name, n):
+    """`Model.verify` of n tokens (at most `batch.FEW_TOKENS`: the fused decode products, as a
+    one-token step takes them) gives the logits, hidden states and cache rows of the general
+    per-head pass (`forward(all_logits=True, hidden=True)`) to float32 rounding; on the random
+    model the DSA indexer selects (index_topk 8 < the context)."""
+    model = request.getfixturevalue(model_name)
+    prompt = torch.tensor(fixture_prompt[:40]) % model.cfg.vocab_size
+    tokens = torch.tensor(fixture_prompt[40 : 40 + n]) % model.cfg.vocab_size
+    caches = [model.make_cache(), model.make_cache()]
+    for cache in caches:
+        model.forward(prompt, cache)
+    want_logits, want_h = model.forward(tokens, caches[0], all_logits=True, hidden=True)
+    got_logits, got_h = model.verify(tokens, caches[1])
+    assert got_logits.shape == (n, model.cfg.vocab_size) and got_h.shape == want_h.shape
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)  # measured ~1e-6
+    torch.testing.assert_close(got_h, want_h, rtol=1e-4, atol=1e-5)
+    assert caches[1].length == caches[0].length == 40 + n
+    for layer in range(model.cfg.num_layers):
+        torch.testing.assert_close(caches[1].view(layer), caches[0].view(layer), rtol=0, atol=1e-5)
+
+
+def test_few_token_passes_take_the_fused_products(fixture_model):
+    """The fast path is chosen for speculative passes of at most FEW_TOKENS tokens only: a
+    plain forward (prefill) keeps the per-head products whatever its length."""
+    from latentkv.models import batch as batches
+
+    def fused(n, speculative):
+        tokens = torch.zeros(n, dtype=torch.long)
+        return batches.one_sequence(
+            fixture_model.rope, tokens, fixture_model.make_cache(), speculative=speculative
+        ).fused
+
+    assert fused(2, True) and fused(batches.FEW_TOKENS, True)
+    assert not fused(batches.FEW_TOKENS + 1, True)
+    assert not fused(2, False)
+    segments = [torch.zeros(n, dtype=torch.long) for n in (3, 2)]
+    caches = [fixture_model.make_cache() for _ in segments]
+    assert batches.prefill(fixture_model.rope, segments, caches, speculative=True).fused
+    assert not batches.prefill(fixture_model.rope, segments, caches).fused

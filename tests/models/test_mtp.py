@@ -130,6 +130,26 @@ def test_mtp_decode_one_position_at_a_time_matches_one_pass(fixture_model, helpe
     assert (torch.cat(rows) - whole).abs().max().item() <= 1e-4
 
 
+def test_mtp_last_only_is_the_last_row(fixture_model, helpers):
+    """`last_only` (what drafting asks for: the lm_head over one row) gives the last row of the
+    full pass's logits and states, and the cache the same rows."""
+    m = fixture_model
+    ids = helpers.random_ids(20, seed=1704, vocab=m.cfg.vocab_size)
+    _, h = m.forward(ids, m.make_cache(), hidden=True)
+    for start, stop in ((0, 19), (5, 7), (10, 11)):  # the prefix's backlog, a round's, one draft
+        full_cache, last_cache = m.make_draft_cache(), m.make_draft_cache()
+        if start:
+            m.draft(ids[1 : start + 1], h[:start], full_cache, 0)
+            m.draft(ids[1 : start + 1], h[:start], last_cache, 0)
+        full, full_h = m.draft(ids[start + 1 : stop + 1], h[start:stop], full_cache, start)
+        last, last_h = m.draft(ids[start + 1 : stop + 1], h[start:stop], last_cache, start, last_only=True)
+        assert last.shape == (1, m.cfg.vocab_size) and last_h.shape == (1, m.cfg.hidden_size)
+        torch.testing.assert_close(last, full[-1:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(last_h, full_h[-1:], rtol=0, atol=0)
+        assert last_cache.length == full_cache.length == stop
+        torch.testing.assert_close(last_cache.view(0), full_cache.view(0), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("tier", sorted(TIERS))
 def test_mtp_cache_in_every_tier(fixture_model, helpers, tier):
     """The draft layer's rows are one more layer in the tier's format: its logits stay close to

@@ -280,7 +280,7 @@ class SpeculativeDecoder:
         """Decode the next tokens (at most `remaining`, >= 1): one round or one plain step."""
         t0 = self.clock()
         feed = self.plan(remaining)
-        logits, h = self.model.forward(torch.tensor(feed), self.cache, all_logits=True, hidden=True)
+        logits, h = self.model.verify(torch.tensor(feed), self.cache)
         tokens = self.settle(logits, h)
         self.record(len(feed) - 1, len(tokens), self.clock() - t0)
         return tokens
@@ -367,8 +367,7 @@ def draft_together(model, decoders: list[SpeculativeDecoder], counts: list[int])
         positions = [dec._draft_position() for dec in group]
         caches = [dec.draft_cache for dec in group]
         if len(group) == 1:
-            logits, h = model.draft(tokens[0], hidden[0], caches[0], positions[0])
-            logits, h = logits[-1:], h[-1:]
+            logits, h = model.draft(tokens[0], hidden[0], caches[0], positions[0], last_only=True)
         else:
             logits, h = model.draft_batch(list(tokens), list(hidden), caches, positions)
         for b, dec in enumerate(group):

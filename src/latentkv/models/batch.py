@@ -56,6 +56,21 @@ class Batch:
     reads: _PerSequence | _Padded
     decode: bool = False  # one new token per sequence, B > 1: the decode paths (fused, batched MoE)
     offsets: list[int] = field(default_factory=list)
+    # A few new tokens per sequence (speculative verify and draft passes): attention's dense
+    # products take the one-token fused matrices row by row, as decode does (see `few`).
+    few: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether attention's projections take the fused decode matrices for every row."""
+        return self.decode or self.few
+
+    @property
+    def decode_rows(self) -> bool:
+        """Whether the MoE picks among its decode paths, as for one token of each of N sequences
+        (its rows are independent): batched decode, and a `few`-token pass of more than one
+        token (a lone token takes the one-token path either way)."""
+        return self.decode or (self.few and self.tokens.shape[0] > 1)
 
     @property
     def last_rows(self) -> torch.Tensor:
@@ -68,19 +83,39 @@ class Batch:
             cache.commit(n)
 
 
-def one_sequence(rope: Rope, tokens: torch.Tensor, cache: Cache, position: int | None = None) -> Batch:
+# A pass of at most this many new tokens per sequence may take the fused decode matrices (`few`):
+# on a small model a verify pass of N + 1 tokens is bound by per-op overhead, like a decode step.
+# (--draft-tokens is at most 8: engine.speculative.MAX_DRAFT_TOKENS, plus the pending token.)
+FEW_TOKENS = 9
+
+
+def few(sizes: Sequence[int]) -> bool:
+    """Whether a speculative pass of segments `sizes` runs attention's fused decode products."""
+    return max(sizes) <= FEW_TOKENS
+
+
+def one_sequence(
+    rope: Rope, tokens: torch.Tensor, cache: Cache, position: int | None = None, speculative: bool = False
+) -> Batch:
     """`tokens` [S] continuing `cache` (positions from cache.length, or from `position` for a
-    cache whose rows start past position 0: the MTP draft layer's, `latentkv.models.mtp`)."""
-    tables = rope.tables(cache.length if position is None else position, tokens.shape[0])
+    cache whose rows start past position 0: the MTP draft layer's, `latentkv.models.mtp`).
+    `speculative`: a verify or draft pass, which takes the fused products when S is `few`."""
+    S = tokens.shape[0]
+    tables = rope.tables(cache.length if position is None else position, S)
     reads = _PerSequence([cache], [None], [tables], _backend(cache))
-    return Batch(tokens, [cache], [tokens.shape[0]], tables, reads, offsets=[0])
+    return Batch(tokens, [cache], [S], tables, reads, offsets=[0], few=speculative and few([S]))
 
 
 def prefill(
-    rope: Rope, prompts: Sequence[torch.Tensor], caches: Sequence[Cache], starts: Sequence[int] | None = None
+    rope: Rope,
+    prompts: Sequence[torch.Tensor],
+    caches: Sequence[Cache],
+    starts: Sequence[int] | None = None,
+    speculative: bool = False,
 ) -> Batch:
     """One prompt [S_b] per cache, each continuing its cache (at positions from its length, or
-    from starts[b] for caches whose rows start past position 0, as in `one_sequence`)."""
+    from starts[b] for caches whose rows start past position 0, as in `one_sequence`);
+    `speculative` as in `one_sequence`."""
     sizes = [p.shape[0] for p in prompts]
     starts = [c.length for c in caches] if starts is None else list(starts)
     offsets = [sum(sizes[:b]) for b in range(len(sizes))]
@@ -90,7 +125,8 @@ def prefill(
     parts = [slice(o, o + n) for o, n in zip(offsets, sizes, strict=True)]
     ropes = [RotaryTables(tables.cos[p], tables.sin[p]) for p in parts]  # each sequence's own positions
     reads = _PerSequence(list(caches), parts, ropes, _backend(caches[0]))
-    return Batch(torch.cat(list(prompts)), caches, sizes, tables, reads, offsets=offsets)
+    few_rows = speculative and few(sizes)
+    return Batch(torch.cat(list(prompts)), caches, sizes, tables, reads, offsets=offsets, few=few_rows)
 
 
 def decode(

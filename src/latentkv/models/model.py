@@ -47,13 +47,13 @@ class Block:
         choice (in the batch's reads' own form), which the next layers without an indexer reuse."""
         h = self.attn_norm(x)
         parts = self.w_in(h).split(self.split, dim=-1)
-        query, rows, q_resid = self.attn.project(parts[0], parts[1], batch.rope, decode=batch.decode)
+        query, rows, q_resid = self.attn.project(parts[0], parts[1], batch.rope, decode=batch.fused)
         k_in = parts[2] if self.indexer is not None else None
         context, selected = batch.reads.attend(
             layer, self.attn, self.indexer, h, k_in, query, rows, q_resid, batch.rope, selected
         )
-        x = self.attn.output(context, residual=x, decode=batch.decode)
-        x = self.mlp(self.mlp_norm(x), residual=x, decode=batch.decode)
+        x = self.attn.output(context, residual=x, decode=batch.fused)
+        x = self.mlp(self.mlp_norm(x), residual=x, decode=batch.decode_rows)
         return x, selected
 
 
@@ -108,7 +108,12 @@ class Model:
         return self._forward(tokens, cache, all_logits, hidden)
 
     def _forward(
-        self, tokens: torch.Tensor, cache: Cache, all_logits: bool = False, hidden: bool = False
+        self,
+        tokens: torch.Tensor,
+        cache: Cache,
+        all_logits: bool = False,
+        hidden: bool = False,
+        speculative: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`forward` without the compiled step (what the compiled step traces)."""
         S = tokens.shape[0]
@@ -117,8 +122,16 @@ class Model:
                 f"context of {cache.length + S} tokens exceeds the model's maximum of "
                 f"{self.cfg.max_position_embeddings}"
             )
-        batch = batches.one_sequence(self.rope, tokens, cache)
+        batch = batches.one_sequence(self.rope, tokens, cache, speculative=speculative)
         return self._run(batch, last_only=not all_logits and S > 1, hidden=hidden)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding's verify step for one sequence: tokens [S] (the pending token and
+        its drafts) -> (logits [S, vocab], h [S, D]) of every position; the cache gains S rows.
+        `forward(all_logits=True, hidden=True)` up to float32 rounding: a few tokens take the
+        fused decode products a one-token step takes (`latentkv.models.batch.few`)."""
+        return self._forward(tokens, cache, all_logits=True, hidden=True, speculative=True)
 
     def _run(
         self, batch: Batch, last_only: bool = True, hidden: bool = False
@@ -146,13 +159,21 @@ class Model:
 
     @torch.inference_mode()
     def draft(
-        self, next_tokens: torch.Tensor, hidden: torch.Tensor, cache: Cache, position: int
+        self,
+        next_tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        cache: Cache,
+        position: int,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer at positions position.. (see `MTPLayer.forward`): -> (logits [S, vocab]
-        for the token after next, h' [S, D]). `cache` is `make_draft_cache`'s."""
+        for the token after next, h' [S, D]; with `last_only`, both of the last position only,
+        [1, vocab] and [1, D]). `cache` is `make_draft_cache`'s."""
         if self.mtp is None:
             raise ValueError("this model has no MTP (multi-token prediction) layer")
-        return self.mtp.forward(self.embed, self.lm_head, self.rope, next_tokens, hidden, cache, position)
+        return self.mtp.forward(
+            self.embed, self.lm_head, self.rope, next_tokens, hidden, cache, position, last_only
+        )
 
     @torch.inference_mode()
     def draft_batch(
@@ -215,8 +236,9 @@ class Model:
         every position, segments in order (N = sum S_b); cache b gains S_b rows."""
         self._check_segments(segments, caches)
         if len(caches) == 1:
-            return self.forward(segments[0], caches[0], all_logits=True, hidden=True)
-        return self._run(batches.prefill(self.rope, segments, caches), last_only=False, hidden=True)
+            return self.verify(segments[0], caches[0])
+        batch = batches.prefill(self.rope, segments, caches, speculative=True)
+        return self._run(batch, last_only=False, hidden=True)
 
     def _check_segments(
         self, segments: Sequence[torch.Tensor], caches: Sequence[Cache], what: str = "segment"

@@ -84,16 +84,19 @@ class MTPLayer:
         hidden: torch.Tensor,
         cache: SequenceCache,
         position: int,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """S positions from `position` on: next_tokens [S] (the token after each position),
         hidden [S, D] (the main model's h there) -> (logits [S, vocab] for the token after next,
-        h' [S, D] to chain from). The cache gains S rows."""
+        h' [S, D] to chain from; with `last_only` the last position's, [1, vocab] and [1, D]:
+        drafting reads no other, and the lm_head is a large part of this one-layer pass). The
+        cache gains S rows."""
         e = embed.index_select(0, next_tokens).float()  # [S, D]
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.float())], dim=-1))
-        batch = batches.one_sequence(rope, next_tokens, cache, position)
+        batch = batches.one_sequence(rope, next_tokens, cache, position, speculative=True)
         x, _ = self.block(x, batch, 0, None)
         batch.commit()
-        h = self.head_norm(x)
+        h = self.head_norm(x[-1:] if last_only else x)
         return lm_head(h), h
 
     @torch.inference_mode()
@@ -112,7 +115,7 @@ class MTPLayer:
         position. Cache b gains S_b rows."""
         e = embed.index_select(0, torch.cat(next_tokens)).float()  # [N, D]
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(torch.cat(hidden).float())], dim=-1))
-        batch = batches.prefill(rope, next_tokens, caches, positions)
+        batch = batches.prefill(rope, next_tokens, caches, positions, speculative=True)
         x, _ = self.block(x, batch, 0, None)
         batch.commit()
         h = self.head_norm(x.index_select(0, batch.last_rows))
