@@ -100,12 +100,31 @@ class Telemetry:
         return d
 
 
+MMAP_THRESHOLD = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def return_large_frees() -> bool:
+    """Have glibc give every allocation of 1 MiB or more its own mapping, returned to the OS on
+    free. By default glibc raises that threshold as big blocks are freed (up to 32 MiB), and an
+    expert cache that reads, builds and evicts 10-20 MiB experts then leaves their freed
+    buffers in its heap, resident: on the experts benchmark 1.1 GB of them, past the cgroup
+    limit. Process-wide, set once a streamer opens; False where the C library is not glibc."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
+
+
 class ExpertStreamer:
     """The expert store directory of one model, streamed into a budgeted cache."""
 
     def __init__(self, directory: str | Path, fingerprint: str | None, config: StreamConfig):
         self.directory = Path(directory)
         self.config = config
+        return_large_frees()
         self.reader = ExpertReader(directory, fingerprint, direct=config.direct, threads=config.threads)
         self.manifest = self.reader.manifest
         self.cache = ExpertCache(config.budget, config.policy)
