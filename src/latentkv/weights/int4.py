@@ -106,13 +106,12 @@ class Int4Linear(Linear):
         self.out_features, self.in_features = out_f, in_features
         self._in_padded = 2 * half
         self._out_padded = _padded(out_f, OUT_MULTIPLE)
-        q = unpack_nibbles(nibbles)  # uint8 [out, in_padded]
         pad_rows = self._out_padded - out_f
         sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
         if pad_rows:
-            q = F.pad(q, (0, 0, 0, pad_rows), value=8)  # (8 - 8) * 1 + 0 = 0
+            nibbles = F.pad(nibbles, (0, 0, 0, pad_rows), value=0x88)  # (8 - 8) * 1 + 0 = 0
             sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
-        self.packed = pack_for_op(q)  # the op's layout
+        self.packed = pack_for_op(nibbles)  # the op's layout
         self.scale_zeros = sz.transpose(0, 1).contiguous()  # [groups, out_padded, 2]
         self._bias = None if bias is None else bias.float().contiguous()
 
@@ -240,20 +239,25 @@ def _op_positions(out_f: int, in_f: int) -> torch.Tensor:
     return where
 
 
-def pack_for_op(q: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] (0..15) -> the op's packed layout, the bytes that
-    `_convert_weight_to_int4pack_for_cpu` makes: moved there directly (whole-tensor byte ops)
-    where this CPU's layout is understood (`tile_layout`), else by the op. An expert read from
-    disk is built this way on every cache miss: the op's own conversion (through int32) took
-    ~140 ms for a 4096 x 6144 matrix, 6x the bytes' read time."""
+def pack_for_op(nibbles: torch.Tensor) -> torch.Tensor:
+    """Portable nibbles uint8 [N, K / 2] (`pack_nibbles`: value 2m low, 2m + 1 high) -> the op's
+    packed layout, the bytes `_convert_weight_to_int4pack_for_cpu` makes of the unpacked codes:
+    moved there with whole-tensor byte ops, never unpacked, where this CPU's layout is understood
+    (`tile_layout`), else through the op. An expert read from disk is built this way on every
+    cache miss: the op's own conversion (through int32 codes) took ~170 ms for a 4096 x 6144
+    matrix, several times the bytes' read time."""
     layout = tile_layout()
-    n, k = q.shape
+    n, half_k = nibbles.shape
     if layout is None or n % layout[0]:
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        codes = unpack_nibbles(nibbles).to(torch.int32)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     block, low, high = layout
-    qb = q.view(n // block, block, k)
-    pairs = qb[:, low, :] | (qb[:, high, :] << 4)  # [blocks, block / 2, K]
-    return pairs.transpose(1, 2).contiguous().view(n, k // 2)
+    rows = nibbles.view(n // block, block, half_k)
+    a, b = rows[:, low, :], rows[:, high, :]  # [blocks, block / 2, K / 2]: the low / high rows
+    even = (a & 0x0F) | (b << 4)  # value 2m of each: a's in the low nibble, b's in the high one
+    odd = (a >> 4) | (b & 0xF0)  # value 2m + 1
+    pairs = torch.stack([even, odd], dim=-1).view(n // block, block // 2, 2 * half_k)
+    return pairs.transpose(1, 2).contiguous().view(n, half_k)
 
 
 def _nibbles_flat(packed: torch.Tensor) -> torch.Tensor:
