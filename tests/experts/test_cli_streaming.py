@@ -35,23 +35,25 @@ def test_bad_ram_budgets_exit_2(capsys, monkeypatch, tmp_path):
     assert "latentkv plan" in capsys.readouterr().err
 
 
+SNAPSHOT = {  # an expert streamer's snapshot, as /metrics reads it
+    "asked": 10,
+    "hits": 7,
+    "misses": 2,
+    "prefetched": 1,
+    "bytes_read": 12288,
+    "hit_rate": 0.7,
+    "recall": 0.5,
+    "read_gbps": 1.5,
+    "resident_bytes": 4096,
+    "budget": 8192,
+}
+
+
 def test_metrics_report_expert_streaming():
     from latentkv.engine.request import SchedulerStats
     from latentkv.server.metrics import Registry, render
 
-    snapshot = {
-        "asked": 10,
-        "hits": 7,
-        "misses": 2,
-        "prefetched": 1,
-        "bytes_read": 12288,
-        "hit_rate": 0.7,
-        "recall": 0.5,
-        "read_gbps": 1.5,
-        "resident_bytes": 4096,
-        "budget": 8192,
-    }
-    stats = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts=snapshot)
+    stats = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts=SNAPSHOT)
     text = render("m", True, stats, (0.0, 0.0), Registry())
     assert "latentkv_expert_hit_rate" in text and "latentkv_expert_cache_budget_bytes" in text
     lines = {
@@ -65,3 +67,26 @@ def test_metrics_report_expert_streaming():
     )
     plain = render("m", True, SchedulerStats(1, 0, 5, 6, 100, 1000, "f32"), (0.0, 0.0), Registry())
     assert "latentkv_expert" not in plain
+
+
+def test_metrics_split_the_draft_layers_hit_rate():
+    from latentkv.engine.request import SchedulerStats
+    from latentkv.server.metrics import Registry, render
+
+    snapshot = {
+        **SNAPSHOT,
+        "draft_asked": 4,
+        "draft_hits": 4,
+        "draft_hit_rate": 1.0,
+        "main_hit_rate": 0.5,
+    }
+    stats = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts=snapshot)
+    values = {
+        line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
+        for line in render("m", True, stats, (0.0, 0.0), Registry()).splitlines()
+        if line.startswith("latentkv_expert")
+    }
+    assert values["latentkv_expert_draft_hit_rate"] == 1.0 and values["latentkv_expert_main_hit_rate"] == 0.5
+    assert values["latentkv_expert_draft_requests_total"] == 4
+    plain = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts={**snapshot, "draft_asked": 0})
+    assert "latentkv_expert_draft" not in render("m", True, plain, (0.0, 0.0), Registry())

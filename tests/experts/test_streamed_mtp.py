@@ -279,38 +279,6 @@ def test_bench_speculative_runs_streamed(capsys, tmp_path, monkeypatch, budget):
     assert all(0 <= r["experts"]["main_hit_rate"] <= 1 for r in rows)
 
 
-def test_metrics_split_the_draft_layers_hit_rate():
-    from latentkv.engine.request import SchedulerStats
-    from latentkv.server.metrics import Registry, render
-
-    snapshot = {
-        "asked": 10,
-        "hits": 7,
-        "misses": 2,
-        "prefetched": 1,
-        "bytes_read": 12288,
-        "hit_rate": 0.7,
-        "recall": 0.5,
-        "read_gbps": 1.5,
-        "resident_bytes": 4096,
-        "budget": 8192,
-        "draft_asked": 4,
-        "draft_hits": 4,
-        "draft_hit_rate": 1.0,
-        "main_hit_rate": 0.5,
-    }
-    stats = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts=snapshot)
-    values = {
-        line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
-        for line in render("m", True, stats, (0.0, 0.0), Registry()).splitlines()
-        if line.startswith("latentkv_expert")
-    }
-    assert values["latentkv_expert_draft_hit_rate"] == 1.0 and values["latentkv_expert_main_hit_rate"] == 0.5
-    assert values["latentkv_expert_draft_requests_total"] == 4
-    plain = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts={**snapshot, "draft_asked": 0})
-    assert "latentkv_expert_draft" not in render("m", True, plain, (0.0, 0.0), Registry())
-
-
 def test_the_hot_set_never_pins_the_draft_layer(converted):
     """However often the history saw the MTP layer's experts, pinning picks main layers' only."""
     model_dir, store, _ = converted
