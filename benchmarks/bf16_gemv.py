@@ -34,7 +34,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SLICE_SHAPES = "6144x6144,2752x6144,16384x2048,6144x16384,4096x2048,24576x6144,6144x12288,4096x6144,6144x2048,16384x6144"
+# The slice's decode matrices [out x in] (hidden 6144, 64 heads, q_lora 2048, experts 2048 wide)
+SLICE = {
+    "2752x6144": "q_a | kv_a | indexer wk, fused",
+    "16384x2048": "q_b",
+    "4096x2048": "indexer wq_b",
+    "6144x16384": "o_proj",
+    "24576x6144": "dense MLP gate | up",
+    "6144x12288": "dense MLP down",
+    "4096x6144": "expert gate | up",
+    "6144x2048": "expert down",
+    "16384x6144": "lm_head",
+    "6144x6144": "square, for reference",
+}
 HEADS = ((64, 512, 192), (64, 256, 512))  # (H, out, in): W_UK^T and W_UV of the slice
 
 
@@ -103,7 +115,7 @@ def table(label: str, times: dict[str, list[float]], nbytes: dict[str, int], bas
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--shapes", default=SLICE_SHAPES, help="OUTxIN,... (default: the slice's)")
+    p.add_argument("--shapes", default=",".join(SLICE), help="OUTxIN,... (default: the slice's)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--mib", type=int, default=400, help="weight MiB per timed pass (default 400)")
     p.add_argument("--no-heads", action="store_true", help="skip the per-head products")
@@ -117,7 +129,8 @@ def main() -> int:
         out_f, in_f = map(int, shape.split("x"))
         copies = max(2, -(-args.mib * 2**20 // (2 * out_f * in_f)))
         runs, nbytes = matrix_runs(out_f, in_f, copies)
-        text, rows = table(f"\n{shape} ({copies} copies)", timed(runs, copies, args.repeats), nbytes, "F.linear")
+        label = f"\n{shape} {SLICE.get(shape, '')} ({copies} copies)"
+        text, rows = table(label, timed(runs, copies, args.repeats), nbytes, "F.linear")
         print(text, flush=True)
         result["shapes"][shape] = rows
         del runs

@@ -107,7 +107,7 @@ def load(
 
 
 def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: float) -> None:
-    """The load's lines on stderr: parameters and formats, peak RSS, the int8/int4 kernels used."""
+    """The load's lines on stderr: parameters and formats, peak RSS, the bf16/int8/int4 kernels used."""
     from latentkv.weights import describe
 
     params = model.num_parameters()
@@ -121,7 +121,7 @@ def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: fl
         file=sys.stderr,
     )
     for fmt in dict.fromkeys((engine.weight_dtype, engine.experts)):
-        if fmt in ("int8", "int4"):
+        if fmt in ("bf16", "int8", "int4"):
             print(describe(fmt), file=sys.stderr)
 
 

@@ -1,5 +1,16 @@
 """bfloat16 weights (`--weight-dtype bf16`): half the bytes; the product runs in bfloat16 and
-comes back as float32."""
+comes back as float32.
+
+One row (decode of one sequence) runs `torch.mv`: torch's bfloat16 matrix-vector kernel
+(float32 accumulation, vectorized for the CPU's width: AVX-512, AVX2 or plain C++) streams the
+matrix once. `F.linear` with one row goes through oneDNN's bfloat16 GEMM, which on the
+development machine (AVX-512-BF16, AMX) ran 1.1-2x slower on GLM-5's decode shapes, bound by
+compute rather than memory (docs/weights.md, "Kernels, and why"; `benchmarks/bf16_gemv.py`
+measures both). More rows keep `F.linear`: one read of the matrix serves every row
+(`torch.mv` per row would read it once per row: slower from two rows on, measured), and a
+prefill's rows take AMX tiles. A bias, or a matrix stored transposed, keeps `F.linear`
+whatever the rows.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +25,26 @@ class Bf16Linear(DenseLinear):
     format = "bf16"
     dtype = torch.bfloat16
 
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias)
+        # torch.mv's fast kernel reads rows of W: a transposed view (the fused every-expert
+        # down matrix) keeps F.linear, which reads that one's rows through `_weight_t`.
+        self._gemv = bias is None and weight.is_contiguous()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemv and x.numel() == self.in_features:
+            return self._mv(x).view(*x.shape[:-1], self.out_features)
         return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
 
     def add_to(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             return super().add_to(residual, x)
-        out = (x.to(torch.bfloat16) @ self._weight_t).to(x.dtype)
+        if self._gemv and x.numel() == self.in_features:
+            out = self._mv(x).view(*x.shape[:-1], self.out_features)
+        else:
+            out = (x.to(torch.bfloat16) @ self._weight_t).to(x.dtype)
         return out if residual is None else residual + out
+
+    def _mv(self, x: torch.Tensor) -> torch.Tensor:
+        """One row x (any shape of in_features elements) -> W x [out] in x's dtype."""
+        return torch.mv(self.weight, x.reshape(-1).to(torch.bfloat16)).to(x.dtype)

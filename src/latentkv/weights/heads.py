@@ -2,7 +2,7 @@
 
 `HeadLinears` holds H `Linear`s of one format. When the format is a plain tensor (f32, bf16)
 the H matrices are views of one stacked [H, N, K] tensor and the product is one batched
-matmul, or one matrix-vector product per head for a few rows of big heads (see
+matmul, or (float32) one matrix-vector product per head for a few rows of big heads (see
 PER_HEAD_MAX_ROWS); a packed format runs each head's own `Linear`.
 """
 
@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 from latentkv.weights.base import Linear, format_class
 
-# Per-head products with at most this many rows and at least this many weight bytes run as
-# one matrix-vector product per head: batched matmul with a single row per batch is several
-# times slower than the memory bandwidth allows on the CPU (64 heads of GLM-5: ~8 ms vs ~2).
+# float32 per-head products with at most this many rows and at least this many weight bytes
+# run as one matrix-vector product per head: batched matmul with a single row per batch was
+# several times slower than the memory bandwidth allows on the CPU (64 heads of GLM-5: ~8 ms
+# vs ~2). bfloat16 heads always take the batched matmul: with the [H, N, K] layout it ran
+# 2.5-3x faster than 64 bf16 F.linear calls at one row (docs/weights.md).
 PER_HEAD_MAX_ROWS = 4
 PER_HEAD_MIN_BYTES = 256 * 1024
 
@@ -54,7 +56,8 @@ class HeadLinears:
         if w is None:
             return torch.stack([head(x[h]) for h, head in enumerate(self.heads)])
         xw = x.to(w.dtype) if x.dtype != w.dtype else x
-        if x.shape[1] <= PER_HEAD_MAX_ROWS and w.numel() * w.element_size() >= PER_HEAD_MIN_BYTES:
+        per_head = w.dtype == torch.float32 and x.shape[1] <= PER_HEAD_MAX_ROWS
+        if per_head and w.numel() * w.element_size() >= PER_HEAD_MIN_BYTES:
             out = torch.stack([F.linear(xw[h], w[h]) for h in range(w.shape[0])])
         else:
             out = torch.matmul(xw, w.transpose(1, 2))
