@@ -25,7 +25,9 @@ def describe(fmt: str) -> str:
     int4_prefill = "prefill via dequantized bf16 tiles" if int4.prefill_tiles() else "prefill via the same op"
     gemm = "oneDNN bf16 GEMM" + (" (AMX)" if f["amx"] and f["mkldnn_bf16"] else "")
     kernels = {
-        "bf16": "one row via torch.mv (bf16 GEMV, f32 accumulation), more rows via " + gemm,
+        "bf16": ("one row via torch.mv (bf16 GEMV, f32 accumulation), more rows via " + gemm)
+        if bf16.gemv_one_row()
+        else "torch matmul",
         "int8": "decode via _weight_int8pack_mm, prefill via dequantized " + tile + " tiles",
         "int4": "decode via _weight_int4pack_mm_for_cpu, " + int4_prefill,
     }

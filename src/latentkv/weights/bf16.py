@@ -2,11 +2,11 @@
 comes back as float32.
 
 One row (decode of one sequence) runs `torch.mv`: torch's bfloat16 matrix-vector kernel
-(float32 accumulation, vectorized for the CPU's width: AVX-512, AVX2 or plain C++) streams the
-matrix once. `F.linear` with one row goes through oneDNN's bfloat16 GEMM, which on the
-development machine (AVX-512-BF16, AMX) ran 1.1-2x slower on GLM-5's decode shapes, bound by
+(float32 accumulation, vectorized for the CPU's width) streams the matrix once. Where oneDNN
+has native bfloat16 (AVX512-BF16 or AMX), `F.linear` with one row goes through its bfloat16
+GEMM, which on the development machine ran 1.1-2x slower on GLM-5's decode shapes, bound by
 compute rather than memory (docs/weights.md, "Kernels, and why"; `benchmarks/bf16_gemv.py`
-measures both). More rows keep `F.linear`: one read of the matrix serves every row
+measures both); elsewhere the two ran alike and `F.linear` stays (`gemv_one_row`). More rows keep `F.linear`: one read of the matrix serves every row
 (`torch.mv` per row would read it once per row: slower from two rows on, measured), and a
 prefill's rows take AMX tiles. A bias, or a matrix stored transposed, keeps `F.linear`
 whatever the rows.
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.weights.base import DenseLinear, register
+from latentkv.weights.kernels import matmul_dtype
 
 
 @register
@@ -29,7 +30,7 @@ class Bf16Linear(DenseLinear):
         super().__init__(weight, bias)
         # torch.mv's fast kernel reads rows of W: a transposed view (the fused every-expert
         # down matrix) keeps F.linear, which reads that one's rows through `_weight_t`.
-        self._gemv = bias is None and weight.is_contiguous()
+        self._gemv = bias is None and weight.is_contiguous() and gemv_one_row()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._gemv and x.numel() == self.in_features:
@@ -48,3 +49,11 @@ class Bf16Linear(DenseLinear):
     def _mv(self, x: torch.Tensor) -> torch.Tensor:
         """One row x (any shape of in_features elements) -> W x [out] in x's dtype."""
         return torch.mv(self.weight, x.reshape(-1).to(torch.bfloat16)).to(x.dtype)
+
+
+def gemv_one_row() -> bool:
+    """Whether one row runs `torch.mv`: where `F.linear` takes oneDNN's native bfloat16 GEMM
+    (AVX512-BF16 or AMX), the kernel it beats. Elsewhere (AVX2, plain C++) torch's `F.linear`
+    of one bfloat16 row ran as fast as `torch.mv` (measured under ATEN_CPU_CAPABILITY=avx2 /
+    default with ONEDNN_MAX_CPU_ISA capped), so it stays."""
+    return matmul_dtype() == torch.bfloat16
