@@ -134,8 +134,10 @@ _PORTABLE = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("capability", "onednn"), [("avx2", "AVX2"), ("default", "SSE41")])
+@pytest.mark.parametrize(
+    ("capability", "onednn"),
+    [("avx2", "AVX2"), pytest.param("default", "SSE41", marks=pytest.mark.slow)],  # ~2 s each
+)
 def test_one_row_under_narrower_cpu_kernels(capability, onednn):
     """torch picks its kernels by CPU (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA cap them): a CPU
     with AVX2 only, or none, runs the same code to the same tolerance."""
