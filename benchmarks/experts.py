@@ -69,24 +69,28 @@ def _drop(memlimit) -> None:
 
 
 def _child_cmd(args, budget: int, tier: str, prompt_len: int) -> list[str]:
-    return [
-        sys.executable,
-        __file__,
-        args.model,
-        "--child",
-        "--budget",
-        str(budget),
-        "--kv-cache-dtype",
-        tier,
-        "--prompt-len",
-        str(prompt_len),
-        "--tokens",
-        str(args.tokens),
-        "--policy",
-        args.policy,
-        "--weight-dtype",
-        args.weight_dtype,
-    ] + (["--threads", str(args.threads)] if args.threads else [])
+    return (
+        [
+            sys.executable,
+            __file__,
+            args.model,
+            "--child",
+            "--budget",
+            str(budget),
+            "--kv-cache-dtype",
+            tier,
+            "--prompt-len",
+            str(prompt_len),
+            "--tokens",
+            str(args.tokens),
+            "--policy",
+            args.policy,
+            "--weight-dtype",
+            args.weight_dtype,
+        ]
+        + (["--threads", str(args.threads)] if args.threads else [])
+        + (["--history"] if args.history else [])
+    )
 
 
 def run_child(args: argparse.Namespace) -> int:
@@ -103,7 +107,8 @@ def run_child(args: argparse.Namespace) -> int:
     directory = resolve(args.model)
     store = ensure_store(directory, args.weight_dtype)
     t0 = time.perf_counter()
-    model, streamer = load_streamed(directory, store, StreamConfig(budget=args.budget, policy=args.policy))
+    config = StreamConfig(budget=args.budget, policy=args.policy, history=args.history)
+    model, streamer = load_streamed(directory, store, config)
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g)
@@ -321,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="lru", choices=["lru", "lfu", "least-stale"])
     p.add_argument("--weight-dtype", default="f32", help="dense weight format (the experts keep the store's)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--history",
+        action="store_true",
+        help="use and update the store's usage history (the pinned hot set). Off by default: every "
+        "run decodes the same tokens, so a history kept from earlier runs would pin exactly the "
+        "experts this one needs",
+    )
     p.add_argument("--margin-mib", type=int, default=256, help="limit = plan + this (default: 256)")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument(

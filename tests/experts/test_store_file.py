@@ -49,9 +49,9 @@ def _payload(layer: int, expert: int, layout: ExtentLayout) -> list[bytes]:
     return [rng.randbytes(t.nbytes) for t in layout.tensors]
 
 
-def _write(directory: Path, fingerprint: str = FP) -> dict:
+def _write(directory: Path, fingerprint: str = FP, **kw) -> dict:
     truth = {}
-    with ExpertStoreWriter(directory, fingerprint, meta={"model": "test"}) as w:
+    with ExpertStoreWriter(directory, fingerprint, meta={"model": "test"}, **kw) as w:
         for layer, n in LAYERS.items():
             layout = _layout(layer)
             with w.layer(layer, n, layout) as lw:
@@ -118,6 +118,49 @@ def _flip(path: Path, offset: int, bit: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 1 << bit
     path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("checksum", ["xxh3-128", "sha256-128"])
+def test_each_checksum_is_the_spec_and_refuses_a_flip(tmp_path, checksum):
+    """The manifest's checks are H(seed || "expert" || u32 layer || u32 expert || payload)[:16]
+    with H its `checksum` (computed here from the spec, not by the writer); stores written with
+    SHA-256 (before format 1.1) still read; a flipped bit is refused under either."""
+    import hashlib
+    import struct
+
+    import xxhash
+
+    d = tmp_path / "experts"
+    truth = _write(d, checksum=checksum)
+    manifest = read_manifest(d)
+    assert manifest.checksum == checksum
+    seed = hashlib.sha256(b"latentkv experts\0" + FP.encode()).digest()
+    for (layer, e), parts in truth.items():
+        layout = manifest.layers[layer].layout
+        payload = bytearray(layout.length)
+        for t, part in zip(layout.tensors, parts, strict=True):
+            payload[t.offset : t.offset + t.nbytes] = part
+        h = xxhash.xxh3_128() if checksum == "xxh3-128" else hashlib.sha256()
+        for piece in (seed, b"expert", struct.pack("<II", layer, e), bytes(payload)):
+            h.update(piece)
+        assert manifest.layers[layer].checks[e] == h.digest()[:16].hex()
+    assert _read_all(d) == truth
+    entry = manifest.layers[3]
+    _flip(d / entry.file, entry.offset(1) + 5, 2)
+    assert isinstance(_read_all(d)[3, 1], ExpertDamaged)
+
+
+def test_an_unknown_checksum_is_refused(tmp_path):
+    from latentkv.experts.store_file import Manifest
+
+    d = tmp_path / "experts"
+    _write(d)
+    body = json.loads((d / MANIFEST).read_text())["manifest"]
+    body["checksum"] = "crc32"
+    with pytest.raises(ExpertFileError, match="unknown checksum 'crc32'"):
+        Manifest.from_json(body)
+    with pytest.raises(ValueError, match="unknown extent checksum"):
+        ExpertStoreWriter(tmp_path / "other", FP, checksum="md5")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -86,12 +86,62 @@ def test_prefetched_reads_are_collected_and_recall_counted(tmp_path):
     d, truth = _store(tmp_path)
     s = _streamer(d, 0, history=False)
     s.layer(2).prefetch([1, 2, 4])
+    for future in list(s._inflight.values()):
+        future.result()  # arrived before the pass asks
     got = s.layer(2).get([2, 4, 5])
     assert torch.equal(got[2].down.dequantize(), truth[2, 2].down.dequantize())
     t = s.telemetry
     assert (t.prefetched, t.misses, t.wasted_prefetch) == (2, 1, 1)
     assert (t.recalled, t.predicted) == (2, 3) and t.recall == pytest.approx(2 / 3)
     s.close()
+
+
+def test_a_pass_reads_before_predictions_and_takes_over_unstarted_ones(tmp_path):
+    """Predicted reads queue behind the reads a pass waits for; a predicted expert whose read
+    has not started when the pass asks is read at once (a miss), and unused predictions that
+    never started are never read."""
+    import threading
+    import time
+
+    d, _ = _store(tmp_path)
+    s = _streamer(d, 0, history=False, threads=1)
+    gate, busy = threading.Event(), threading.Event()
+    s.reader._pool.submit(0, lambda: busy.set() or gate.wait(10))  # occupies the one reader
+    assert busy.wait(10)
+    order, read = [], s.reader.read
+    s.reader.read = lambda layer, e: order.append((layer, e)) or read(layer, e)
+    s.layer(2).prefetch([1, 2, 4])  # queued, none started
+    done = threading.Thread(target=lambda: s.layer(2).get([4, 5]))
+    done.start()
+    deadline = time.monotonic() + 10
+    while s.telemetry.misses < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    done.join(10)
+    assert order == [(2, 4), (2, 5)]
+    t = s.telemetry
+    assert (t.prefetched, t.misses, t.wasted_prefetch) == (0, 2, 2)
+    s.close()
+
+
+def test_the_priority_pool_runs_lower_numbers_first_and_skips_cancelled():
+    import threading
+
+    from latentkv.experts.reader import PriorityPool
+
+    pool = PriorityPool(1, "test")
+    gate, busy, ran = threading.Event(), threading.Event(), []
+    pool.submit(0, lambda: busy.set() or gate.wait(10))
+    assert busy.wait(10)
+    futures = [pool.submit(p, ran.append, name) for p, name in ((1, "a"), (1, "b"), (0, "c"), (1, "d"))]
+    assert futures[1].cancel()
+    gate.set()
+    pool.shutdown(wait=True)
+    assert ran == ["c", "a", "d"]
+    failing = PriorityPool(1, "test")
+    with pytest.raises(ZeroDivisionError):
+        failing.submit(0, lambda: 1 / 0).result(10)
+    failing.shutdown()
 
 
 def test_prefetch_stays_within_its_bytes(tmp_path):

@@ -10,11 +10,14 @@ aligned, as O_DIRECT needs, and freed when the last view of them goes.
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,7 +111,7 @@ class ExpertReader:
         self.notes: list[str] = []
         self._files: dict[int, _LayerFile] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="lkv-experts")
+        self._pool = PriorityPool(max(1, threads), "lkv-experts")
 
     def entry(self, layer: int) -> LayerEntry:
         try:
@@ -121,9 +124,11 @@ class ExpertReader:
     def uses_direct(self, layer: int) -> bool:
         return self._file(layer).direct_fd is not None
 
-    def submit(self, layer: int, expert: int) -> Future[Extent]:
-        """Start reading one expert on the pool; the future raises ExpertDamaged if it fails its check."""
-        return self._pool.submit(self.read, layer, expert)
+    def submit(self, layer: int, expert: int, urgent: bool = True) -> Future[Extent]:
+        """Start reading one expert on the pool; the future raises ExpertDamaged if it fails its
+        check. Urgent reads (a pass waits for them) start before any queued non-urgent one (a
+        prediction's)."""
+        return self._pool.submit(0 if urgent else 1, self.read, layer, expert)
 
     def read(self, layer: int, expert: int) -> Extent:
         """One expert, read and verified now (on the calling thread)."""
@@ -138,7 +143,8 @@ class ExpertReader:
         t0 = time.perf_counter()
         got, direct = self._pread(f, buf, offset)
         t1 = time.perf_counter()
-        verify_extent(self.seed, entry, expert, memoryview(buf)[: min(got, entry.layout.length)], f.path)
+        payload = memoryview(buf)[: min(got, entry.layout.length)]
+        verify_extent(self.seed, entry, expert, payload, f.path, self.manifest.checksum)
         t2 = time.perf_counter()
         with self._lock:
             s = self.stats
@@ -188,6 +194,45 @@ class ExpertReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PriorityPool:
+    """A fixed pool of threads running submitted calls, lowest priority number first (FIFO
+    within a priority). Cancelling a queued call's future drops it."""
+
+    def __init__(self, threads: int, name: str):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((priority, next(self._order), future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            _priority, _n, future, fn, args = self._queue.get()
+            if future is None:  # shutdown
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Run what is queued, then stop the threads."""
+        for _ in self._threads:
+            self._queue.put((float("inf"), next(self._order), None, None, ()))
+        if wait:
+            for t in self._threads:
+                t.join()
 
 
 def _preadv_all(fd: int, buf: mmap.mmap, offset: int) -> int:

@@ -8,7 +8,9 @@ set from the usage history) and the telemetry; each MoE layer gets a `StreamedEx
                    hits from the cache, prefetched reads collected, misses read in parallel;
                    each read expert is kept if the cache can make room, else used once and dropped
     prefetch(ids)  the next layer's router, run early on the current hidden state, predicts ids:
-                   their reads start now (bounded by `prefetch_bytes` in flight)
+                   their reads start now (bounded by `prefetch_bytes` in flight), behind any
+                   read a pass waits for; a pass asking for one whose read has not started
+                   yet reads it at once instead
 
 Memory: resident = cache (<= budget) + the experts of the current `get` that did not fit
 (at most the batch's union for one layer) + prefetch reads in flight (<= prefetch_bytes).
@@ -51,7 +53,7 @@ class Telemetry:
 
     asked: int = 0  # experts asked for by get (each pass counts each distinct expert once)
     hits: int = 0  # found in the cache
-    prefetched: int = 0  # read ahead by prefetch, arrived or in flight when asked
+    prefetched: int = 0  # read ahead by prefetch, arrived or being read when asked
     misses: int = 0  # read on demand
     predicted: int = 0  # experts asked for in layers that had a prediction
     recalled: int = 0  # of those, how many the prediction named
@@ -199,9 +201,9 @@ class ExpertStreamer:
                 out[e] = cached
                 continue
             future = self._take_inflight(layer, e)
-            if future is not None:
-                t.prefetched += 1
-            else:
+            if future is not None and not future.cancel():
+                t.prefetched += 1  # read ahead: arrived, or being read now
+            else:  # not predicted, or its read had not started: read it now, first
                 t.misses += 1
                 future = self.reader.submit(layer, e)
             pending.append((e, future))
@@ -245,7 +247,7 @@ class ExpertStreamer:
                     continue
                 if self._inflight_bytes + size > self.prefetch_bytes:
                     break
-                self._inflight[key] = self.reader.submit(layer, e)
+                self._inflight[key] = self.reader.submit(layer, e, urgent=False)
                 self._inflight_bytes += size
                 self.telemetry.prefetch_reads += 1
 

@@ -7,7 +7,9 @@ Each MoE layer becomes a `StreamedMoE`: the same router, shared expert and compu
 union, so batched decode reads each expert once). Before its own experts, layer L runs the next MoE layer's
 router on the current hidden state (the residual stream after L's attention, through the next
 layer's MLP norm) and starts reading the experts it predicts: the reads overlap layer L's
-compute. Prediction is advice only; what is computed never depends on it.
+compute. The dense layer just before the first MoE layer does the same for it
+(`PrefetchingMLP`), so every MoE layer of a token is predicted. Prediction is advice only; what
+is computed never depends on it, and the reader serves a pass's own reads before predictions.
 
 The MTP draft layer's MoE (layer `num_hidden_layers`) streams from the same store and cache
 when the store holds its experts (stores converted before it did load without the draft
@@ -45,6 +47,26 @@ class StreamedMoE(MoE):
         if self.lookahead is not None:
             self.lookahead(residual if residual is not None else x)
         return super().__call__(x, residual, decode)
+
+
+class PrefetchingMLP:
+    """A dense MLP (a block before the first MoE layer) that first starts the reads of the
+    experts the next layer's router predicts: those reads then overlap this MLP's compute, the
+    biggest window a token has before its first MoE layer."""
+
+    def __init__(self, mlp: Expert, lookahead: Lookahead | None):
+        self.mlp = mlp
+        self.lookahead = lookahead
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
+    ) -> torch.Tensor:
+        if self.lookahead is not None:
+            self.lookahead(residual if residual is not None else x)
+        return self.mlp(x, residual, decode)
+
+    def __getattr__(self, name: str):
+        return getattr(self.mlp, name)
 
 
 def _prefetcher(streamer: ExpertStreamer, layer: int, norm, router) -> Lookahead:
@@ -175,6 +197,10 @@ def _wire(model, streamer: ExpertStreamer, prefetch: bool) -> None:
         for here, nxt in zip(layers, layers[1:], strict=False):
             nb = model.blocks[nxt]
             model.blocks[here].mlp.lookahead = _prefetcher(streamer, nxt, nb.mlp_norm, nb.mlp.router)
+        first = layers[0] if layers else 0
+        if first > 0 and not isinstance(model.blocks[first - 1].mlp, (MoE, PrefetchingMLP)):
+            nb, before = model.blocks[first], model.blocks[first - 1]
+            before.mlp = PrefetchingMLP(before.mlp, _prefetcher(streamer, first, nb.mlp_norm, nb.mlp.router))
     streamer.pin_hot_set()
 
 
