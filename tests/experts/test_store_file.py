@@ -352,3 +352,30 @@ def test_o_direct_refused_at_read_time_falls_back_once(store, monkeypatch):
         assert [bytes(ext.view(t.name)) for t in ext.layout.tensors] == truth[1, 0]
         r.read(1, 1)
         assert len(calls) == 1 and not r.uses_direct(1) and "EINVAL" in r.notes[0]
+
+
+def test_read_buffers_are_reused_only_once_nothing_views_them(store):
+    """A buffer comes back from the pool only when no tensor, extent or view refers to it: an
+    expert still in use keeps its bytes however many reads follow; at most SPARE_BUFFERS free
+    ones stay mapped."""
+    import torch
+
+    from latentkv.experts.reader import SPARE_BUFFERS
+
+    d, truth = store
+    with ExpertReader(d, FP) as r:
+        ext = r.read(1, 0)
+        held = torch.frombuffer(ext.buffer, dtype=torch.uint8)[:64].clone()
+        view = torch.frombuffer(ext.buffer, dtype=torch.uint8, count=64)
+        del ext
+        for _ in range(6):
+            for e in (1, 2):
+                r.read(1, e)  # dropped at once: their buffers are free for the next read
+        assert torch.equal(view, held)  # the viewed buffer was never handed out again
+        assert r.buffers.reused >= 10 and r.buffers.mapped <= 3
+        del view
+        many = [r.read(1, e % 3) for e in range(8)]
+        del many
+        r.read(1, 0)
+        stride = read_manifest(d).layers[1].layout.stride
+        assert r.buffers.held_bytes <= (SPARE_BUFFERS + 1) * stride

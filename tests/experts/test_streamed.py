@@ -183,3 +183,54 @@ def test_a_damaged_expert_stops_the_pass_with_its_name(tmp_path):
         s.layer(2).get([1, 3])
     assert (2, 3) not in s.cache
     s.close()
+
+
+def test_arrivals_hand_over_hits_first_then_reads_and_cache_like_get(tmp_path):
+    d, truth = _store(tmp_path)
+    a = _streamer(d, 3, history=False)
+    b = _streamer(d, 3, history=False)
+    a.layer(1).get([0, 1])
+    b.layer(1).get([0, 1])
+    got = list(a.layer(1).arrivals([4, 1, 5]))
+    assert got[0][0] == 1 and sorted(e for e, _ in got[1:]) == [4, 5]  # the hit first
+    for e, expert in got:
+        assert torch.equal(expert.down.dequantize(), truth[1, e].down.dequantize())
+    b.layer(1).get([4, 1, 5])
+    assert sorted(a.cache.cached_keys()) == sorted(b.cache.cached_keys())  # same cache as get
+    assert a.telemetry.misses == b.telemetry.misses == 4
+    a.close()
+    b.close()
+
+
+def test_an_abandoned_arrivals_iterator_releases_the_pass(tmp_path):
+    d, _ = _store(tmp_path)
+    s = _streamer(d, 1, history=False)
+    it = s.layer(1).arrivals([0, 1, 2])
+    next(it)
+    it.close()
+    s.layer(1).get([3])  # the budget holds one expert: nothing of the closed pass is pinned
+    assert [k for k in s.cache.cached_keys()] == [(1, 3)]
+    s.close()
+
+
+def test_a_layer_whose_predictions_miss_stops_being_read_ahead_and_resumes(tmp_path):
+    from latentkv.experts.streamed import PREFETCH_MIN_RECALL
+
+    d, _ = _store(tmp_path)
+    s = _streamer(d, 0, history=False)
+    passes = 0
+    while s._recall.get(2, 1.0) >= PREFETCH_MIN_RECALL:  # predictions that never come true
+        s.layer(2).prefetch([0, 1])
+        s.layer(2).get([4, 5])
+        passes += 1
+        assert passes < 20
+    reads = s.telemetry.prefetch_reads
+    s.layer(2).prefetch([0, 1])
+    assert s.telemetry.prefetch_reads == reads and s.telemetry.unread_predictions == 2
+    s.layer(2).get([0, 1])  # still measured while paused: they come true again ...
+    while s._recall[2] < PREFETCH_MIN_RECALL:
+        s.layer(2).prefetch([0, 1])
+        s.layer(2).get([0, 1])
+    s.layer(2).prefetch([2, 3])  # ... and reading ahead resumes
+    assert s.telemetry.prefetch_reads == reads + 2
+    s.close()

@@ -14,6 +14,8 @@ int8 and int4 are registered here.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,12 +105,20 @@ def _int4_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> 
     cls = format_class(fmt)
     if "packed" not in t:
         return cls(t["nibbles"], t["scale"], t["zero"], params["in_features"], t.get("bias"))
-    packed, stored = t["packed"], int4.layout_from_spec(params["layout"])
-    if not int4.same_layout(stored, int4.tile_layout()):  # written on a CPU with another layout
+    packed = t["packed"]
+    stored, native = _int4_layout(json.dumps(params["layout"], sort_keys=True))
+    if not native:  # written on a CPU whose op lays the bytes out differently
         packed = int4.pack_for_op(int4.unpack_with(packed, stored))
     return cls.from_packed(
         packed, t["scale_zeros"], params["in_features"], params["out_features"], t.get("bias")
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _int4_layout(spec: str) -> tuple[int4.Layout, bool]:
+    """A stored layout (its JSON) and whether it is this CPU's: parsed once per store, not per read."""
+    layout = int4.layout_from_spec(json.loads(spec))
+    return layout, int4.same_layout(layout, int4.tile_layout())
 
 
 def int4_portable(
