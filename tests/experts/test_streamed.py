@@ -120,7 +120,28 @@ def test_a_pass_reads_before_predictions_and_takes_over_unstarted_ones(tmp_path)
     done.join(10)
     assert order == [(2, 4), (2, 5)]
     t = s.telemetry
-    assert (t.prefetched, t.misses, t.wasted_prefetch) == (0, 2, 2)
+    assert (t.prefetched, t.misses, t.wasted_prefetch) == (0, 2, 0)  # 1 and 2 were never read
+    s.close()
+
+
+def test_a_second_prediction_replaces_the_first_ones_unstarted_reads(tmp_path):
+    import threading
+
+    d, _ = _store(tmp_path)
+    s = _streamer(d, 0, history=False, threads=1)
+    gate, busy = threading.Event(), threading.Event()
+    s.reader._pool.submit(0, lambda: busy.set() or gate.wait(10))
+    assert busy.wait(10)
+    s.layer(2).prefetch([0, 1])
+    s.layer(2).prefetch([1, 3])  # a later, better guess: 0's read has not started
+    assert sorted(k[1] for k in s._inflight) == [1, 3]
+    gate.set()
+    for future in list(s._inflight.values()):
+        future.result(10)
+    s.layer(2).get([1, 3])
+    t = s.telemetry
+    assert (t.prefetched, t.misses, t.wasted_prefetch) == (2, 0, 0)
+    assert (t.predicted, t.recalled) == (2, 2)  # recall over the union {0, 1, 3}
     s.close()
 
 

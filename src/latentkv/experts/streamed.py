@@ -67,8 +67,8 @@ class Telemetry:
     misses: int = 0  # read on demand
     predicted: int = 0  # experts asked for in layers that had a prediction
     recalled: int = 0  # of those, how many the prediction named
-    prefetch_reads: int = 0
-    wasted_prefetch: int = 0  # prefetched but not asked for
+    prefetch_reads: int = 0  # predicted reads queued (some are dropped before they start)
+    wasted_prefetch: int = 0  # read ahead (or being read) but not asked for
     unread_predictions: int = 0  # predictions not read: their layer's recall was too low
     bytes_read: int = 0  # every read: on demand, prefetch, hot set
     read_seconds: float = 0.0  # time inside pread, summed over reader threads
@@ -277,15 +277,25 @@ class ExpertStreamer:
             t.resident_bytes = self.cache.resident_bytes
 
     def prefetch(self, layer: int, ids: Sequence[int]) -> None:
-        """Start reading the experts of `layer` that are neither cached nor in flight."""
+        """Start reading the experts of `layer` that are neither cached nor in flight. A layer may
+        be predicted twice before it runs (early, and again once the layer before it is done):
+        the later prediction drops the earlier one's reads that have not started, and recall
+        counts the union."""
         if layer not in self.manifest.layers:
             return
-        self._predicted[layer] = set(ids)  # measured even while not read, to resume reading
+        new = set(ids)
+        earlier = self._predicted.get(layer)
+        self._predicted[layer] = new if earlier is None else earlier | new  # measured while paused too
         if self._recall.get(layer, 1.0) < PREFETCH_MIN_RECALL:
-            self.telemetry.unread_predictions += len(ids)
+            self.telemetry.unread_predictions += len(new)
             return
         size = self.expert_bytes[layer]
         with self._lock:
+            if earlier is not None:
+                for key in [k for k in self._inflight if k[0] == layer and k[1] not in new]:
+                    if self._inflight[key].cancel():  # not started: the newer guess replaces it
+                        del self._inflight[key]
+                        self._inflight_bytes -= size
             for e in ids:
                 key = (layer, e)
                 if key in self.cache or key in self._inflight:
@@ -309,8 +319,8 @@ class ExpertStreamer:
             for key in [k for k in self._inflight if k[0] == layer]:
                 future = self._inflight.pop(key)
                 self._inflight_bytes -= self.expert_bytes[layer]
-                self.telemetry.wasted_prefetch += 1
-                future.cancel()
+                if not future.cancel():  # read (or being read) for nothing
+                    self.telemetry.wasted_prefetch += 1
 
     def _next_pass(self) -> None:
         self.cache.next_step()
