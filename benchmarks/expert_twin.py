@@ -91,16 +91,16 @@ def read_projection(reader, layer: int, expert: int, proj: str, dtype: torch.dty
 
 def part_rows(extent, part: str, rows: slice | None) -> torch.Tensor:
     """Rows of one Linear of an extent as float32 [rows, in]: int4 straight from its raw nibbles
-    (no packed layout built), any other format through its codec."""
-    from latentkv.experts.extent import _view, codec_for
+    (no packing for this CPU), any other format through its codec."""
+    from latentkv.experts.extent import _view, codec_for, int4_portable
     from latentkv.weights.int4 import dequantize_int4, unpack_nibbles
 
     meta = extent.layout.meta[part]
     raw = {name: _view(extent, f"{part}.{name}") for name in meta["tensors"]}
     rows = rows or slice(0, meta["out_features"])
     if meta["format"] == "int4":
-        q = unpack_nibbles(raw["nibbles"][rows])
-        w = dequantize_int4(q, raw["scale"][rows], raw["zero"][rows])
+        nibbles, scale, zero = int4_portable(meta["params"], raw)
+        w = dequantize_int4(unpack_nibbles(nibbles[rows]), scale[rows], zero[rows])
         return w[:, : meta["in_features"]]
     lin = codec_for(meta["format"]).from_raw(meta["format"], meta["params"], raw)
     return lin.dequantize()[rows]

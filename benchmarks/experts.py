@@ -6,8 +6,14 @@ recall and read speed per expert-cache budget, against the disk-bound limit.
         --fractions 0.125,0.25,0.5 --tokens 32 --out benchmarks/results/experts-bench.json
 
     # the thesis table: one RAM budget, a long context, the KV tier moves RAM to the experts
-    .venv/bin/python benchmarks/experts.py ~/.cache/latentkv/experts-bench --ram-gb 9 \\
-        --tiers f32,fp8,tq4-r8 --context 32768 --tokens 16 --out benchmarks/results/experts-thesis.json
+    .venv/bin/python benchmarks/experts.py ~/.cache/latentkv/experts-bench --ram-gb 8 \\
+        --tiers f32,fp8,tq4-r8 --context 131072 --fill random --tokens 32 \\
+        --out benchmarks/results/experts-thesis.json
+
+`--fill random` builds the context from random latent rows appended to every layer's cache
+(what `latentkv bench decode --fill random` does) and prefills only the last 16 tokens: the
+memory of a long context, without minutes of prefill. The plan and the cgroup limit count the
+whole context at the tier's real bytes, as a server planning that context would.
 
 Each run is a child process in its own memory cgroup (v2 memory.max or v1 limit_in_bytes, which
 count page cache; root), limited to the plan's RAM plus --margin-mib, after the page cache is
@@ -33,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp_experts  # noqa: E402
 
 GIB = 1 << 30
+RANDOM_FILL_PROMPT = 1  # --fill random: tokens prefilled after the random rows (one: a decode step)
 
 
 def measure_disk(store: Path, drop: bool, threads: int = 4, max_bytes: int = 4 * GIB) -> dict:
@@ -69,24 +76,14 @@ def _drop(memlimit) -> None:
 
 
 def _child_cmd(args, budget: int, tier: str, prompt_len: int) -> list[str]:
-    return [
-        sys.executable,
-        __file__,
-        args.model,
-        "--child",
-        "--budget",
-        str(budget),
-        "--kv-cache-dtype",
-        tier,
-        "--prompt-len",
-        str(prompt_len),
-        "--tokens",
-        str(args.tokens),
-        "--policy",
-        args.policy,
-        "--weight-dtype",
-        args.weight_dtype,
-    ] + (["--threads", str(args.threads)] if args.threads else [])
+    filled = 0
+    if args.fill == "random" and prompt_len > RANDOM_FILL_PROMPT:
+        filled, prompt_len = prompt_len - RANDOM_FILL_PROMPT, RANDOM_FILL_PROMPT
+    cmd = [sys.executable, __file__, args.model, "--child", "--budget", str(budget)]
+    cmd += ["--kv-cache-dtype", tier, "--prompt-len", str(prompt_len), "--filled", str(filled)]
+    cmd += ["--tokens", str(args.tokens), "--policy", args.policy, "--weight-dtype", args.weight_dtype]
+    cmd += ["--threads", str(args.threads)] if args.threads else []
+    return cmd + (["--history"] if args.history else [])
 
 
 def run_child(args: argparse.Namespace) -> int:
@@ -103,11 +100,17 @@ def run_child(args: argparse.Namespace) -> int:
     directory = resolve(args.model)
     store = ensure_store(directory, args.weight_dtype)
     t0 = time.perf_counter()
-    model, streamer = load_streamed(directory, store, StreamConfig(budget=args.budget, policy=args.policy))
+    config = StreamConfig(budget=args.budget, policy=args.policy, history=args.history)
+    model, streamer = load_streamed(directory, store, config)
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g)
     cache = model.make_cache(CacheConfig(args.kv_cache_dtype))
+    if args.filled:
+        from latentkv.eval.bench.common import fill_random
+
+        cache.reserve(args.filled + args.prompt_len + args.tokens)  # one allocation, no doubling
+        fill_random(cache, args.filled)
     t0 = time.perf_counter()
     logits = model.forward(prompt, cache)[-1]
     prefill_s = time.perf_counter() - t0
@@ -302,6 +305,11 @@ def run_parent(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = main_args(argv)
+    return run_child(args) if args.child else run_parent(args)
+
+
+def main_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model folder (with experts/) or builtin:NAME")
     p.add_argument(
@@ -316,11 +324,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--context", type=int, default=64, help="tokens of context: prompt + generated (default: 64)"
     )
+    p.add_argument(
+        "--fill",
+        choices=["prefill", "random"],
+        default="prefill",
+        help="how the context is built: prefill a random prompt (default), or random latent rows "
+        f"appended to the cache and {RANDOM_FILL_PROMPT} prefilled tokens (long contexts)",
+    )
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed (default: 32)")
     p.add_argument("--kv-cache-dtype", default="f32")
     p.add_argument("--policy", default="lru", choices=["lru", "lfu", "least-stale"])
     p.add_argument("--weight-dtype", default="f32", help="dense weight format (the experts keep the store's)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--history",
+        action="store_true",
+        help="use and update the store's usage history (the pinned hot set). Off by default: every "
+        "run decodes the same tokens, so a history kept from earlier runs would pin exactly the "
+        "experts this one needs",
+    )
     p.add_argument("--margin-mib", type=int, default=256, help="limit = plan + this (default: 256)")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument(
@@ -353,10 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--prompt-len", type=int, default=16, help=argparse.SUPPRESS)
+    p.add_argument("--filled", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiers and args.ram_gb is None:
         p.error("--tiers needs --ram-gb")
-    return run_child(args) if args.child else run_parent(args)
+    if args.fill == "random" and args.llamacpp:
+        p.error("--fill random cannot be combined with --llamacpp: llama-bench prefills its context")
+    return args
 
 
 if __name__ == "__main__":

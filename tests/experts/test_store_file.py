@@ -49,9 +49,9 @@ def _payload(layer: int, expert: int, layout: ExtentLayout) -> list[bytes]:
     return [rng.randbytes(t.nbytes) for t in layout.tensors]
 
 
-def _write(directory: Path, fingerprint: str = FP) -> dict:
+def _write(directory: Path, fingerprint: str = FP, **kw) -> dict:
     truth = {}
-    with ExpertStoreWriter(directory, fingerprint, meta={"model": "test"}) as w:
+    with ExpertStoreWriter(directory, fingerprint, meta={"model": "test"}, **kw) as w:
         for layer, n in LAYERS.items():
             layout = _layout(layer)
             with w.layer(layer, n, layout) as lw:
@@ -118,6 +118,49 @@ def _flip(path: Path, offset: int, bit: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 1 << bit
     path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("checksum", ["xxh3-128", "sha256-128"])
+def test_each_checksum_is_the_spec_and_refuses_a_flip(tmp_path, checksum):
+    """The manifest's checks are H(seed || "expert" || u32 layer || u32 expert || payload)[:16]
+    with H its `checksum` (computed here from the spec, not by the writer); stores written with
+    SHA-256 (before format 1.1) still read; a flipped bit is refused under either."""
+    import hashlib
+    import struct
+
+    import xxhash
+
+    d = tmp_path / "experts"
+    truth = _write(d, checksum=checksum)
+    manifest = read_manifest(d)
+    assert manifest.checksum == checksum
+    seed = hashlib.sha256(b"latentkv experts\0" + FP.encode()).digest()
+    for (layer, e), parts in truth.items():
+        layout = manifest.layers[layer].layout
+        payload = bytearray(layout.length)
+        for t, part in zip(layout.tensors, parts, strict=True):
+            payload[t.offset : t.offset + t.nbytes] = part
+        h = xxhash.xxh3_128() if checksum == "xxh3-128" else hashlib.sha256()
+        for piece in (seed, b"expert", struct.pack("<II", layer, e), bytes(payload)):
+            h.update(piece)
+        assert manifest.layers[layer].checks[e] == h.digest()[:16].hex()
+    assert _read_all(d) == truth
+    entry = manifest.layers[3]
+    _flip(d / entry.file, entry.offset(1) + 5, 2)
+    assert isinstance(_read_all(d)[3, 1], ExpertDamaged)
+
+
+def test_an_unknown_checksum_is_refused(tmp_path):
+    from latentkv.experts.store_file import Manifest
+
+    d = tmp_path / "experts"
+    _write(d)
+    body = json.loads((d / MANIFEST).read_text())["manifest"]
+    body["checksum"] = "crc32"
+    with pytest.raises(ExpertFileError, match="unknown checksum 'crc32'"):
+        Manifest.from_json(body)
+    with pytest.raises(ValueError, match="unknown extent checksum"):
+        ExpertStoreWriter(tmp_path / "other", FP, checksum="md5")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -309,3 +352,30 @@ def test_o_direct_refused_at_read_time_falls_back_once(store, monkeypatch):
         assert [bytes(ext.view(t.name)) for t in ext.layout.tensors] == truth[1, 0]
         r.read(1, 1)
         assert len(calls) == 1 and not r.uses_direct(1) and "EINVAL" in r.notes[0]
+
+
+def test_read_buffers_are_reused_only_once_nothing_views_them(store):
+    """A buffer comes back from the pool only when no tensor, extent or view refers to it: an
+    expert still in use keeps its bytes however many reads follow; at most SPARE_BUFFERS free
+    ones stay mapped."""
+    import torch
+
+    from latentkv.experts.reader import SPARE_BUFFERS
+
+    d, truth = store
+    with ExpertReader(d, FP) as r:
+        ext = r.read(1, 0)
+        held = torch.frombuffer(ext.buffer, dtype=torch.uint8)[:64].clone()
+        view = torch.frombuffer(ext.buffer, dtype=torch.uint8, count=64)
+        del ext
+        for _ in range(6):
+            for e in (1, 2):
+                r.read(1, e)  # dropped at once: their buffers are free for the next read
+        assert torch.equal(view, held)  # the viewed buffer was never handed out again
+        assert r.buffers.reused >= 10 and r.buffers.mapped <= 3
+        del view
+        many = [r.read(1, e % 3) for e in range(8)]
+        del many
+        r.read(1, 0)
+        stride = read_manifest(d).layers[1].layout.stride
+        assert r.buffers.held_bytes <= (SPARE_BUFFERS + 1) * stride

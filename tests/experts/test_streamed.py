@@ -86,12 +86,83 @@ def test_prefetched_reads_are_collected_and_recall_counted(tmp_path):
     d, truth = _store(tmp_path)
     s = _streamer(d, 0, history=False)
     s.layer(2).prefetch([1, 2, 4])
+    for future in list(s._inflight.values()):
+        future.result()  # arrived before the pass asks
     got = s.layer(2).get([2, 4, 5])
     assert torch.equal(got[2].down.dequantize(), truth[2, 2].down.dequantize())
     t = s.telemetry
     assert (t.prefetched, t.misses, t.wasted_prefetch) == (2, 1, 1)
     assert (t.recalled, t.predicted) == (2, 3) and t.recall == pytest.approx(2 / 3)
     s.close()
+
+
+def test_a_pass_reads_before_predictions_and_takes_over_unstarted_ones(tmp_path):
+    """Predicted reads queue behind the reads a pass waits for; a predicted expert whose read
+    has not started when the pass asks is read at once (a miss), and unused predictions that
+    never started are never read."""
+    import threading
+    import time
+
+    d, _ = _store(tmp_path)
+    s = _streamer(d, 0, history=False, threads=1)
+    gate, busy = threading.Event(), threading.Event()
+    s.reader._pool.submit(0, lambda: busy.set() or gate.wait(10))  # occupies the one reader
+    assert busy.wait(10)
+    order, read = [], s.reader.read
+    s.reader.read = lambda layer, e: order.append((layer, e)) or read(layer, e)
+    s.layer(2).prefetch([1, 2, 4])  # queued, none started
+    done = threading.Thread(target=lambda: s.layer(2).get([4, 5]))
+    done.start()
+    deadline = time.monotonic() + 10
+    while s.telemetry.misses < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    done.join(10)
+    assert order == [(2, 4), (2, 5)]
+    t = s.telemetry
+    assert (t.prefetched, t.misses, t.wasted_prefetch) == (0, 2, 0)  # 1 and 2 were never read
+    s.close()
+
+
+def test_a_second_prediction_replaces_the_first_ones_unstarted_reads(tmp_path):
+    import threading
+
+    d, _ = _store(tmp_path)
+    s = _streamer(d, 0, history=False, threads=1)
+    gate, busy = threading.Event(), threading.Event()
+    s.reader._pool.submit(0, lambda: busy.set() or gate.wait(10))
+    assert busy.wait(10)
+    s.layer(2).prefetch([0, 1])
+    s.layer(2).prefetch([1, 3])  # a later, better guess: 0's read has not started
+    assert sorted(k[1] for k in s._inflight) == [1, 3]
+    gate.set()
+    for future in list(s._inflight.values()):
+        future.result(10)
+    s.layer(2).get([1, 3])
+    t = s.telemetry
+    assert (t.prefetched, t.misses, t.wasted_prefetch) == (2, 0, 0)
+    assert (t.predicted, t.recalled) == (2, 2)  # recall over the union {0, 1, 3}
+    s.close()
+
+
+def test_the_priority_pool_runs_lower_numbers_first_and_skips_cancelled():
+    import threading
+
+    from latentkv.experts.reader import PriorityPool
+
+    pool = PriorityPool(1, "test")
+    gate, busy, ran = threading.Event(), threading.Event(), []
+    pool.submit(0, lambda: busy.set() or gate.wait(10))
+    assert busy.wait(10)
+    futures = [pool.submit(p, ran.append, name) for p, name in ((1, "a"), (1, "b"), (0, "c"), (1, "d"))]
+    assert futures[1].cancel()
+    gate.set()
+    pool.shutdown(wait=True)
+    assert ran == ["c", "a", "d"]
+    failing = PriorityPool(1, "test")
+    with pytest.raises(ZeroDivisionError):
+        failing.submit(0, lambda: 1 / 0).result(10)
+    failing.shutdown()
 
 
 def test_prefetch_stays_within_its_bytes(tmp_path):
@@ -132,4 +203,55 @@ def test_a_damaged_expert_stops_the_pass_with_its_name(tmp_path):
     with pytest.raises(ExpertDamaged, match=r"model\.layers\.2\.mlp\.experts\.3"):
         s.layer(2).get([1, 3])
     assert (2, 3) not in s.cache
+    s.close()
+
+
+def test_arrivals_hand_over_hits_first_then_reads_and_cache_like_get(tmp_path):
+    d, truth = _store(tmp_path)
+    a = _streamer(d, 3, history=False)
+    b = _streamer(d, 3, history=False)
+    a.layer(1).get([0, 1])
+    b.layer(1).get([0, 1])
+    got = list(a.layer(1).arrivals([4, 1, 5]))
+    assert got[0][0] == 1 and sorted(e for e, _ in got[1:]) == [4, 5]  # the hit first
+    for e, expert in got:
+        assert torch.equal(expert.down.dequantize(), truth[1, e].down.dequantize())
+    b.layer(1).get([4, 1, 5])
+    assert sorted(a.cache.cached_keys()) == sorted(b.cache.cached_keys())  # same cache as get
+    assert a.telemetry.misses == b.telemetry.misses == 4
+    a.close()
+    b.close()
+
+
+def test_an_abandoned_arrivals_iterator_releases_the_pass(tmp_path):
+    d, _ = _store(tmp_path)
+    s = _streamer(d, 1, history=False)
+    it = s.layer(1).arrivals([0, 1, 2])
+    next(it)
+    it.close()
+    s.layer(1).get([3])  # the budget holds one expert: nothing of the closed pass is pinned
+    assert [k for k in s.cache.cached_keys()] == [(1, 3)]
+    s.close()
+
+
+def test_a_layer_whose_predictions_miss_stops_being_read_ahead_and_resumes(tmp_path):
+    from latentkv.experts.streamed import PREFETCH_MIN_RECALL
+
+    d, _ = _store(tmp_path)
+    s = _streamer(d, 0, history=False)
+    passes = 0
+    while s._recall.get(2, 1.0) >= PREFETCH_MIN_RECALL:  # predictions that never come true
+        s.layer(2).prefetch([0, 1])
+        s.layer(2).get([4, 5])
+        passes += 1
+        assert passes < 20
+    reads = s.telemetry.prefetch_reads
+    s.layer(2).prefetch([0, 1])
+    assert s.telemetry.prefetch_reads == reads and s.telemetry.unread_predictions == 2
+    s.layer(2).get([0, 1])  # still measured while paused: they come true again ...
+    while s._recall[2] < PREFETCH_MIN_RECALL:
+        s.layer(2).prefetch([0, 1])
+        s.layer(2).get([0, 1])
+    s.layer(2).prefetch([2, 3])  # ... and reading ahead resumes
+    assert s.telemetry.prefetch_reads == reads + 2
     s.close()

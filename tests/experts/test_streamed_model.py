@@ -180,9 +180,17 @@ def test_prefetch_recall_is_measured(converted):
     t = streamer.snapshot()
     assert t["predicted"] > 0 and 0 <= t["recall"] <= 1 and t["prefetch_reads"] > 0
     streamer.close()
+    first = moe_layers(model)[0]
+    if first > 0:  # the dense layer before the first MoE layer predicts it too
+        model, streamer = _streamed(model_dir, store, 1)
+        model.blocks[first - 1].mlp.lookahead = None
+        _greedy(model, "f32")
+        assert 0 < streamer.snapshot()["predicted"] < t["predicted"]
+        streamer.close()
     model, streamer = _streamed(model_dir, store, 1)
-    for i in moe_layers(model):
-        model.blocks[i].mlp.lookahead = None
+    for block in model.blocks:
+        if hasattr(block.mlp, "lookahead"):
+            block.mlp.lookahead = None
     _greedy(model, "f32")
     assert streamer.snapshot()["predicted"] == 0
     streamer.close()

@@ -1,8 +1,10 @@
 """An expert <-> the raw tensors of its on-disk extent (the torch side of `store_file`).
 
 An extent holds an expert's two Linear objects, gate_up [2I, D] and down [D, I], each as its
-format's raw tensors: `weight` (f32, bf16), `q` + `scale` (int8), `nibbles` + `scale` + `zero`
-(int4, the portable nibble layout; the CPU-specific packed layout is built when read).
+format's raw tensors: `weight` (f32, bf16), `q` + `scale` (int8), and for int4 `packed` +
+`scale_zeros` in the layout of the CPU's int4 op, which the params name (a CPU with that layout
+uses the bytes as read, so a read expert needs no packing; another CPU repacks them), or the
+portable `nibbles` + `scale` + `zero` where the writing CPU's layout was not understood.
 The layout's meta records each Linear's format and parameters, so the reader rebuilds exactly
 the objects the converter wrote: plain and int8 tensors are views of the read buffer (no copy).
 
@@ -12,6 +14,8 @@ int8 and int4 are registered here.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +24,7 @@ import torch
 from latentkv.experts.base import Expert
 from latentkv.experts.reader import Extent
 from latentkv.experts.store_file import ExtentLayout
+from latentkv.weights import int4
 from latentkv.weights.base import DenseLinear, Linear, format_class
 
 PARTS = ("gate_up", "down")
@@ -81,16 +86,52 @@ def _int8_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> 
 
 
 def _int4_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:
-    # The portable nibbles (the op's packed layout depends on the CPU: built again when read).
-    nibbles, scale, zero = lin.nibbles()
-    return {"in_features": lin.in_features}, _with_bias(
-        lin, {"nibbles": nibbles, "scale": scale, "zero": zero}
-    )
+    # The op's packed layout of this CPU, named in params so that a CPU with another layout
+    # repacks it when read (and this one uses the bytes as they are); where this CPU's layout
+    # is not understood, the portable nibbles.
+    layout = int4.tile_layout()
+    if layout is None or lin._out_padded % layout[0]:
+        nibbles, scale, zero = lin.nibbles()
+        return {"in_features": lin.in_features}, _with_bias(
+            lin, {"nibbles": nibbles, "scale": scale, "zero": zero}
+        )
+    params = {"in_features": lin.in_features, "out_features": lin.out_features}
+    params["layout"] = int4.layout_spec(layout)
+    return params, _with_bias(lin, {"packed": lin.packed, "scale_zeros": lin.scale_zeros})
 
 
 def _int4_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> Linear:
     t = tensors
-    return format_class(fmt)(t["nibbles"], t["scale"], t["zero"], params["in_features"], t.get("bias"))
+    cls = format_class(fmt)
+    if "packed" not in t:
+        return cls(t["nibbles"], t["scale"], t["zero"], params["in_features"], t.get("bias"))
+    packed = t["packed"]
+    stored, native = _int4_layout(json.dumps(params["layout"], sort_keys=True))
+    if not native:  # written on a CPU whose op lays the bytes out differently
+        packed = int4.pack_for_op(int4.unpack_with(packed, stored))
+    return cls.from_packed(
+        packed, t["scale_zeros"], params["in_features"], params["out_features"], t.get("bias")
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _int4_layout(spec: str) -> tuple[int4.Layout, bool]:
+    """A stored layout (its JSON) and whether it is this CPU's: parsed once per store, not per read."""
+    layout = int4.layout_from_spec(json.loads(spec))
+    return layout, int4.same_layout(layout, int4.tile_layout())
+
+
+def int4_portable(
+    params: dict, raw: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 Linear's raw tensors (either form) -> its portable (nibbles [out, in_padded / 2],
+    scale, zero [out, groups]), with no packing for this CPU (what tools reading a store use)."""
+    if "packed" not in raw:
+        return raw["nibbles"], raw["scale"], raw["zero"]
+    out_f = params["out_features"]
+    nibbles = int4.unpack_with(raw["packed"], int4.layout_from_spec(params["layout"]))[:out_f]
+    sz = raw["scale_zeros"][:, :out_f].transpose(0, 1)  # [out, groups, 2]
+    return nibbles, sz[..., 0], sz[..., 1]
 
 
 register_codec("int8", LinearCodec(_int8_to_raw, _int8_from_raw))
@@ -161,5 +202,6 @@ __all__ = [
     "codec_for",
     "expert_from_extent",
     "expert_layout",
+    "int4_portable",
     "register_codec",
 ]

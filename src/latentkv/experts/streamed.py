@@ -7,8 +7,13 @@ set from the usage history) and the telemetry; each MoE layer gets a `StreamedEx
     get(ids)       the experts one forward pass of a layer needs (the batch's union, distinct):
                    hits from the cache, prefetched reads collected, misses read in parallel;
                    each read expert is kept if the cache can make room, else used once and dropped
+    arrivals(ids)  the same, handed over one by one as each becomes ready (the MoE layer
+                   computes on the first while the others are still being read)
     prefetch(ids)  the next layer's router, run early on the current hidden state, predicts ids:
-                   their reads start now (bounded by `prefetch_bytes` in flight)
+                   their reads start now (bounded by `prefetch_bytes` in flight), behind any
+                   read a pass waits for; a pass asking for one whose read has not started
+                   yet reads it at once instead. A layer whose predictions recall less than
+                   PREFETCH_MIN_RECALL of its asks is predicted but not read until they do
 
 Memory: resident = cache (<= budget) + the experts of the current `get` that did not fit
 (at most the batch's union for one layer) + prefetch reads in flight (<= prefetch_bytes).
@@ -19,8 +24,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +37,13 @@ from latentkv.experts.history import UsageHistory
 from latentkv.experts.reader import ExpertReader, Extent
 
 HISTORY_SAVE_EVERY = 256  # forward passes between usage-history saves
+# Prefetch for a layer only while its predictions recall at least this share of what it then
+# asks for (a moving average over passes, weight RECALL_WEIGHT for the newest). A wrong guess
+# costs a whole expert's read on the disk the pass waits for: on the experts benchmark, the
+# next MoE layer's router recalled 67% and paid; the first MoE layer's, predicted from the dense
+# layer before it, recalled 10% (chance: 8 of 64) and cost 8% of the speed.
+PREFETCH_MIN_RECALL = 0.3
+RECALL_WEIGHT = 0.2
 
 
 @dataclass
@@ -51,12 +63,13 @@ class Telemetry:
 
     asked: int = 0  # experts asked for by get (each pass counts each distinct expert once)
     hits: int = 0  # found in the cache
-    prefetched: int = 0  # read ahead by prefetch, arrived or in flight when asked
+    prefetched: int = 0  # read ahead by prefetch, arrived or being read when asked
     misses: int = 0  # read on demand
     predicted: int = 0  # experts asked for in layers that had a prediction
     recalled: int = 0  # of those, how many the prediction named
-    prefetch_reads: int = 0
-    wasted_prefetch: int = 0  # prefetched but not asked for
+    prefetch_reads: int = 0  # predicted reads queued (some are dropped before they start)
+    wasted_prefetch: int = 0  # read ahead (or being read) but not asked for
+    unread_predictions: int = 0  # predictions not read: their layer's recall was too low
     bytes_read: int = 0  # every read: on demand, prefetch, hot set
     read_seconds: float = 0.0  # time inside pread, summed over reader threads
     wait_seconds: float = 0.0  # time the forward pass waited for reads
@@ -139,6 +152,7 @@ class ExpertStreamer:
         self._inflight: dict[tuple[int, int], Future[Extent]] = {}
         self._inflight_bytes = 0
         self._predicted: dict[int, set[int]] = {}
+        self._recall: dict[int, float] = {}  # per layer: moving average of its predictions' recall
         self._lock = threading.Lock()
         self.history: UsageHistory | None = None
         if config.history:
@@ -181,27 +195,46 @@ class ExpertStreamer:
     def get(self, layer: int, ids: Sequence[int], first: bool = True) -> dict[int, Expert]:
         """The experts `ids` of `layer` (distinct ids): cached, prefetched or read now. `first`:
         the pass's first `get` on this layer (a new pass starts at the first layer's)."""
+        return dict(self.arrivals(layer, ids, first))
+
+    def arrivals(self, layer: int, ids: Sequence[int], first: bool = True) -> Iterator[tuple[int, Expert]]:
+        """What `get` returns, as (id, expert) pairs the moment each is ready: cached ones at once,
+        read ones in the order their reads finish, so a pass computes on the first while the
+        rest are read. Every read has started when this returns. The cache takes the read ones
+        in `ids` order once all have arrived (the same cache as `get`'s, whatever the order);
+        until the iterator is exhausted or closed the pass's experts are held (not evicted)."""
+        hits, pending = self._begin(layer, ids, first)
+        self.cache.protect((layer, e) for e in ids)
+        return self._arrive(layer, ids, hits, pending)
+
+    def _begin(
+        self, layer: int, ids: Sequence[int], first: bool
+    ) -> tuple[dict[int, Expert], list[tuple[int, Future[Extent]]]]:
+        """Count the asks, take the cached experts, start (or take over) the reads of the rest."""
         if layer == self.first_layer and first:
             self._next_pass()
         t = self.telemetry
         t.asked += len(ids)
         hits_before = t.hits
         predicted = self._predicted.pop(layer, None)
-        if predicted is not None:
+        if predicted is not None and ids:
+            recalled = len(predicted.intersection(ids))
             t.predicted += len(ids)
-            t.recalled += len(predicted.intersection(ids))
-        out: dict[int, Expert] = {}
+            t.recalled += recalled
+            avg = self._recall.get(layer, 1.0)
+            self._recall[layer] = avg + RECALL_WEIGHT * (recalled / len(ids) - avg)
+        hits: dict[int, Expert] = {}
         pending: list[tuple[int, Future[Extent]]] = []
         for e in ids:
             cached = self.cache.get((layer, e))
             if cached is not None:
                 t.hits += 1
-                out[e] = cached
+                hits[e] = cached
                 continue
             future = self._take_inflight(layer, e)
-            if future is not None:
-                t.prefetched += 1
-            else:
+            if future is not None and not future.cancel():
+                t.prefetched += 1  # read ahead: arrived, or being read now
+            else:  # not predicted, or its read had not started: read it now, first
                 t.misses += 1
                 future = self.reader.submit(layer, e)
             pending.append((e, future))
@@ -209,43 +242,67 @@ class ExpertStreamer:
             t.draft_asked += len(ids)
             t.draft_hits += t.hits - hits_before
         self._discard_unused_prefetch(layer)
-        self.cache.protect((layer, e) for e in ids)
-        try:
-            self._collect(layer, pending, out)
-        finally:
-            self.cache.release()
-        if self.history is not None:
-            self.history.record(layer, ids)
-        t.resident_bytes = self.cache.resident_bytes
-        return out
+        return hits, pending
 
-    def _collect(self, layer: int, pending: list[tuple[int, Future[Extent]]], out: dict[int, Expert]) -> None:
-        t0 = time.perf_counter()
+    def _arrive(
+        self,
+        layer: int,
+        ids: Sequence[int],
+        hits: dict[int, Expert],
+        pending: list[tuple[int, Future[Extent]]],
+    ) -> Iterator[tuple[int, Expert]]:
+        t = self.telemetry
+        read: dict[int, tuple[Extent, Expert]] = {}
         try:
-            for e, future in pending:
+            yield from hits.items()
+            which = {future: e for e, future in pending}
+            done = as_completed(which)
+            for _ in range(len(which)):
+                t0 = time.perf_counter()
+                future = next(done)
                 ext = future.result()  # ExpertDamaged propagates: never computed on
-                expert = expert_from_extent(ext)
+                e = which[future]
+                read[e] = ext, expert_from_extent(ext)
+                t.wait_seconds += time.perf_counter() - t0
+                yield e, read[e][1]
+            for e, _future in pending:
+                ext, expert = read[e]
                 self.cache.put((layer, e), expert, _charge(ext, expert))
-                out[e] = expert
+            if self.history is not None:
+                self.history.record(layer, ids)
         finally:
             for _e, future in pending:
                 future.cancel()
-            self.telemetry.wait_seconds += time.perf_counter() - t0
+            self.cache.release()
+            t.resident_bytes = self.cache.resident_bytes
 
     def prefetch(self, layer: int, ids: Sequence[int]) -> None:
-        """Start reading the experts of `layer` that are neither cached nor in flight."""
+        """Start reading the experts of `layer` that are neither cached nor in flight. A layer may
+        be predicted twice before it runs (early, and again once the layer before it is done):
+        the later prediction drops the earlier one's reads that have not started, and recall
+        counts the union."""
         if layer not in self.manifest.layers:
             return
-        self._predicted[layer] = set(ids)
+        new = set(ids)
+        earlier = self._predicted.get(layer)
+        self._predicted[layer] = new if earlier is None else earlier | new  # measured while paused too
+        if self._recall.get(layer, 1.0) < PREFETCH_MIN_RECALL:
+            self.telemetry.unread_predictions += len(new)
+            return
         size = self.expert_bytes[layer]
         with self._lock:
+            if earlier is not None:
+                for key in [k for k in self._inflight if k[0] == layer and k[1] not in new]:
+                    if self._inflight[key].cancel():  # not started: the newer guess replaces it
+                        del self._inflight[key]
+                        self._inflight_bytes -= size
             for e in ids:
                 key = (layer, e)
                 if key in self.cache or key in self._inflight:
                     continue
                 if self._inflight_bytes + size > self.prefetch_bytes:
                     break
-                self._inflight[key] = self.reader.submit(layer, e)
+                self._inflight[key] = self.reader.submit(layer, e, urgent=False)
                 self._inflight_bytes += size
                 self.telemetry.prefetch_reads += 1
 
@@ -262,8 +319,8 @@ class ExpertStreamer:
             for key in [k for k in self._inflight if k[0] == layer]:
                 future = self._inflight.pop(key)
                 self._inflight_bytes -= self.expert_bytes[layer]
-                self.telemetry.wasted_prefetch += 1
-                future.cancel()
+                if not future.cancel():  # read (or being read) for nothing
+                    self.telemetry.wasted_prefetch += 1
 
     def _next_pass(self) -> None:
         self.cache.next_step()
@@ -306,6 +363,9 @@ class StreamedExperts:
 
     def get(self, ids: Sequence[int], first: bool = True) -> Mapping[int, Expert]:
         return self.streamer.get(self.layer, ids, first)
+
+    def arrivals(self, ids: Sequence[int], first: bool = True) -> Iterator[tuple[int, Expert]]:
+        return self.streamer.arrivals(self.layer, ids, first)
 
     def prefetch(self, ids: Sequence[int]) -> None:
         self.streamer.prefetch(self.layer, ids)

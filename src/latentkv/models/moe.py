@@ -27,6 +27,7 @@ from the store's form and the batch's shape (each path is tested against `groupe
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -108,15 +109,21 @@ class MoE:
             return self._fused_every(x, idx, weights, residual)
         if N == 1 and self._gather:
             out = _gather_one(self.experts.stacked, x, idx[0], weights[0])
-        elif N == 1:
-            out = self._one_by_one(x, idx[0], weights[0])
-        else:
-            out = self._grouped(x, idx, weights)
-        return self._finish(x, out, residual)
+            return self._finish(x, out, None, residual)
+        if N == 1:
+            return self._finish(x, *self._one_by_one(x, idx[0], weights[0]), residual)
+        return self._finish(x, *self._grouped(x, idx, weights), residual)
 
-    def _finish(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def _finish(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        shared: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Routed out + the shared expert's output (`shared`, when computed already) + residual."""
         if self.shared is not None:
-            out += self.shared(x)
+            out += self.shared(x) if shared is None else shared
         return out if residual is None else residual + out
 
     def _decode_batch(
@@ -129,15 +136,15 @@ class MoE:
         if every and self._every is not None:
             return self._fused_every(x, idx, weights, residual)
         if stacked is None:
-            out = self._grouped(x, idx, weights)
-        elif every and self.experts.num_experts * stacked.expert_bytes <= EVERY_EXPERT_MAX_BYTES:
+            return self._finish(x, *self._grouped(x, idx, weights), residual)
+        if every and self.experts.num_experts * stacked.expert_bytes <= EVERY_EXPERT_MAX_BYTES:
             mix = torch.zeros(B, self.experts.num_experts, device=x.device).scatter_(1, idx, weights)
             out = _every_stacked(stacked, x, mix)
         elif self._gather and B * k * stacked.expert_bytes <= GATHER_BATCH_MAX_BYTES:
             out = _gathered(stacked, x, idx, weights)
         else:
-            out = self._grouped(x, idx, weights)
-        return self._finish(x, out, residual)
+            return self._finish(x, *self._grouped(x, idx, weights), residual)
+        return self._finish(x, out, None, residual)
 
     def _fused_every(
         self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None
@@ -152,20 +159,30 @@ class MoE:
         act = F.silu(gate) * up * mix.unsqueeze(-1)  # [B, U, I]
         return down.add_to(residual, act.view(B, -1))  # [B, D]
 
-    def _one_by_one(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One token x [1, D] through its k experts idx [k] in turn, mixed by weights [k]."""
+    def _one_by_one(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token x [1, D] through its k experts idx [k], mixed by weights [k]: (out, the
+        shared expert's output when it ran while the experts were read, else None)."""
         out = torch.zeros_like(x)
         ids = idx.tolist()
-        experts = self.experts.get(ids)
-        for e, w in zip(ids, weights.tolist(), strict=True):
-            out += experts[e](x) * w
-        return out
+        w = dict(zip(ids, weights.tolist(), strict=True))
+        arriving = self._fetch(ids)
+        shared = self._meanwhile(x)
 
-    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        def add(e: int, y: torch.Tensor) -> None:
+            out.add_(y)
+
+        _in_order(ids, arriving, lambda e, expert: expert(x) * w[e], add)
+        return out, shared
+
+    def _grouped(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Group the N*k (token, expert) pairs by expert; one matmul per hit expert. A store of
         experts from disk is asked for k experts at a time: a long prompt routes to most of a
         layer's experts, which must not all be held at once beside the expert cache
-        (`ExpertStore.bounded`)."""
+        (`ExpertStore.bounded`). Returns (out, shared) as `_one_by_one` does."""
         out = torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
@@ -174,17 +191,66 @@ class MoE:
         pair_weights = weights.reshape(-1)[order].to(x.dtype)
         hit = [e for e, n in enumerate(counts) if n]
         starts = dict(zip(hit, itertools.accumulate((counts[e] for e in hit), initial=0), strict=False))
+        rows = {e: tokens[starts[e] : starts[e] + counts[e]] for e in hit}
+
+        def run(e: int, expert: Expert) -> torch.Tensor:
+            start, n = starts[e], counts[e]
+            return expert(x.index_select(0, rows[e])) * pair_weights[start : start + n, None]
+
+        def add(e: int, y: torch.Tensor) -> None:
+            out.index_add_(0, rows[e], y)
+
         step = idx.shape[1] if self.experts.bounded else len(hit)
+        shared = None
         for i in range(0, len(hit), step):
             chunk = hit[i : i + step]
-            experts = self.experts.get(chunk, first=i == 0)
-            for e in chunk:
-                expert, start, n = experts[e], starts[e], counts[e]
-                tok = tokens[start : start + n]
-                y = expert(x.index_select(0, tok)) * pair_weights[start : start + n, None]
-                out.index_add_(0, tok, y)
-            del experts
-        return out
+            arriving = self._fetch(chunk, first=i == 0)
+            if i == 0:
+                shared = self._meanwhile(x)
+            _in_order(chunk, arriving, run, add)
+        return out, shared
+
+    def _fetch(self, ids: list[int], first: bool = True) -> Iterator[tuple[int, Expert]]:
+        """The experts `ids` as they become ready (a store reading from disk has started every
+        read when this returns), else in order."""
+        arrivals = getattr(self.experts, "arrivals", None)
+        if arrivals is not None:
+            return arrivals(ids, first)
+        return iter(self.experts.get(ids, first).items())
+
+    def _meanwhile(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output, computed now while a store from disk reads the routed
+        experts (None otherwise: it runs at the end, as always)."""
+        if self.shared is None or not self.experts.bounded:
+            return None
+        return self.shared(x)
+
+
+def _in_order(
+    ids: list[int],
+    arriving: Iterator[tuple[int, Expert]],
+    run: Callable[[int, Expert], torch.Tensor],
+    add: Callable[[int, torch.Tensor], None],
+) -> None:
+    """Run each expert as it arrives (in whatever order the store delivers them) and `add` the
+    outputs in `ids` order, each as soon as every earlier one has been added: the sum is the
+    same, bit for bit, whatever the arrival order (and in-order arrivals wait for nothing). The
+    store's iterator is closed at the end, on an error too (a store from disk then releases the
+    pass's experts)."""
+    waiting: dict[int, torch.Tensor] = {}
+    nxt = 0
+    try:
+        for e, expert in arriving:
+            waiting[e] = run(e, expert)
+            while nxt < len(ids) and ids[nxt] in waiting:
+                add(ids[nxt], waiting.pop(ids[nxt]))
+                nxt += 1
+    finally:
+        close = getattr(arriving, "close", None)
+        if close is not None:
+            close()
+    if nxt != len(ids):
+        raise RuntimeError(f"the expert store did not deliver experts {ids[nxt:]}")
 
 
 def _gather_one(

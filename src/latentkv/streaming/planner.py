@@ -7,7 +7,8 @@
                                    max_model_len per head, a few hidden states
           + working set            one layer's experts read for a pass that did not fit
                                    (min(E, k x max_num_seqs x (1 + draft tokens))) + the
-                                   prefetch reads in flight (k)
+                                   prefetch reads in flight (k) + the free read buffers kept
+                                   for reuse (SPARE_BUFFERS)
           + expert cache           the rest
 
 A smaller KV tier shrinks the KV pool and the expert cache gets the difference. Cold bytes per
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
+from latentkv.experts.reader import SPARE_BUFFERS
 from latentkv.experts.store_file import ALIGN, ExpertFileError, read_manifest
 from latentkv.kv.cache import CacheLayout, resolve_tier
 from latentkv.models.loader import Checkpoint
@@ -181,7 +183,7 @@ def make_plan(
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     extent, _ = expert_extent_bytes(cfg, model_dir, weight_dtype, store_dir)
     tokens = max_num_seqs * (1 + draft_tokens)  # one pass's tokens (a verify pass: N + 1 each)
-    working = (min(E, k * tokens) + k) * extent if moe_layers else 0
+    working = (min(E, k * tokens) + k + SPARE_BUFFERS) * extent if moe_layers else 0
     all_experts = (moe_layers + mtp) * E * extent
     cache_bytes = max(0, min(ram_bytes - dense - kv - act - working, all_experts))
     problems = []
@@ -233,7 +235,7 @@ def format_plan(p: Plan) -> str:
         f"KV pool         {gib(p.kv_bytes)}   ({p.kv_cache_dtype}: {p.kv_bytes_per_token} B/token incl. "
         f"indexer keys, x {p.max_model_len} tokens x {p.max_num_seqs} seqs)",
         f"activations     {gib(p.activation_bytes)}",
-        f"working set     {gib(p.working_bytes)}   (one layer's uncached experts + prefetch"
+        f"working set     {gib(p.working_bytes)}   (one layer's uncached experts + prefetch + spare buffers"
         + (f"; verify passes of {p.draft_tokens + 1} tokens per sequence)" if p.draft_tokens else ")"),
         f"expert cache    {gib(p.expert_cache_bytes)}   ({p.cached_experts} of "
         f"{p.experts_total} experts, "

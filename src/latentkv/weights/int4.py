@@ -74,6 +74,10 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
+Rows = slice | torch.Tensor
+Layout = tuple[int, Rows, Rows]  # (block, low rows, high rows): see `tile_layout`
+
+
 def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -114,6 +118,42 @@ class Int4Linear(Linear):
         self.packed = pack_for_op(nibbles)  # the op's layout
         self.scale_zeros = sz.transpose(0, 1).contiguous()  # [groups, out_padded, 2]
         self._bias = None if bias is None else bias.float().contiguous()
+
+    @classmethod
+    def from_packed(
+        cls,
+        packed: torch.Tensor,
+        scale_zeros: torch.Tensor,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> Int4Linear:
+        """A weight already in this CPU's op layout (`packed` [out_padded, in_padded / 2] uint8,
+        `scale_zeros` [groups, out_padded, 2] bfloat16: this object's own `packed` and
+        `scale_zeros`), used as given: no copy. An expert store keeps experts this way, so a
+        read expert needs no packing."""
+        out_padded, half = packed.shape
+        groups = scale_zeros.shape[0]
+        if (
+            packed.dtype != torch.uint8
+            or scale_zeros.dtype != torch.bfloat16
+            or tuple(scale_zeros.shape[1:]) != (out_padded, 2)
+            or out_padded != _padded(out_features, OUT_MULTIPLE)
+            or not 0 < in_features <= 2 * half
+        ):
+            raise ValueError(
+                f"int4 packed weight {packed.dtype} {tuple(packed.shape)} with scales "
+                f"{scale_zeros.dtype} {tuple(scale_zeros.shape)} does not fit {out_features} x {in_features}"
+            )
+        self = cls.__new__(cls)
+        self.group_size = 2 * half // groups
+        if self.group_size not in GROUP_SIZES or groups * self.group_size != 2 * half:
+            raise ValueError(f"int4 group size {2 * half}/{groups} is not one of {GROUP_SIZES}")
+        self.out_features, self.in_features = out_features, in_features
+        self._in_padded, self._out_padded = 2 * half, out_padded
+        self.packed, self.scale_zeros = packed, scale_zeros
+        self._bias = None if bias is None else bias.float().contiguous()
+        return self
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **params) -> Int4Linear:
@@ -243,21 +283,66 @@ def pack_for_op(nibbles: torch.Tensor) -> torch.Tensor:
     """Portable nibbles uint8 [N, K / 2] (`pack_nibbles`: value 2m low, 2m + 1 high) -> the op's
     packed layout, the bytes `_convert_weight_to_int4pack_for_cpu` makes of the unpacked codes:
     moved there with whole-tensor byte ops, never unpacked, where this CPU's layout is understood
-    (`tile_layout`), else through the op. An expert read from disk is built this way on every
-    cache miss: the op's own conversion (through int32 codes) took ~170 ms for a 4096 x 6144
-    matrix, several times the bytes' read time."""
+    (`tile_layout`), else through the op. (The op's own conversion, through int32 codes, took
+    ~170 ms for a 4096 x 6144 matrix; this ~35 ms.)"""
     layout = tile_layout()
-    n, half_k = nibbles.shape
-    if layout is None or n % layout[0]:
+    if layout is None or nibbles.shape[0] % layout[0]:
         codes = unpack_nibbles(nibbles).to(torch.int32)
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return pack_with(nibbles, layout)
+
+
+def pack_with(nibbles: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Portable nibbles [N, K / 2] -> the packed layout `layout` (see `tile_layout`) describes;
+    N a multiple of its block."""
     block, low, high = layout
+    n, half_k = nibbles.shape
     rows = nibbles.view(n // block, block, half_k)
     a, b = rows[:, low, :], rows[:, high, :]  # [blocks, block / 2, K / 2]: the low / high rows
     even = (a & 0x0F) | (b << 4)  # value 2m of each: a's in the low nibble, b's in the high one
     odd = (a >> 4) | (b & 0xF0)  # value 2m + 1
     pairs = torch.stack([even, odd], dim=-1).view(n // block, block // 2, 2 * half_k)
     return pairs.transpose(1, 2).contiguous().view(n, half_k)
+
+
+def unpack_with(packed: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The inverse of `pack_with`: a packed layout -> portable nibbles [N, K / 2]."""
+    block, low, high = layout
+    n, half_k = packed.shape
+    pairs = packed.reshape(n // block, 2 * half_k, block // 2).transpose(1, 2)
+    pairs = pairs.reshape(n // block, block // 2, half_k, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rows = torch.empty(n // block, block, half_k, dtype=torch.uint8)
+    rows[:, low, :] = (even & 0x0F) | (odd << 4)
+    rows[:, high, :] = (even >> 4) | (odd & 0xF0)
+    return rows.view(n, half_k)
+
+
+def layout_spec(layout: Layout) -> dict:
+    """A packed layout as JSON (what an expert store records beside the bytes it packed)."""
+    block, low, high = layout
+    return {"block": block, "low": _row_list(low, block), "high": _row_list(high, block)}
+
+
+def layout_from_spec(spec: dict) -> Layout:
+    """`layout_spec`'s inverse; ValueError for a spec that does not describe a layout."""
+    try:
+        block, low, high = int(spec["block"]), list(spec["low"]), list(spec["high"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"not an int4 packed layout: {spec!r}") from None
+    if block <= 0 or block % 2 or sorted(low + high) != list(range(block)) or len(low) != len(high):
+        raise ValueError(f"not an int4 packed layout: {spec!r}")
+    return block, _as_slice(torch.tensor(low)), _as_slice(torch.tensor(high))
+
+
+def same_layout(a: Layout | None, b: Layout | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return layout_spec(a) == layout_spec(b)
+
+
+def _row_list(rows: Rows, block: int) -> list[int]:
+    return list(range(block))[rows] if isinstance(rows, slice) else [int(r) for r in rows]
 
 
 def _nibbles_flat(packed: torch.Tensor) -> torch.Tensor:
@@ -270,11 +355,8 @@ def prefill_tiles() -> bool:
     return matmul_dtype() == torch.bfloat16 and tile_layout() is not None
 
 
-Rows = slice | torch.Tensor
-
-
 @functools.cache
-def tile_layout() -> tuple[int, Rows, Rows] | None:
+def tile_layout() -> Layout | None:
     """How this CPU's op layout holds a full block of output rows, for the tile path: (block,
     low, high) such that, for a block starting at row b, the bytes of its K columns viewed
     [K, block / 2] hold at [k, j] W[b + low[j], k] in the low nibble and W[b + high[j], k] in the
@@ -284,13 +366,13 @@ def tile_layout() -> tuple[int, Rows, Rows] | None:
     found = None
     for in_f in (64, 128):
         layout = _probe_layout(256, in_f)
-        if layout is None or (found is not None and not _same(layout, found)):
+        if layout is None or (found is not None and not same_layout(layout, found)):
             return None
         found = layout
     return found
 
 
-def _probe_layout(out_f: int, in_f: int) -> tuple[int, Rows, Rows] | None:
+def _probe_layout(out_f: int, in_f: int) -> Layout | None:
     where = _op_positions(out_f, in_f)
     rows, cols = where // in_f, where % in_f
     block = int((cols != 0).nonzero()[0]) if bool((cols != 0).any()) else out_f
@@ -303,13 +385,6 @@ def _probe_layout(out_f: int, in_f: int) -> tuple[int, Rows, Rows] | None:
     if not (blocked and torch.equal(rows, j // (block * in_f) * block + perm[within % block])):
         return None
     return block, _as_slice(perm[0::2]), _as_slice(perm[1::2])
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    return a[0] == b[0] and all(
-        x == y if isinstance(x, slice) else isinstance(y, torch.Tensor) and torch.equal(x, y)
-        for x, y in zip(a[1:], b[1:], strict=True)
-    )
 
 
 def _put(rows: torch.Tensor, where: Rows, values: torch.Tensor) -> None:
