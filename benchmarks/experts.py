@@ -101,7 +101,7 @@ def run_child(args: argparse.Namespace) -> int:
     store = ensure_store(directory, args.weight_dtype)
     t0 = time.perf_counter()
     config = StreamConfig(budget=args.budget, policy=args.policy, history=args.history)
-    model, streamer = load_streamed(directory, store, config)
+    model, streamer = load_streamed(directory, store, config, weight_dtype=args.weight_dtype)
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g)
