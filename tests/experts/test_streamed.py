@@ -148,7 +148,7 @@ def test_a_second_prediction_replaces_the_first_ones_unstarted_reads(tmp_path):
 def test_the_priority_pool_runs_lower_numbers_first_and_skips_cancelled():
     import threading
 
-    from latentkv.experts.reader import PriorityPool
+    from latentkv.experts.pools import PriorityPool
 
     pool = PriorityPool(1, "test")
     gate, busy, ran = threading.Event(), threading.Event(), []

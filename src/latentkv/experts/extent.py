@@ -128,10 +128,8 @@ def int4_portable(
     scale, zero [out, groups]), with no packing for this CPU (what tools reading a store use)."""
     if "packed" not in raw:
         return raw["nibbles"], raw["scale"], raw["zero"]
-    out_f = params["out_features"]
-    nibbles = int4.unpack_with(raw["packed"], int4.layout_from_spec(params["layout"]))[:out_f]
-    sz = raw["scale_zeros"][:, :out_f].transpose(0, 1)  # [out, groups, 2]
-    return nibbles, sz[..., 0], sz[..., 1]
+    stored, _native = _int4_layout(json.dumps(params["layout"], sort_keys=True))
+    return int4.portable(raw["packed"], raw["scale_zeros"], params["out_features"], stored)
 
 
 register_codec("int8", LinearCodec(_int8_to_raw, _int8_from_raw))

@@ -73,9 +73,6 @@ class PrefetchingMLP:
             self.lookahead(out)  # from this block's output, the next block's input
         return out
 
-    def __getattr__(self, name: str):
-        return getattr(self.mlp, name)
-
 
 def _prefetcher(streamer: ExpertStreamer, layer: int, norm, router) -> Lookahead:
     def lookahead(hidden: torch.Tensor) -> None:
@@ -196,20 +193,26 @@ def _layer_store(streamer: ExpertStreamer, layer: int):
 
 def _wire(model, streamer: ExpertStreamer, prefetch: bool) -> None:
     """Own the dense weights' pages (the expert cache's neighbours at the memory limit; see
-    `own_pages`); give each MoE layer its lookahead into the next one; pin the hot set."""
+    `own_pages`), wire the prefetch, pin the hot set."""
     from latentkv.models.loader import own_pages
 
     own_pages(model.weight_tensors())
-    layers = moe_layers(model)
     if prefetch:
-        for here, nxt in zip(layers, layers[1:], strict=False):
-            nb = model.blocks[nxt]
-            model.blocks[here].mlp.lookahead = _prefetcher(streamer, nxt, nb.mlp_norm, nb.mlp.router)
-        first = layers[0] if layers else 0
-        if first > 0 and not isinstance(model.blocks[first - 1].mlp, (MoE, PrefetchingMLP)):
-            nb, before = model.blocks[first], model.blocks[first - 1]
-            before.mlp = PrefetchingMLP(before.mlp, _prefetcher(streamer, first, nb.mlp_norm, nb.mlp.router))
+        _wire_prefetch(model, streamer)
     streamer.pin_hot_set()
+
+
+def _wire_prefetch(model, streamer: ExpertStreamer) -> None:
+    """Each MoE layer predicts the next one's experts; the dense layer before the first MoE
+    layer predicts that one's."""
+    layers = moe_layers(model)
+    for here, nxt in zip(layers, layers[1:], strict=False):
+        nb = model.blocks[nxt]
+        model.blocks[here].mlp.lookahead = _prefetcher(streamer, nxt, nb.mlp_norm, nb.mlp.router)
+    first = layers[0] if layers else 0
+    if first > 0 and not isinstance(model.blocks[first - 1].mlp, (MoE, PrefetchingMLP)):
+        nb, before = model.blocks[first], model.blocks[first - 1]
+        before.mlp = PrefetchingMLP(before.mlp, _prefetcher(streamer, first, nb.mlp_norm, nb.mlp.router))
 
 
 def default_store_dir(model_dir: str | Path, weight_format: str) -> Path:

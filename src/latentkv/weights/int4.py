@@ -104,19 +104,30 @@ class Int4Linear(Linear):
                 f"int4 weight needs uint8 nibbles [out, in/2] and scale/zero [out, groups]; got "
                 f"{nibbles.dtype} {tuple(nibbles.shape)}, {tuple(scale.shape)}, {tuple(zero.shape)}"
             )
-        self.group_size = 2 * half // groups
-        if self.group_size not in GROUP_SIZES or groups * self.group_size != 2 * half:
-            raise ValueError(f"int4 group size {2 * half}/{groups} is not one of {GROUP_SIZES}")
-        self.out_features, self.in_features = out_f, in_features
-        self._in_padded = 2 * half
-        self._out_padded = _padded(out_f, OUT_MULTIPLE)
-        pad_rows = self._out_padded - out_f
+        pad_rows = _padded(out_f, OUT_MULTIPLE) - out_f
         sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
         if pad_rows:
             nibbles = F.pad(nibbles, (0, 0, 0, pad_rows), value=0x88)  # (8 - 8) * 1 + 0 = 0
             sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
-        self.packed = pack_for_op(nibbles)  # the op's layout
-        self.scale_zeros = sz.transpose(0, 1).contiguous()  # [groups, out_padded, 2]
+        # the op's layout; scale_zeros [groups, out_padded, 2]
+        self._adopt(pack_for_op(nibbles), sz.transpose(0, 1).contiguous(), in_features, out_f, bias)
+
+    def _adopt(
+        self,
+        packed: torch.Tensor,
+        scale_zeros: torch.Tensor,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None,
+    ) -> None:
+        """Take a weight in the op's layout as this Linear's state (no copy)."""
+        half, groups = packed.shape[1], scale_zeros.shape[0]
+        self.group_size = 2 * half // groups
+        if self.group_size not in GROUP_SIZES or groups * self.group_size != 2 * half:
+            raise ValueError(f"int4 group size {2 * half}/{groups} is not one of {GROUP_SIZES}")
+        self.out_features, self.in_features = out_features, in_features
+        self._in_padded, self._out_padded = 2 * half, packed.shape[0]
+        self.packed, self.scale_zeros = packed, scale_zeros
         self._bias = None if bias is None else bias.float().contiguous()
 
     @classmethod
@@ -133,7 +144,6 @@ class Int4Linear(Linear):
         `scale_zeros`), used as given: no copy. An expert store keeps experts this way, so a
         read expert needs no packing."""
         out_padded, half = packed.shape
-        groups = scale_zeros.shape[0]
         if (
             packed.dtype != torch.uint8
             or scale_zeros.dtype != torch.bfloat16
@@ -146,13 +156,7 @@ class Int4Linear(Linear):
                 f"{scale_zeros.dtype} {tuple(scale_zeros.shape)} does not fit {out_features} x {in_features}"
             )
         self = cls.__new__(cls)
-        self.group_size = 2 * half // groups
-        if self.group_size not in GROUP_SIZES or groups * self.group_size != 2 * half:
-            raise ValueError(f"int4 group size {2 * half}/{groups} is not one of {GROUP_SIZES}")
-        self.out_features, self.in_features = out_features, in_features
-        self._in_padded, self._out_padded = 2 * half, out_padded
-        self.packed, self.scale_zeros = packed, scale_zeros
-        self._bias = None if bias is None else bias.float().contiguous()
+        self._adopt(packed, scale_zeros, in_features, out_features, bias)
         return self
 
     @classmethod
@@ -236,9 +240,7 @@ class Int4Linear(Linear):
     def nibbles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(nibbles [out, in_padded / 2], scale, zero [out, groups]): the portable form a file
         stores, read back from the op's layout."""
-        q = unpack_op_layout(self.packed, self._out_padded, self._in_padded)[: self.out_features]
-        sz = self.scale_zeros[:, : self.out_features].transpose(0, 1)  # [out, groups, 2]
-        return pack_nibbles(q), sz[..., 0].contiguous(), sz[..., 1].contiguous()
+        return portable(self.packed, self.scale_zeros, self.out_features, tile_layout())
 
     def dequantize(self) -> torch.Tensor:
         nib, scale, zero = self.nibbles()
@@ -316,6 +318,21 @@ def unpack_with(packed: torch.Tensor, layout: Layout) -> torch.Tensor:
     rows[:, low, :] = (even & 0x0F) | (odd << 4)
     rows[:, high, :] = (even >> 4) | (odd & 0xF0)
     return rows.view(n, half_k)
+
+
+def portable(
+    packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, layout: Layout | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight in a packed layout (`packed` [out_padded, in_padded / 2], `scale_zeros` [groups,
+    out_padded, 2]) -> its portable (nibbles [out, in_padded / 2], scale, zero [out, groups]).
+    `layout` None (or rows not in whole blocks of it): this CPU's op layout, found by probing."""
+    n, half_k = packed.shape
+    if layout is not None and n % layout[0] == 0:
+        nibbles = unpack_with(packed, layout)[:out_features]
+    else:
+        nibbles = pack_nibbles(unpack_op_layout(packed, n, 2 * half_k)[:out_features])
+    sz = scale_zeros[:, :out_features].transpose(0, 1)  # [out, groups, 2]
+    return nibbles, sz[..., 0].contiguous(), sz[..., 1].contiguous()
 
 
 def layout_spec(layout: Layout) -> dict:
