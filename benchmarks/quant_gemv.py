@@ -10,6 +10,9 @@ product of those rows with an int8 and an int4 matrix through:
     torch op      what the formats ran before: x cast to bfloat16, `_weight_int8pack_mm` /
                   `_weight_int4pack_mm_for_cpu` on the op's packed layout, the result cast back
     latentkv      the format's decode path now: latentkv's kernel (weights/native) on float32 x
+    inductor      (--inductor) int8 only: torch.compile(mode="max-autotune") of the dequantize-
+                  then-multiply pattern, x @ q.to(bfloat16)^T * scale, the pattern Inductor's CPU
+                  weight-only-quantization lowering targets, with the weights as graph inputs
 
 and reads the machine's read bandwidth the way the issue measured it: a torch sum over the same
 number of bytes (float32), with the same threads. Each timed pass runs over --mib MiB of distinct
@@ -101,7 +104,7 @@ class Buffers:
         return count, packed, sz, half + groups * out_f * 4
 
 
-def candidates(buf: Buffers, x: torch.Tensor, out_f: int) -> dict:
+def candidates(buf: Buffers, x: torch.Tensor, out_f: int, inductor: bool = False) -> dict:
     """name -> (run(i) over matrix i, bytes a call reads, matrices per pass)."""
     own = native.kernels()
     in_f = x.shape[1]
@@ -118,6 +121,12 @@ def candidates(buf: Buffers, x: torch.Tensor, out_f: int) -> dict:
     if own is not None:
         runs["int8 latentkv"] = (lambda i: own.int8_mm(x, q8[i], s8[i]), n8, c8)
         runs["int4 latentkv"] = (lambda i: own.int4_mm(x, q4[i], sz[i], GROUP, out_f), n4, c4)
+    if inductor:
+        woq = torch.compile(
+            lambda x, q, s: (x @ q.to(torch.bfloat16).T) * s, mode="max-autotune", dynamic=False
+        )
+        xb = x.to(torch.bfloat16)
+        runs["int8 inductor"] = (lambda i: woq(xb, q8[i], s8[i]).float(), n8, c8)
     return runs
 
 
@@ -168,6 +177,7 @@ def main() -> int:
     )
     p.add_argument("--mib", type=int, default=1024, help="MiB of each format per timed pass (default 1024)")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--inductor", action="store_true", help="add torch.compile's int8 weight-only-quant path")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/quant-gemv.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -195,7 +205,7 @@ def main() -> int:
         result["shapes"][shape] = {"what": what, "matrices_per_pass": counts, "rows": {}}
         for r in rows:
             x = torch.randn(r, in_f, generator=g)
-            runs = candidates(buf, x, out_f)
+            runs = candidates(buf, x, out_f, args.inductor)
             times = timed(runs, args.repeats)
             cells = {name: summarize(times[name], runs[name][1], sum_gbs) for name in runs}
             for name, c in cells.items():

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from latentkv.weights import describe, make_linear, native
+from latentkv.weights import describe, int8, make_linear, native
 from latentkv.weights.int4 import (
     KERNEL_MAX_ROWS,
     Int4Linear,
@@ -49,7 +49,7 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).double()
 
 
-@pytest.mark.parametrize("rows", [1, 3, PREFILL_MIN_ROWS + 1, 70])
+@pytest.mark.parametrize("rows", [1, 3, PREFILL_MIN_ROWS // 2 + 4, PREFILL_MIN_ROWS + 1, 70])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [160, 24])  # 24: the op needs padding to 32 (it crashes otherwise)
 def test_int8_product_matches_its_dequantized_matrix(rows, bias, width, decode_kernels):
@@ -60,8 +60,9 @@ def test_int8_product_matches_its_dequantized_matrix(rows, bias, width, decode_k
     assert lin.dequantize().shape == (96, width)
     x = torch.randn(2, rows, width, generator=g)  # leading axes are kept
     bias64 = 0 if b is None else b.double()
-    tile = 2 * rows > PREFILL_MIN_ROWS
-    kernel = not tile and decode_kernels == "native"
+    native = decode_kernels == "native"
+    tile = 2 * rows > (int8.KERNEL_MAX_ROWS if native else PREFILL_MIN_ROWS)
+    kernel = not tile and native
     exact = kernel or (tile and matmul_dtype() == torch.float32)
     ref = (x.double() if exact else _bf16(x)) @ lin.dequantize().double().T + bias64
     y = lin(x)

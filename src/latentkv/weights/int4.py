@@ -11,7 +11,7 @@ which is the convention of torch's CPU int4 op `_weight_int4pack_mm_for_cpu` (`q
 [in / G, out, 2]). Scale and zero are bfloat16 (the scale rounded up, so the range still spans
 the group): the op takes them in the activations' dtype and its bfloat16 path is its fast one.
 
-Decode (up to `KERNEL_MAX_ROWS` rows) runs latentkv's own kernel (`weights/native`) where it
+Decode and short prompts (up to `KERNEL_MAX_ROWS` rows) runs latentkv's own kernel (`weights/native`) where it
 builds: it reads the matrix packed in `KERNEL_LAYOUT` (blocks of 64 output rows, column by
 column; the layout torch's op uses on AVX-512 for whole blocks), with float32 activations (int16
 on AVX-512 VNNI) and the residual add folded in. Elsewhere decode runs torch's op on bfloat16 x,
@@ -44,8 +44,9 @@ OUT_MULTIPLE = 16  # the packing op's requirement on the output dimension
 # ~100 rows (GLM-5's 6144 x 2048: even near 96 rows, tiles 1.2x at 128, 3.3x at 512; measured
 # with `benchmarks/vs_llamacpp.py --kernels`, docs/weights.md).
 PREFILL_MIN_ROWS = 96
-# With latentkv's kernel: up to this many rows run it, more run tiles (benchmarks/quant_gemv.py).
-KERNEL_MAX_ROWS = 32
+# With latentkv's kernel: up to this many rows run it, more run tiles (unpacking a tile costs
+# what the kernel spends on ~250 rows of GLM-5's 6144 x 2048: `vs_llamacpp.py --kernels`).
+KERNEL_MAX_ROWS = 256
 # Output rows dequantized at a time on the tile path: bounds the temporary to TILE_ROWS x in
 # bfloat16 (a multiple of the op's row block).
 TILE_ROWS = 1024

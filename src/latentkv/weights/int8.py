@@ -30,8 +30,11 @@ QMAX = 127
 # torch 2.13's bfloat16 `_weight_int8pack_mm` reads past the end of x when in % 16 != 0 and
 # there is more than one row (a segfault): such matrices get zero columns up to a multiple of 16.
 IN_MULTIPLE = 16
-# Products with more rows than this take the dequantized-tile path (docs/weights.md).
+# Products with more rows than this take the dequantized-tile path (docs/weights.md): with torch's
+# op, and with latentkv's kernel (which stays ahead of the tiles up to ~32-48 rows of GLM-5's
+# 6144 x 2048: `benchmarks/vs_llamacpp.py --kernels 6144 2048`).
 PREFILL_MIN_ROWS = 16
+KERNEL_MAX_ROWS = 32
 # Output rows dequantized at a time on the tile path: bounds the temporary to TILE_ROWS x in.
 TILE_ROWS = 1024
 
@@ -99,10 +102,10 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if x2.shape[0] > PREFILL_MIN_ROWS:
-            y = self._tiled(x2)
-        elif self._kernel is not None:
+        if self._kernel is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
             y = self._kernel.int8_mm(_rows(x2), self.q, self.scale)
+        elif x2.shape[0] > PREFILL_MIN_ROWS:
+            y = self._tiled(x2)
         else:
             xb = x2.to(torch.bfloat16)
             xb = F.pad(xb, (0, self._pad)) if self._pad else xb.contiguous()
@@ -113,7 +116,7 @@ class Int8Linear(Linear):
 
     def add_to(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         fused = self._kernel is not None and self._bias is None and residual is not None
-        if fused and x.shape[0] <= PREFILL_MIN_ROWS and _fits(residual, x.shape[0], self.out_features):
+        if fused and x.shape[0] <= KERNEL_MAX_ROWS and _fits(residual, x.shape[0], self.out_features):
             return self._kernel.int8_mm(_rows(x), self.q, self.scale, residual)
         return super().add_to(residual, x)
 
