@@ -14,33 +14,11 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _patch_bf16_dot() -> None:
-    """triton 3.9's interpreter multiplies bfloat16 operands of tl.dot as their raw uint16 bits
-    (numpy has no bfloat16); widen them to float32 first, as the tensor cores do exactly."""
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = interpreter.InterpreterBuilder.create_dot
-
-    def widen(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    if not getattr(original, "widens_bf16", False):
-        create_dot.widens_bf16 = True
-        interpreter.InterpreterBuilder.create_dot = create_dot
-
-
 def pytest_configure(config):
     if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_bf16_dot()
+        from latentkv.attention.triton.interpreter import fix_bf16_dot
+
+        fix_bf16_dot()
 
 
 @pytest.fixture(scope="session")

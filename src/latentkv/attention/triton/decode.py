@@ -32,7 +32,8 @@ from latentkv.kv.codecs.rotation import Rotation, fwht
 
 PRECISIONS = {"ieee": 0, "bf16": 1}  # float32 products, or bfloat16 operands on the tensor cores
 BLOCK_H = 16  # heads per program: tl.dot needs at least 16 rows
-BLOCK_T = 32  # rows per tile
+BLOCK_T = 16  # rows per tile (16 and 8 warps: no register spills at GLM-5 widths on sm_90, `ahead.py`)
+NUM_WARPS = 8
 MIN_SPLIT_TILES = 4  # a split walks at least this many tiles
 MAX_SPLITS = 64
 
@@ -158,7 +159,7 @@ def mla_decode(
     precision: str = "ieee",
     block_t: int = BLOCK_T,
     block_h: int = BLOCK_H,
-    num_warps: int = 4,
+    num_warps: int = NUM_WARPS,
     num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Context [B, H, Lkv] and lse [B, H] of one decode token per sequence (module docstring)."""
