@@ -189,3 +189,47 @@ def test_no_compiler_means_torchs_ops_and_a_reason(monkeypatch):
     monkeypatch.setattr(native, "COMPILERS", ("no-such-c++-compiler",))
     with pytest.raises(OSError, match="no C\\+\\+ compiler"):
         native._build()
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(("d", "i"), [(128, 64), (96, 80), (200, 128)])
+def test_a_swiglu_expert_in_one_call(isa, fmt, d, i):
+    """down(silu(gate(x)) * up(x)) through `expert_int8` / `expert_int4` against float64 over the
+    dequantized matrices (x and the activation in float64), with and without the residual."""
+    kernels = native.with_isa(isa)
+    g, seed = _gen()
+    gate_up = make_linear(torch.randn(2 * i, d, generator=g) * 0.1, fmt)
+    down = make_linear(torch.randn(d, i, generator=g) * 0.1, fmt)
+    run = kernels.expert_int8 if fmt == "int8" else kernels.expert_int4
+    for m in (1, 3, 8):
+        x = torch.randn(m, d, generator=g)
+        gate, up = (x.double() @ gate_up.dequantize().double().T).chunk(2, dim=-1)
+        want = (F.silu(gate) * up) @ down.dequantize().double().T
+        y = run(x, gate_up, down)
+        # the activation between the products is quantized again on the VNNI path
+        assert _rel(y, want) < (2 * INT16_TOL if isa == 3 else 10 * F32_TOL), f"seed {seed} m {m}"
+        residual = torch.randn(m, d, generator=g)
+        assert torch.equal(run(x, gate_up, down, residual), residual + y), f"seed {seed}"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_an_expert_takes_the_one_call_path_at_decode(fmt, monkeypatch):
+    """Expert.__call__ runs the one-call kernel for int8/int4 matrices within the decode row
+    limit, and its result matches the three-step path (each product through its Linear)."""
+    from latentkv.experts.base import Expert
+    from latentkv.weights import swiglu
+
+    g, seed = _gen()
+    expert = Expert(
+        make_linear(torch.randn(160, 96, generator=g) * 0.1, fmt),
+        make_linear(torch.randn(96, 80, generator=g) * 0.1, fmt),
+    )
+    x, residual = torch.randn(2, 96, generator=g), torch.randn(2, 96, generator=g)
+    assert swiglu.fused_swiglu(expert.gate_up, expert.down, 2) is not None
+    fused = expert(x, residual)
+    monkeypatch.setattr("latentkv.experts.base.fused_swiglu", lambda *a: None)
+    steps = expert(x, residual)
+    assert _rel(fused - residual, (steps - residual).double()) < 2 * INT16_TOL, f"seed {seed}"
+    mixed = Expert(expert.gate_up, make_linear(torch.randn(96, 80, generator=g), "bf16"))
+    assert swiglu.fused_swiglu(mixed.gate_up, mixed.down, 2) is None

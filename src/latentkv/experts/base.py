@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.weights.base import Linear
+from latentkv.weights.swiglu import fused_swiglu
 
 
 @dataclass
@@ -40,7 +41,11 @@ class Expert:
         self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
     ) -> torch.Tensor:
         """x [N, D] -> [N, D] (plus `residual` [N, D] if given). `decode` (one token per
-        sequence) changes nothing here: a dense MLP has one path; the MoE layer picks by it."""
+        sequence) changes nothing here: a dense MLP has one path; the MoE layer picks by it.
+        int8 and int4 experts run as one kernel call where they can (`weights.swiglu`)."""
+        fused = fused_swiglu(self.gate_up, self.down, x.shape[0])
+        if fused is not None and (residual is None or residual.shape == x.shape):
+            return fused(x, residual)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down.add_to(residual, F.silu(gate) * up)
 
