@@ -42,3 +42,72 @@ def fused_swiglu(gate_up: Linear, down: Linear, rows: int) -> Fused | None:
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class PackedExperts:
+    """A layer's routed experts, all int8 (or all int4 of one group size) of one shape, as stacked
+    tensors that each expert's Linears are views of: the whole layer's routed part in one call of
+    `latentkv::moe_int8` / `moe_int4` (the router's picks in, the weighted sum out), with no Python
+    per expert, so a decode step can be traced as one graph. The sum is the MoE layer's own:
+    each expert's output (as `Expert.__call__` computes it) times its router weight, added in the
+    layer's fixed order: by expert id (`by_id`, a batch) or in the router's order (a lone token).
+    """
+
+    def __init__(self, kind: type[Linear], tensors: tuple[torch.Tensor, ...], meta: tuple[int, ...], kernel):
+        # private: the same storage the experts' Linears are views of (counted through them)
+        self._kind, self._tensors, self._meta, self._kernel = kind, tensors, meta, kernel
+        self.max_rows = int8.KERNEL_MAX_ROWS if kind is int8.Int8Linear else int4.KERNEL_MAX_ROWS
+
+    @classmethod
+    def of(cls, gate_ups: list[Linear], downs: list[Linear]) -> PackedExperts | None:
+        """Stack the experts' matrices (rebinding each Linear to its slice: no second copy), or
+        None where the experts do not all take the one-call path alike."""
+        if not gate_ups or len(gate_ups) != len(downs):
+            return None
+        first = fused_swiglu(gate_ups[0], downs[0], 1)
+        kind = type(gate_ups[0])
+        if first is None or any(type(w) is not kind for w in (*gate_ups, *downs)):
+            return None
+        pairs = list(zip(gate_ups, downs, strict=True))
+        shapes = {(g.out_features, g.in_features, d.out_features, d.in_features) for g, d in pairs}
+        if len(shapes) != 1 or any(fused_swiglu(g, d, 1) is None for g, d in pairs):
+            return None
+        kernel = gate_ups[0]._kernel
+        if kind is int8.Int8Linear:
+            names = ("q", "scale")
+            meta: tuple[int, ...] = ()
+        else:
+            if len({w.group_size for w in (*gate_ups, *downs)}) != 1:
+                return None
+            names = ("packed", "scale_zeros")
+            meta = (gate_ups[0].out_features, downs[0].out_features, gate_ups[0].group_size)
+        tensors = (*_stack(gate_ups, names), *_stack(downs, names))
+        return cls(kind, tensors, meta, kernel)
+
+    def __call__(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, by_id: bool
+    ) -> torch.Tensor:
+        """x [N, D] (N <= max_rows), idx / weights [N, k] -> sum_j weights[:, j] * expert_idx[:, j](x)."""
+        x = _rows(x)
+        w = weights.float()
+        if self._kind is int8.Int8Linear:
+            return torch.ops.latentkv.moe_int8(x, idx, w, *self._tensors, by_id, self._kernel.isa)
+        gu, gu_sz, dn, dn_sz = self._tensors
+        gu_rows, dn_rows, group = self._meta
+        return torch.ops.latentkv.moe_int4(
+            x, idx, w, gu, gu_sz, gu_rows, dn, dn_sz, dn_rows, group, by_id, self._kernel.isa
+        )
+
+
+def _stack(linears: list[Linear], names: tuple[str, ...]) -> list[torch.Tensor]:
+    """One [E, ...] tensor per attribute in `names`, each Linear's attribute rebound to its slice
+    as it is copied in (its own tensor is then dropped: the peak is one expert above the layer)."""
+    out = []
+    for name in names:
+        first = getattr(linears[0], name)
+        stacked = torch.empty((len(linears), *first.shape), dtype=first.dtype, device=first.device)
+        for e, lin in enumerate(linears):
+            stacked[e].copy_(getattr(lin, name))
+            setattr(lin, name, stacked[e])
+        out.append(stacked)
+    return out

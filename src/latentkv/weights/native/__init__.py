@@ -213,6 +213,14 @@ def _register_fakes() -> None:
     def _expert8(x, gu_q, gu_scale, dn_q, dn_scale, residual, isa):
         return x.new_empty(x.shape[0], dn_q.shape[0])
 
+    @torch.library.register_fake("latentkv::moe_int8")
+    def _moe8(x, idx, weights, gu_q, gu_scale, dn_q, dn_scale, by_id, isa):
+        return x.new_empty(x.shape[0], dn_q.shape[1])
+
+    @torch.library.register_fake("latentkv::moe_int4")
+    def _moe4(x, idx, weights, gu, gu_sz, gu_rows, dn, dn_sz, dn_rows, group_size, by_id, isa):
+        return x.new_empty(x.shape[0], dn_rows)
+
     @torch.library.register_fake("latentkv::expert_int4")
     def _expert4(x, gu_packed, gu_sz, gu_rows, dn_packed, dn_sz, dn_rows, group_size, residual, isa):
         return x.new_empty(x.shape[0], dn_rows)

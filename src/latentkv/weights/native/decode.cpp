@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -797,6 +798,118 @@ at::Tensor expert_int4(const at::Tensor& x, const at::Tensor& gu_packed, const a
   return swiglu(x, I, dn.N, product(gu, 2 * I), product(dn, dn.N), residual);
 }
 
+// ---- a layer's routed experts in one call -----------------------------------------------------
+// out[n] = sum over the token's k experts, in a fixed order, of w[n, j] * expert_e(x[n]): each
+// expert computed once over the rows routed to it (ascending token order), its output multiplied
+// by the router weight and added, exactly as the MoE layer adds a store's outputs (`y * w`, then
+// `out + that`): by expert id (`by_id`, the grouped pass) or in the router's column order (a lone
+// token). Every expert's matrices are one slice of the stacked tensors.
+
+using ExpertRun = std::function<void(int64_t e, const float* x, int64_t n, int64_t ldx, float* y)>;
+
+at::Tensor moe(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, int64_t E, int64_t D,
+               bool by_id, const ExpertRun& run_expert) {
+  TORCH_CHECK(idx.dim() == 2 && idx.scalar_type() == at::kLong && idx.size(0) == x.size(0),
+              "idx must be int64 [N, k]");
+  TORCH_CHECK(w.sizes() == idx.sizes() && w.scalar_type() == at::kFloat, "weights must be float32 [N, k]");
+  const at::Tensor ic = idx.contiguous(), wc = w.contiguous();
+  const int64_t N = idx.size(0), k = idx.size(1), ldx = x.stride(0);
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  const float* wp = wc.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  std::vector<std::vector<int64_t>> rows(E);  // tokens routed to each expert, ascending
+  std::vector<int64_t> slot(N * k);           // (token, column) -> row of its expert's output
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ip[n * k + j];
+      TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range [0, ", E, ")");
+      TORCH_CHECK(rows[e].empty() || rows[e].back() != n, "token ", n, " routed twice to expert ", e);
+      slot[n * k + j] = static_cast<int64_t>(rows[e].size());
+      rows[e].push_back(n);
+    }
+  std::vector<std::vector<float>> out_e(E);
+  std::vector<float> gathered;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(rows[e].size());
+    if (n == 0) continue;
+    out_e[e].resize(n * D);
+    if (N == 1) {
+      run_expert(e, xp, 1, ldx, out_e[e].data());
+      continue;
+    }
+    gathered.resize(n * x.size(1));
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(gathered.data() + r * x.size(1), xp + rows[e][r] * ldx, x.size(1) * sizeof(float));
+    run_expert(e, gathered.data(), n, x.size(1), out_e[e].data());
+  }
+  at::Tensor out = at::zeros({N, D}, x.options());
+  float* op = out.data_ptr<float>();
+  std::vector<int64_t> order(k);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t j = 0; j < k; ++j) order[j] = j;
+    if (by_id) std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ip[n * k + a] < ip[n * k + b]; });
+    float* on = op + n * D;
+    for (int64_t j : order) {
+      const int64_t e = ip[n * k + j];
+      const float* y = out_e[e].data() + slot[n * k + j] * D;
+      const float wt = wp[n * k + j];
+      for (int64_t d = 0; d < D; ++d) {
+        const float t = y[d] * wt;
+        on[d] = on[d] + t;
+      }
+    }
+  }
+  return out;
+}
+
+at::Tensor moe_int8(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, const at::Tensor& gu_q,
+                    const at::Tensor& gu_scale, const at::Tensor& dn_q, const at::Tensor& dn_scale, bool by_id,
+                    int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(gu_q.dim() == 3 && dn_q.dim() == 3 && gu_q.size(0) == dn_q.size(0) && gu_scale.dim() == 2 &&
+                  dn_scale.dim() == 2,
+              "stacked experts must be gate_up q [E, 2I, ldq], scale [E, 2I], down q [E, D, ldq], scale [E, D]");
+  const int64_t E = gu_q.size(0);
+  std::vector<Int8Matrix> gus, dns;
+  for (int64_t e = 0; e < E; ++e) {
+    gus.push_back(int8_matrix(gu_q[e], gu_scale[e]));
+    dns.push_back(int8_matrix(dn_q[e], dn_scale[e]));
+  }
+  TORCH_CHECK(E > 0 && gus[0].N % 2 == 0 && gus[0].N / 2 <= dns[0].ldq, "gate_up and down do not fit");
+  check_x(x, gus[0].ldq);
+  const int64_t I = gus[0].N / 2, D = dns[0].N, K = x.size(1);
+  return moe(x, idx, w, E, D, by_id, [&](int64_t e, const float* xp, int64_t n, int64_t ldx, float* y) {
+    std::vector<float> h(n * 2 * I), act(n * I);
+    product8(gus[e], xp, n, K, ldx, h.data(), 2 * I, nullptr, 0, isa);
+    silu_mul(h.data(), n, I, act.data());
+    product8(dns[e], act.data(), n, I, I, y, D, nullptr, 0, isa);
+  });
+}
+
+at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, const at::Tensor& gu_packed,
+                    const at::Tensor& gu_sz, int64_t gu_rows, const at::Tensor& dn_packed, const at::Tensor& dn_sz,
+                    int64_t dn_rows, int64_t group_size, bool by_id, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(gu_packed.dim() == 3 && dn_packed.dim() == 3 && gu_packed.size(0) == dn_packed.size(0) &&
+                  gu_sz.dim() == 4 && dn_sz.dim() == 4,
+              "stacked experts must be packed [E, Np, Kp / 2] with scale_zeros [E, groups, Np, 2]");
+  const int64_t E = gu_packed.size(0);
+  std::vector<Int4Matrix> gus, dns;
+  for (int64_t e = 0; e < E; ++e) {
+    gus.push_back(int4_matrix(gu_packed[e], gu_sz[e], group_size, gu_rows));
+    dns.push_back(int4_matrix(dn_packed[e], dn_sz[e], group_size, dn_rows));
+  }
+  TORCH_CHECK(E > 0 && gu_rows % 2 == 0 && gu_rows / 2 <= dns[0].Kp, "gate_up and down do not fit");
+  check_x(x, gus[0].Kp);
+  const int64_t I = gu_rows / 2, D = dn_rows, K = x.size(1);
+  return moe(x, idx, w, E, D, by_id, [&](int64_t e, const float* xp, int64_t n, int64_t ldx, float* y) {
+    std::vector<float> h(n * 2 * I), act(n * I);
+    product4(gus[e], xp, n, K, ldx, h.data(), 2 * I, nullptr, 0, isa);
+    silu_mul(h.data(), n, I, act.data());
+    product4(dns[e], act.data(), n, I, I, y, D, nullptr, 0, isa);
+  });
+}
+
 bool has_isa(int64_t isa) { return isa >= 0 && isa <= 3 && cpu_has(isa); }
 
 }  // namespace
@@ -813,6 +926,13 @@ TORCH_LIBRARY(latentkv, m) {
   m.def(
       "int4_mm(Tensor x, Tensor packed, Tensor scale_zeros, int group_size, int out_features, "
       "Tensor? residual, int isa) -> Tensor");
+  m.def(
+      "moe_int8(Tensor x, Tensor idx, Tensor weights, Tensor gate_up_q, Tensor gate_up_scale, Tensor down_q, "
+      "Tensor down_scale, bool by_id, int isa) -> Tensor");
+  m.def(
+      "moe_int4(Tensor x, Tensor idx, Tensor weights, Tensor gate_up_packed, Tensor gate_up_scale_zeros, "
+      "int gate_up_rows, Tensor down_packed, Tensor down_scale_zeros, int down_rows, int group_size, bool by_id, "
+      "int isa) -> Tensor");
   m.def("has_isa(int isa) -> bool", &has_isa);
 }
 
@@ -821,4 +941,6 @@ TORCH_LIBRARY_IMPL(latentkv, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("expert_int8", &expert_int8);
   m.impl("expert_int4", &expert_int4);
+  m.impl("moe_int8", &moe_int8);
+  m.impl("moe_int4", &moe_int4);
 }
