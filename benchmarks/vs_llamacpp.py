@@ -197,10 +197,10 @@ def latentkv_bench(model: Path, dtype: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "latentkv", "bench", "decode", str(model), "--weight-dtype", dtype]
     cmd += ["--threads", str(args.threads), "--kv-cache-dtype", ",".join(args.kv)]
     cmd += ["--context", ",".join(map(str, contexts)), "--decode-tokens", str(args.gen)]
-    cmd += ["--repeats", "1", "--json"]
+    cmd += ["--repeats", "1", "--json"] + (["--compile"] if args.compile else [])
     out: dict[str, dict[str, list[float]]] = {}
     for r in json.loads(run(cmd))["rows"]:
-        if r["engine"] != "latentkv" or r.get("speculative"):
+        if r["engine"] != ("latentkv+compile" if args.compile else "latentkv") or r.get("speculative"):
             continue
         tier = out.setdefault(r["kv_cache_dtype"], {})
         if r["context"] == args.prefill:
@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"threads": args.threads, "depths": args.depths, "depths_requested": requested}
     settings |= {"rounds": args.repetitions, "gen": args.gen, "prefill": args.prefill}
-    settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "flash_attn": 1}
+    settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "flash_attn": 1, "compile": args.compile}
     settings |= {"statistic": "median of the rounds' samples, with min and max"}
     payload = {"model": str(model), **settings, "machine": machine(about), "notes": notes, "bars": verdicts}
     payload |= {"results": results, "memory": memory, "bytes": traffic}

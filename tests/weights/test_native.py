@@ -233,3 +233,21 @@ def test_an_expert_takes_the_one_call_path_at_decode(fmt, monkeypatch):
     assert _rel(fused - residual, (steps - residual).double()) < 2 * INT16_TOL, f"seed {seed}"
     mixed = Expert(expert.gate_up, make_linear(torch.randn(96, 80, generator=g), "bf16"))
     assert swiglu.fused_swiglu(mixed.gate_up, mixed.down, 2) is None
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(("h", "n", "k", "s"), [(4, 64, 96, 1), (8, 96, 130, 3), (16, 512, 192, 1)])
+def test_every_head_in_one_call(fmt, h, n, k, s):
+    """HeadLinears over int8/int4 heads: one `heads_int8` / `heads_int4` call gives each head's
+    own product exactly (the same kernel per head), and float64 over the dequantized heads."""
+    from latentkv.weights.heads import HeadLinears
+
+    g, seed = _gen()
+    heads = HeadLinears.from_float(torch.randn(h, n, k, generator=g), fmt)
+    assert heads._packed is not None
+    x = torch.randn(h, s, k, generator=g)
+    y = heads(x)
+    assert y.shape == (h, s, n) and y.dtype == torch.float32
+    assert torch.equal(y, torch.stack([head(x[i]) for i, head in enumerate(heads.heads)])), f"seed {seed}"
+    want = torch.matmul(x.double(), heads.dequantize().double().transpose(1, 2))
+    assert _rel(y, want) < INT16_TOL, f"seed {seed}"

@@ -221,6 +221,14 @@ def _register_fakes() -> None:
     def _moe4(x, idx, weights, gu, gu_sz, gu_rows, dn, dn_sz, dn_rows, group_size, by_id, isa):
         return x.new_empty(x.shape[0], dn_rows)
 
+    @torch.library.register_fake("latentkv::heads_int8")
+    def _heads8(x, q, scale, isa):
+        return x.new_empty(x.shape[0], x.shape[1], q.shape[1])
+
+    @torch.library.register_fake("latentkv::heads_int4")
+    def _heads4(x, packed, scale_zeros, group_size, out_features, isa):
+        return x.new_empty(x.shape[0], x.shape[1], out_features)
+
     @torch.library.register_fake("latentkv::expert_int4")
     def _expert4(x, gu_packed, gu_sz, gu_rows, dn_packed, dn_sz, dn_rows, group_size, residual, isa):
         return x.new_empty(x.shape[0], dn_rows)

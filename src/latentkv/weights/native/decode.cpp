@@ -910,6 +910,89 @@ at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   });
 }
 
+// ---- one product per attention head, all heads in one call ---------------------------------
+// x [H, S, K] -> [H, S, N]: head h's rows through head h's matrix (MLA's W_UK^T and W_UV), the
+// heads split over the threads (each head's product on one thread: they are small).
+
+void int8_rows(const Int8Args& a, int64_t isa) {
+  X16 xq;
+#if LKV_X86
+  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, XGROUP8, (a.K + XGROUP8 - 1) / XGROUP8 * XGROUP8);
+  if (isa == 3) return int8_vnni(a, xq, 0, a.N_rows);
+  if (isa == 2) return int8_avx512(a, 0, a.N_rows);
+  if (isa == 1) return int8_avx2(a, 0, a.N_rows);
+#endif
+  int8_generic(a, 0, a.N_rows);
+}
+
+void int4_rows(Int4Args& a, int64_t isa) {
+  std::vector<float> xsum(a.M * a.groups, 0.0f);
+  a.xsum = xsum.data();
+  X16 xq;
+#if LKV_X86
+  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, a.G, a.Kp);
+#endif
+  if (isa != 3)
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t g = 0; g < a.groups; ++g) {
+        float s = 0.0f;
+        for (int64_t k = g * a.G; k < std::min(a.K, (g + 1) * a.G); ++k) s += a.x[m * a.ldx + k];
+        xsum[m * a.groups + g] = s;
+      }
+#if LKV_X86
+  if (isa == 3) return int4_vnni(a, xq, 0, a.Np / BLOCK);
+  if (isa == 2) return int4_avx512(a, 0, a.Np / BLOCK);
+  if (isa == 1) return int4_avx2(a, 0, a.Np / BLOCK);
+#endif
+  int4_generic(a, 0, a.Np / BLOCK);
+}
+
+at::Tensor heads_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(q.dim() == 3 && scale.dim() == 2 && x.dim() == 3 && x.size(0) == q.size(0),
+              "heads: x [H, S, K], q [H, N, ldq], scale [H, N]");
+  const int64_t H = q.size(0), S = x.size(1), K = x.size(2);
+  std::vector<Int8Matrix> w;
+  for (int64_t h = 0; h < H; ++h) w.push_back(int8_matrix(q[h], scale[h]));
+  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK(xc.scalar_type() == at::kFloat && H > 0 && K <= w[0].ldq, "x must be float32 [H, S, K <= ldq]");
+  const int64_t N = w[0].N;
+  at::Tensor y = at::empty({H, S, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      Int8Args a{xp + h * S * K, S, K, K, w[h].q, w[h].ldq, w[h].scale, yp + h * S * N, N, nullptr, 0, N};
+      int8_rows(a, isa);
+    }
+  });
+  return y;
+}
+
+at::Tensor heads_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zeros,
+                      int64_t group_size, int64_t out_features, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(packed.dim() == 3 && scale_zeros.dim() == 4 && x.dim() == 3 && x.size(0) == packed.size(0),
+              "heads: x [H, S, K], packed [H, Np, Kp / 2], scale_zeros [H, groups, Np, 2]");
+  const int64_t H = packed.size(0), S = x.size(1), K = x.size(2);
+  std::vector<Int4Matrix> w;
+  for (int64_t h = 0; h < H; ++h) w.push_back(int4_matrix(packed[h], scale_zeros[h], group_size, out_features));
+  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK(xc.scalar_type() == at::kFloat && H > 0 && K <= w[0].Kp, "x must be float32 [H, S, K <= Kp]");
+  const int64_t N = out_features;
+  at::Tensor y = at::empty({H, S, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      Int4Args a{xp + h * S * K, S, K, K, w[h].packed, w[h].Kp, w[h].sz, w[h].Np, w[h].G, N, nullptr, w[h].groups,
+                 yp + h * S * N, N, nullptr, 0};
+      int4_rows(a, isa);
+    }
+  });
+  return y;
+}
+
 bool has_isa(int64_t isa) { return isa >= 0 && isa <= 3 && cpu_has(isa); }
 
 }  // namespace
@@ -933,6 +1016,8 @@ TORCH_LIBRARY(latentkv, m) {
       "moe_int4(Tensor x, Tensor idx, Tensor weights, Tensor gate_up_packed, Tensor gate_up_scale_zeros, "
       "int gate_up_rows, Tensor down_packed, Tensor down_scale_zeros, int down_rows, int group_size, bool by_id, "
       "int isa) -> Tensor");
+  m.def("heads_int8(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
+  m.def("heads_int4(Tensor x, Tensor packed, Tensor scale_zeros, int group_size, int out_features, int isa) -> Tensor");
   m.def("has_isa(int isa) -> bool", &has_isa);
 }
 
@@ -943,4 +1028,6 @@ TORCH_LIBRARY_IMPL(latentkv, CPU, m) {
   m.impl("expert_int4", &expert_int4);
   m.impl("moe_int8", &moe_int8);
   m.impl("moe_int4", &moe_int4);
+  m.impl("heads_int8", &heads_int8);
+  m.impl("heads_int4", &heads_int4);
 }
