@@ -283,8 +283,9 @@ def measure_bytes(
     model_dir: str, dtype: str, depths: list[int], tier: str, threads: int, mib: int = 1024
 ) -> dict:
     """Count the bytes one decode step reads at each depth (in this process, meant to be a fresh
-    child): every weight matrix's bytes each time the step multiplies by it (each `Linear` and
-    per-head product called, counted once per call however the format computes it inside), plus
+    child): every weight matrix's bytes each time the step multiplies by it (each `Linear`,
+    per-head product and expert called, counted once per call however the format computes it
+    inside; a layer's routed experts in one call count each expert it ran once), plus
     the KV cache's bytes (latent rows and indexer keys: all of them, an upper bound where DSA
     attends to a selection). The cache is filled with random rows (the bytes do not depend on
     them). Also the read bandwidth: a float32 torch sum over `mib` MiB with the same threads."""
@@ -292,9 +293,11 @@ def measure_bytes(
 
     from latentkv.config import CacheConfig
     from latentkv.eval.bench.common import fill_random, measured_index_bytes, predicted_kv_bytes
+    from latentkv.experts.base import Expert
     from latentkv.models.weights import load_model
     from latentkv.weights.base import FORMATS
     from latentkv.weights.heads import HeadLinears
+    from latentkv.weights.swiglu import PackedExperts
 
     torch.set_num_threads(threads)
     model = load_model(Path(model_dir), dtype)
@@ -312,10 +315,17 @@ def measure_bytes(
 
         return call
 
-    for cls in {*FORMATS.values(), HeadLinears}:
+    for cls in {*FORMATS.values(), HeadLinears, Expert}:
         for name in ("__call__", "add_to"):
             if name in vars(cls):
                 setattr(cls, name, counting(vars(cls)[name]))
+    packed_call = PackedExperts.__call__
+
+    def packed_counting(self, x, idx, weights, by_id):
+        count[0] += int(idx.unique().numel()) * self.expert_bytes
+        return packed_call(self, x, idx, weights, by_id)
+
+    PackedExperts.__call__ = packed_counting
     out = {"weights": dtype, "kv_tier": tier, "weight_bytes": {}, "kv_bytes": {}}
     with torch.inference_mode():
         for depth in depths:
@@ -462,9 +472,11 @@ def bandwidth_table(results: list[dict], traffic: dict[str, dict], kv: str) -> s
     return "\n".join(lines)
 
 
-def bars(results: list[dict], kv: list[str]) -> list[str]:
+def bars(results: list[dict], kv: list[str], goals: dict[str, float] | None = None) -> list[str]:
     """One line per bar (pair x metric): met or missed by how much, at the first KV tier of --kv
-    (the others' ratios follow). Decode bars: DECODE_BARS per latentkv format; prefill: 1.0x."""
+    (the others' ratios follow). Decode bars: `goals` per latentkv format (default DECODE_BARS,
+    issue 28's for the slice); prefill: 1.0x."""
+    goals = DECODE_BARS if goals is None else goals
     lines = []
     for r in results:
         for metric, theirs in r["llama.cpp"].items():
@@ -474,7 +486,7 @@ def bars(results: list[dict], kv: list[str]) -> list[str]:
             if kv[0] not in ratios:
                 lines.append(f"{what}: no latentkv number at KV {kv[0]}")
                 continue
-            goal = DECODE_BARS.get(r["weights"], 1.0) if metric.startswith("tg") else 1.0
+            goal = goals.get(r["weights"], 1.0) if metric.startswith("tg") else 1.0
             x = ratios[kv[0]]
             verdict = "met" if x >= goal else f"missed by {100 * (1 - x / goal):.0f}%"
             lines.append(
@@ -544,6 +556,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="count the bytes a decode step reads and measure the read bandwidth",
     )
+    p.add_argument(
+        "--compile", action="store_true", help="latentkv decodes through its compiled step (small models)"
+    )
+    p.add_argument(
+        "--goals",
+        default=",".join(f"{k}={v}" for k, v in DECODE_BARS.items()),
+        help="decode goals, latentkv / llama.cpp per latentkv format (default: issue 28's for the slice)",
+    )
     p.add_argument("--gen", type=int, default=64, help="decode tokens per run (default: 64)")
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens (default: 512)")
     p.add_argument(
@@ -576,6 +596,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--depths must be >= 0, -r >= 1, --gen >= 2, --prefill >= 1, --kv not empty"
     if len(set(args.pairs)) != len(args.pairs):
         return "--pairs names a pair twice"
+    try:
+        args.goals = {k: float(v) for k, v in (g.split("=") for g in args.goals.split(",") if g)}
+    except ValueError:
+        return f"bad --goals {args.goals!r}: FORMAT=RATIO,..."
     return None
 
 
@@ -707,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         traffic = {
             dtype: latentkv_bytes(model, dtype, args) for dtype in dict.fromkeys(d for _, d in args.pairs)
         }
-    verdicts = bars(results, args.kv)
+    verdicts = bars(results, args.kv, args.goals)
     text = speed_table(results, args.kv) + "\n\n"
     if traffic:
         text += bandwidth_table(results, traffic, args.kv[0]) + "\n\n"
@@ -719,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"threads": args.threads, "depths": args.depths, "depths_requested": requested}
     settings |= {"rounds": args.repetitions, "gen": args.gen, "prefill": args.prefill}
     settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "flash_attn": 1, "compile": args.compile}
-    settings |= {"statistic": "median of the rounds' samples, with min and max"}
+    settings |= {"statistic": "median of the rounds' samples, with min and max", "goals": args.goals}
     payload = {"model": str(model), **settings, "machine": machine(about), "notes": notes, "bars": verdicts}
     payload |= {"results": results, "memory": memory, "bytes": traffic}
     out.write_text(json.dumps(payload, indent=1) + "\n")

@@ -84,6 +84,11 @@ class PackedExperts:
         tensors = (*_stack(gate_ups, names), *_stack(downs, names))
         return cls(kind, tensors, meta, kernel)
 
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's matrices (gate_up and down with their scales)."""
+        return sum(t[0].numel() * t.element_size() for t in self._tensors)
+
     def __call__(
         self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, by_id: bool
     ) -> torch.Tensor:
