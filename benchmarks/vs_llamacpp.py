@@ -297,7 +297,11 @@ def measure_bytes(
     from latentkv.models.weights import load_model
     from latentkv.weights.base import FORMATS
     from latentkv.weights.heads import HeadLinears
-    from latentkv.weights.swiglu import PackedExperts
+
+    try:  # absent from checkouts before the one-call experts (this script measures those too)
+        from latentkv.weights.swiglu import PackedExperts
+    except ImportError:
+        PackedExperts = None
 
     torch.set_num_threads(threads)
     model = load_model(Path(model_dir), dtype)
@@ -319,13 +323,14 @@ def measure_bytes(
         for name in ("__call__", "add_to"):
             if name in vars(cls):
                 setattr(cls, name, counting(vars(cls)[name]))
-    packed_call = PackedExperts.__call__
+    if PackedExperts is not None:
+        packed_call = PackedExperts.__call__
 
-    def packed_counting(self, x, idx, weights, by_id):
-        count[0] += int(idx.unique().numel()) * self.expert_bytes
-        return packed_call(self, x, idx, weights, by_id)
+        def packed_counting(self, x, idx, weights, by_id):
+            count[0] += int(idx.unique().numel()) * self.expert_bytes
+            return packed_call(self, x, idx, weights, by_id)
 
-    PackedExperts.__call__ = packed_counting
+        PackedExperts.__call__ = packed_counting
     out = {"weights": dtype, "kv_tier": tier, "weight_bytes": {}, "kv_bytes": {}}
     with torch.inference_mode():
         for depth in depths:
