@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.weights.base import Linear, register
+from latentkv.weights.int4_cuda import matmul_cuda, pack_cuda, portable_cuda
 from latentkv.weights.int8 import bf16_at_least
 from latentkv.weights.kernels import matmul_dtype
 
@@ -109,8 +110,10 @@ class Int4Linear(Linear):
         if pad_rows:
             nibbles = F.pad(nibbles, (0, 0, 0, pad_rows), value=0x88)  # (8 - 8) * 1 + 0 = 0
             sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
-        # the op's layout; scale_zeros [groups, out_padded, 2]
-        self._adopt(pack_for_op(nibbles), sz.transpose(0, 1).contiguous(), in_features, out_f, bias)
+        # the op's layout (the CPU's, or on a CUDA device the CUDA op's); scale_zeros [groups, out_padded, 2]
+        packed = pack_cuda(nibbles) if nibbles.is_cuda else pack_for_op(nibbles)
+        shape = (nibbles.shape[0], 2 * half)
+        self._adopt(packed, sz.transpose(0, 1).contiguous(), in_features, out_f, bias, shape)
 
     def _adopt(
         self,
@@ -119,14 +122,17 @@ class Int4Linear(Linear):
         in_features: int,
         out_features: int,
         bias: torch.Tensor | None,
+        shape: tuple[int, int] | None = None,
     ) -> None:
-        """Take a weight in the op's layout as this Linear's state (no copy)."""
-        half, groups = packed.shape[1], scale_zeros.shape[0]
+        """Take a weight in the op's layout as this Linear's state (no copy). `shape`: (out_padded,
+        in_padded) of a layout that does not show it (the CUDA op's int32 tiles)."""
+        out_padded, in_padded = shape or (packed.shape[0], 2 * packed.shape[1])
+        half, groups = in_padded // 2, scale_zeros.shape[0]
         self.group_size = 2 * half // groups
         if self.group_size not in GROUP_SIZES or groups * self.group_size != 2 * half:
             raise ValueError(f"int4 group size {2 * half}/{groups} is not one of {GROUP_SIZES}")
         self.out_features, self.in_features = out_features, in_features
-        self._in_padded, self._out_padded = 2 * half, packed.shape[0]
+        self._in_padded, self._out_padded = in_padded, out_padded
         self.packed, self.scale_zeros = packed, scale_zeros
         self._bias = None if bias is None else bias.float().contiguous()
 
@@ -194,7 +200,7 @@ class Int4Linear(Linear):
         if self._in_padded != self.in_features:
             x2 = F.pad(x2, (0, self._in_padded - self.in_features))
         x2 = x2.contiguous()
-        tiled = x2.shape[0] > PREFILL_MIN_ROWS and prefill_tiles()
+        tiled = x2.shape[0] > PREFILL_MIN_ROWS and not x2.is_cuda and prefill_tiles()
         y = self._tiled(x2) if tiled else self._op(x2, self.packed, self.scale_zeros)
         if self._out_padded != self.out_features:
             y = y[:, : self.out_features]
@@ -204,6 +210,8 @@ class Int4Linear(Linear):
 
     def _op(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
         """x bfloat16 [M, in_padded] -> float32 [M, rows of packed] through torch's int4 op."""
+        if packed.is_cuda:
+            return matmul_cuda(x, packed, self.group_size, scale_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scale_zeros).float()
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
@@ -239,16 +247,21 @@ class Int4Linear(Linear):
 
     def nibbles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(nibbles [out, in_padded / 2], scale, zero [out, groups]): the portable form a file
-        stores, read back from the op's layout."""
+        stores, read back from the op's layout (on the CPU for a weight on a CUDA device)."""
+        if self.packed.is_cuda:
+            nibbles = portable_cuda(self.packed, self._out_padded, self._in_padded)[: self.out_features]
+            sz = self.scale_zeros[:, : self.out_features].transpose(0, 1).cpu()  # [out, groups, 2]
+            return nibbles, sz[..., 0].contiguous(), sz[..., 1].contiguous()
         return portable(self.packed, self.scale_zeros, self.out_features, tile_layout())
 
     def dequantize(self) -> torch.Tensor:
         nib, scale, zero = self.nibbles()
-        return dequantize_int4(unpack_nibbles(nib), scale, zero)[:, : self.in_features]
+        w = dequantize_int4(unpack_nibbles(nib), scale, zero)[:, : self.in_features]
+        return w.to(self.packed.device)
 
     @property
     def nbytes(self) -> int:
-        n = self.packed.numel() + self.scale_zeros.numel() * 2
+        n = self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * 2
         return n if self._bias is None else n + self._bias.numel() * 4
 
 
