@@ -7,15 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+from latentkv.commands.common import MODEL_HELP
 from latentkv.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from latentkv.config import WEIGHT_DTYPES
 
-    p.add_argument(
-        "model", metavar="MODEL", help="model directory (config.json + safetensors) or builtin:NAME"
-    )
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("out", metavar="OUT", type=Path, help="new directory for the converted model")
     p.add_argument(
         "--weight-dtype",

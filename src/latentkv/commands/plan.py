@@ -7,6 +7,7 @@ import argparse
 import json
 
 from latentkv.commands.common import (
+    MODEL_HELP,
     add_cache_arguments,
     add_speculative_arguments,
     cache_config,
@@ -16,9 +17,7 @@ from latentkv.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model", metavar="MODEL", help="model directory (config.json + safetensors) or builtin:NAME"
-    )
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument(
         "--ram-gb",
         type=float,

@@ -1,10 +1,11 @@
-"""Where models come from: a directory, or `builtin:NAME` for the checkpoints we ship."""
+"""Where models come from: a directory, `builtin:NAME` for the checkpoints we ship, or a Hugging
+Face repo id (`org/name[@revision]`) found in the local hub cache (`models/hub.py`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from latentkv.config import cache_root
+from latentkv.config import cache_root, hf_hub_cache
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 BUILTINS = {
@@ -35,13 +36,21 @@ def builtin_path(name: str) -> Path:
 
 def resolve(model: str) -> Path:
     """MODEL argument -> a directory holding config.json and safetensors."""
+    from latentkv.models import hub
+
     if model.startswith("builtin:"):
         path = builtin_path(model.removeprefix("builtin:"))
     else:
         path = Path(model).expanduser()
+        if not path.exists() and (repo := hub.parse_repo_id(model)) is not None:
+            try:
+                path = hub.cached_snapshot(*repo, hf_hub_cache())
+            except hub.NotCached as exc:
+                raise ModelNotFound(f"model {model!r} is not a directory here, and {exc}") from None
     if not path.is_dir():
         raise ModelNotFound(
             f"model {model!r} is not a directory; give a directory with config.json and *.safetensors, "
+            f"a Hugging Face repo id in the local cache (org/name[@revision]), "
             f"or one of: {', '.join('builtin:' + n for n in BUILTINS)}"
         )
     if not (path / "config.json").exists():
