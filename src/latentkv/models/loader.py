@@ -112,6 +112,12 @@ class _SafetensorsFile:
         return flat.view(dtype).view(shape)
 
 
+def has_weights(directory: str | Path) -> bool:
+    """Whether a folder holds safetensors weights (a shard index or any .safetensors file)."""
+    d = Path(directory)
+    return (d / "model.safetensors.index.json").exists() or any(d.glob("*.safetensors"))
+
+
 class Checkpoint:
     """Named tensors of a model directory, read lazily. `get` returns an mmap-backed view."""
 
