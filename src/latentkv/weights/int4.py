@@ -17,6 +17,16 @@ of a row holds columns 2j in its low and 2j+1 in its high nibble).
 
 The op needs out % 16 == 0 and in % group_size == 0: other shapes are padded with zero rows
 (sliced off the output) and zero columns (x is padded to match).
+
+float32 scales: a state whose scale and zero are float32 (GGUF's Q4_0, Q4_1 and Q4_K blocks map
+onto groups of 32 this way: their scales are f16 numbers, or f16 times 6-bit integers, which
+bfloat16 cannot hold) keeps the zero as float32 and the scale as two bfloat16 parts, scale =
+hi + lo (hi its bfloat16 rounding, lo the bfloat16 rounding of the rest): 16 significant bits,
+so every f16 scale is held exactly and a wider one to 2^-17 of itself. The op runs once per part
+with zero 0 on the same packed codes, and the zeros come in through one small float32 product,
+sum_g zero[o, g] * (sum of x over group g): [M, in / G] x [in / G, out], 1/G of the work. So
+such a weight costs about twice the op's time. `dequantize` and `nibbles` return what the
+products compute with: scale hi + lo and the float32 zero.
 """
 
 from __future__ import annotations
@@ -86,6 +96,9 @@ def _padded(n: int, multiple: int) -> int:
 class Int4Linear(Linear):
     format = "int4"
     pieces = ("nibbles", "scale", "zero")  # the portable state a file stores (`quantize_state`, `from_state`)
+    scale_pieces = ("scale", "zero")  # the pieces a factor multiplies: W~ * c (`scaled_state`)
+    scale_zeros_lo: torch.Tensor | None = None  # float32 scales: the rest of the scale, op layout
+    zero_t: torch.Tensor | None = None  # float32 scales: the zeros, float32 [groups, out]
 
     def __init__(
         self,
@@ -105,12 +118,19 @@ class Int4Linear(Linear):
                 f"{nibbles.dtype} {tuple(nibbles.shape)}, {tuple(scale.shape)}, {tuple(zero.shape)}"
             )
         pad_rows = _padded(out_f, OUT_MULTIPLE) - out_f
-        sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
+        wide = scale.dtype == torch.float32 and zero.dtype == torch.float32
+        zero_in_op = torch.zeros_like(zero) if wide else zero  # float32 zeros come in apart
+        hi = torch.stack([scale, zero_in_op], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
         if pad_rows:
             nibbles = F.pad(nibbles, (0, 0, 0, pad_rows), value=0x88)  # (8 - 8) * 1 + 0 = 0
-            sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
+            hi = torch.cat([hi, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
         # the op's layout; scale_zeros [groups, out_padded, 2]
-        self._adopt(pack_for_op(nibbles), sz.transpose(0, 1).contiguous(), in_features, out_f, bias)
+        self._adopt(pack_for_op(nibbles), hi.transpose(0, 1).contiguous(), in_features, out_f, bias)
+        if wide:
+            rest = (scale - scale.to(torch.bfloat16).float()).to(torch.bfloat16)
+            lo = torch.stack([rest, torch.zeros_like(rest)], dim=-1)  # [out, groups, 2]
+            self.scale_zeros_lo = F.pad(lo, (0, 0, 0, 0, 0, pad_rows)).transpose(0, 1).contiguous()
+            self.zero_t = zero.t().contiguous()  # [groups, out]
 
     def _adopt(
         self,
@@ -195,9 +215,18 @@ class Int4Linear(Linear):
             x2 = F.pad(x2, (0, self._in_padded - self.in_features))
         x2 = x2.contiguous()
         tiled = x2.shape[0] > PREFILL_MIN_ROWS and prefill_tiles()
-        y = self._tiled(x2) if tiled else self._op(x2, self.packed, self.scale_zeros)
+        y = self._tiled(x2, self.scale_zeros) if tiled else self._op(x2, self.packed, self.scale_zeros)
+        if (lo := self.scale_zeros_lo) is not None:  # float32 scales: the rest, then the zeros
+            y = y + (self._tiled(x2, lo) if tiled else self._op(x2, self.packed, lo))
         if self._out_padded != self.out_features:
             y = y[:, : self.out_features]
+        if self.zero_t is not None:
+            xf = x.reshape(-1, self.in_features).float()
+            if self._in_padded != self.in_features:
+                xf = F.pad(xf, (0, self._in_padded - self.in_features))
+            y = (
+                y + xf.view(xf.shape[0], -1, self.group_size).sum(-1) @ self.zero_t
+            )  # [M, groups] x [groups, out]
         if self._bias is not None:
             y = y + self._bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -206,22 +235,23 @@ class Int4Linear(Linear):
         """x bfloat16 [M, in_padded] -> float32 [M, rows of packed] through torch's int4 op."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scale_zeros).float()
 
-    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+    def _tiled(self, x: torch.Tensor, scale_zeros: torch.Tensor | None = None) -> torch.Tensor:
         """x bfloat16 [M, in_padded] -> float32 [M, out_padded]: TILE_ROWS output rows at a time
         dequantized to bfloat16 from the op's layout and multiplied by torch's matmul; rows past
         the last full block of the layout (a partial block, packed apart) go through the op."""
+        scale_zeros = self.scale_zeros if scale_zeros is None else scale_zeros
         block = tile_layout()[0]
         full = self._out_padded // block * block
         out = torch.empty(x.shape[0], self._out_padded)
         for r0 in range(0, full, TILE_ROWS):
             r1 = min(r0 + TILE_ROWS, full)
-            out[:, r0:r1] = x @ self._dequantized_tile(r0, r1)
+            out[:, r0:r1] = x @ self._dequantized_tile(r0, r1, scale_zeros)
         if full < self._out_padded:
             tail = self.packed.view(-1)[full * self._in_padded // 2 :].view(self._out_padded - full, -1)
-            out[:, full:] = self._op(x, tail, self.scale_zeros[:, full:].contiguous())
+            out[:, full:] = self._op(x, tail, scale_zeros[:, full:].contiguous())
         return out
 
-    def _dequantized_tile(self, r0: int, r1: int) -> torch.Tensor:
+    def _dequantized_tile(self, r0: int, r1: int, scale_zeros: torch.Tensor | None = None) -> torch.Tensor:
         """W~^T [in_padded, r1 - r0] bfloat16 for output rows r0..r1 (whole blocks of the op's
         layout): q - 8 unpacked as signed nibbles, then scale * (q - 8) + zero per group."""
         block, low, high = tile_layout()
@@ -233,14 +263,18 @@ class Int4Linear(Linear):
         _put(rows, low, (flipped << 4).view(torch.int8) >> 4)  # low nibbles, sign-extended
         _put(rows, high, flipped.view(torch.int8) >> 4)
         tile = tile.view(k // self.group_size, self.group_size, n)
-        sz = self.scale_zeros[:, r0:r1]  # [groups, n, 2]
+        sz = (self.scale_zeros if scale_zeros is None else scale_zeros)[:, r0:r1]  # [groups, n, 2]
         torch.addcmul(sz[:, None, :, 1], tile, sz[:, None, :, 0], out=tile)
         return tile.view(k, n)
 
     def nibbles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(nibbles [out, in_padded / 2], scale, zero [out, groups]): the portable form a file
-        stores, read back from the op's layout."""
-        return portable(self.packed, self.scale_zeros, self.out_features, tile_layout())
+        stores, read back from the op's layout (two-part scales as float32 hi + lo)."""
+        nib, scale, zero = portable(self.packed, self.scale_zeros, self.out_features, tile_layout())
+        if self.scale_zeros_lo is not None and self.zero_t is not None:
+            rest = self.scale_zeros_lo[:, : self.out_features, 0].t().float()  # [out, groups]
+            scale, zero = scale.float() + rest, self.zero_t.t().contiguous()
+        return nib, scale, zero
 
     def dequantize(self) -> torch.Tensor:
         nib, scale, zero = self.nibbles()
@@ -249,6 +283,8 @@ class Int4Linear(Linear):
     @property
     def nbytes(self) -> int:
         n = self.packed.numel() + self.scale_zeros.numel() * 2
+        if self.scale_zeros_lo is not None and self.zero_t is not None:
+            n += self.scale_zeros_lo.numel() * 2 + self.zero_t.numel() * 4
         return n if self._bias is None else n + self._bias.numel() * 4
 
 
