@@ -371,18 +371,20 @@ class GgufSource:
         return self._float(t).reshape(t.shape)
 
 
-def report_line(report: dict[str, dict]) -> str:
-    """One line on the matrices a GGUF load re-quantized: per (type, format), how many and the
-    worst relative RMS error."""
-    worst: dict[tuple[str, str], list[float]] = {}
-    for entry in report.values():
-        worst.setdefault((entry["gguf_type"], entry["format"]), []).append(entry["rel_rms_error"])
+def report_line(packed: dict[str, dict], report: dict[str, dict]) -> str:
+    """One line on how a GGUF's quantized matrices loaded: per GGUF type, how many, the format
+    and whether exactly; for re-quantized ones the worst relative RMS error (`report`)."""
+    rows: dict[str, list] = {}
+    for name, entry in packed.items():
+        row = rows.setdefault(entry["gguf_type"], [0, entry["format"], entry["exact"], 0.0])
+        row[0] += 1
+        if name in report:
+            row[3] = max(row[3], report[name]["rel_rms_error"])
     parts = [
-        f"{n} {t} -> {f} group {REQUANT_GROUP} (relative RMS error up to {max(errs):.2%})"
-        for (t, f), errs in sorted(worst.items())
-        for n in [len(errs)]
+        f"{n} {t} -> {fmt} ({'exact' if exact else f're-quantized, relative RMS error up to {err:.2%}'})"
+        for t, (n, fmt, exact, err) in sorted(rows.items())
     ]
-    return "latentkv: GGUF matrices with no exact format, re-quantized: " + "; ".join(parts)
+    return "GGUF matrices: " + "; ".join(parts) + "; float tensors in --weight-dtype"
 
 
 def requantization_error(gguf_type: str, fmt: str, w: torch.Tensor, deq: torch.Tensor) -> dict:

@@ -26,11 +26,13 @@ from latentkv.models.gguf import (
 )
 from latentkv.models.gguf_vocab import VocabError, tokenizer_files
 from latentkv.models.loader import GGUF_POINTER as POINTER
+from latentkv.weights.gguf_blocks import EXACT
 
 
 def fingerprint_view(paths: list[Path]) -> str:
-    """What names a GGUF's view folder: its shards' paths, sizes and modification times."""
-    digest = hashlib.sha256()
+    """What names a GGUF's view folder: its shards' paths, sizes and modification times, and
+    what shapes the folder here (the view's version, the types mapped exactly)."""
+    digest = hashlib.sha256(f"{VIEW_VERSION}\0{sorted(EXACT.items())}\0".encode())
     for p in paths:
         st = p.stat()
         digest.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())

@@ -204,10 +204,10 @@ def load_model(
         packed,
         load_mtp,
     )
-    if progress and ckpt.gguf is not None and ckpt.gguf.report:
+    if progress and ckpt.gguf is not None and packed:
         from latentkv.models.gguf import report_line
 
-        print(report_line(ckpt.gguf.report), file=sys.stderr)
+        print(f"latentkv: {report_line(packed, ckpt.gguf.report)}", file=sys.stderr)
     release_freed_memory()
     return model
 
