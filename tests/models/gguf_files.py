@@ -32,11 +32,16 @@ def gguf_tensors(directory: Path) -> dict[str, np.ndarray]:
     names = gguf.get_tensor_name_map(arch, cfg.num_layers + cfg.num_mtp_layers)
     ckpt = Checkpoint(directory)
     out: dict[str, np.ndarray] = {}
+    per_expert: dict[str, dict[int, np.ndarray]] = {}
     H, P, V = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     for name in ckpt.keys():  # noqa: SIM118
         t = ckpt.get(name).float().numpy()
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("experts.gate_up_proj"):
+        parts = name.split(".")
+        if ".mlp.experts." in name and parts[5].isdigit():  # one expert's own tensor: stacked below
+            kind = parts[6].removesuffix("_proj")
+            per_expert.setdefault(f"blk.{layer}.ffn_{kind}_exps.weight", {})[int(parts[5])] = t
+        elif name.endswith("experts.gate_up_proj"):
             inter = t.shape[1] // 2
             out[f"blk.{layer}.ffn_gate_exps.weight"] = t[:, :inter]
             out[f"blk.{layer}.ffn_up_exps.weight"] = t[:, inter:]
@@ -52,18 +57,28 @@ def gguf_tensors(directory: Path) -> dict[str, np.ndarray]:
             mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
             assert mapped is not None, name
             out[mapped] = t
+    for name, experts in per_expert.items():
+        out[name] = np.stack([experts[e] for e in sorted(experts)])
     return out
 
 
-def write_gguf(directory: Path, out: Path, types: dict[str, str], chat_template: str | None = None) -> Path:
+def write_gguf(
+    directory: Path,
+    out: Path,
+    types: dict[str, str],
+    chat_template: str | None = None,
+    split_max_tensors: int = 0,
+    arch: str | None = None,
+) -> Path:
     """`directory`'s model as a GGUF; `types` maps fnmatch patterns of GGUF tensor names to a
-    type name (the first match wins; unmatched tensors stay F32)."""
+    type name (the first match wins; unmatched tensors stay F32). With `split_max_tensors` the
+    file is split into shards of that many tensors (OUT-0000i-of-0000N.gguf; returns the first)."""
     import gguf
 
     cfg = ModelConfig.from_hf(directory)
     raw = json.loads((directory / "config.json").read_text())
-    arch = ARCH[cfg.model_type]
-    w = gguf.GGUFWriter(str(out), arch)
+    arch = arch or ARCH[cfg.model_type]
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     _metadata(w, cfg, raw, directory, chat_template)
     for name, t in gguf_tensors(directory).items():
         kind = next((k for pattern, k in types.items() if fnmatch.fnmatch(name, pattern)), "F32")
@@ -73,6 +88,8 @@ def write_gguf(directory: Path, out: Path, types: dict[str, str], chat_template:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split_max_tensors:
+        return sorted(out.parent.glob(out.stem + "-00001-of-*.gguf"))[0]
     return out
 
 
@@ -186,7 +203,9 @@ def encode_q4_k(t: np.ndarray) -> np.ndarray:
     sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[:, None]), 0, 63).astype(np.uint8)
     mn = np.clip(np.round(-lo / np.where(dmin > 0, dmin, 1)[:, None]), 0, 63).astype(np.uint8)
     step = d[:, None] * sc
-    q = np.clip(np.round((x + (dmin[:, None] * mn)[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, 15)
+    q = np.clip(
+        np.round((x + (dmin[:, None] * mn)[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, 15
+    )
     q = q.astype(np.uint8).reshape(-1, 4, 2, 32)  # [blocks, runs of 64, low / high, 32]
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
     packed = np.zeros((x.shape[0], 12), dtype=np.uint8)
@@ -197,7 +216,20 @@ def encode_q4_k(t: np.ndarray) -> np.ndarray:
     return blocks.reshape(*t.shape[:-1], t.shape[-1] // 256 * 144)
 
 
-ENCODERS = {"Q6_K": encode_q6_k, "Q4_K": encode_q4_k}
+def encode_iq4_nl(t: np.ndarray) -> np.ndarray:
+    """float32 [..., n * 32] -> IQ4_NL blocks (the nearest of the 16 table values), uint8 [..., n * 18]."""
+    from latentkv.weights.gguf_blocks import IQ4_VALUES
+
+    x = t.reshape(-1, 32).astype(np.float64)
+    d = (np.abs(x).max(-1) / 127).astype(np.float16).astype(np.float64)
+    table = np.array(IQ4_VALUES, dtype=np.float64)
+    q = np.abs(x[..., None] / np.where(d > 0, d, 1)[:, None, None] - table).argmin(-1).astype(np.uint8)
+    qs = q[:, :16] | (q[:, 16:] << 4)
+    blocks = np.concatenate([_f16_bytes(d), qs], axis=1)
+    return blocks.reshape(*t.shape[:-1], t.shape[-1] // 32 * 18)
+
+
+ENCODERS = {"Q6_K": encode_q6_k, "Q4_K": encode_q4_k, "IQ4_NL": encode_iq4_nl}
 
 
 def dequantized_checkpoint(gguf_path: Path, source: Path, out: Path) -> Path:
@@ -222,7 +254,9 @@ def dequantized_checkpoint(gguf_path: Path, source: Path, out: Path) -> Path:
     for name in ckpt.keys():  # noqa: SIM118
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
         if name.endswith("experts.gate_up_proj"):
-            v = np.concatenate([values[f"blk.{layer}.ffn_gate_exps.weight"], values[f"blk.{layer}.ffn_up_exps.weight"]], 1)
+            v = np.concatenate(
+                [values[f"blk.{layer}.ffn_gate_exps.weight"], values[f"blk.{layer}.ffn_up_exps.weight"]], 1
+            )
         elif name.endswith("experts.down_proj"):
             v = values[f"blk.{layer}.ffn_down_exps.weight"]
         elif name.endswith("e_score_correction_bias"):
@@ -232,7 +266,7 @@ def dequantized_checkpoint(gguf_path: Path, source: Path, out: Path) -> Path:
             v = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(H * (P + cfg.v_head_dim), -1)
         else:
             v = values[names.get_name(name, try_suffixes=(".weight", ".bias"))]
-        back[name] = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+        back[name] = torch.from_numpy(np.array(v, dtype=np.float32))
     out.mkdir(parents=True, exist_ok=True)
     save_file(back, str(out / "model.safetensors"))
     for f in source.iterdir():

@@ -27,7 +27,9 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
     raw = rng.integers(0, 256, (rows, cols // n * size), dtype=np.uint8)
     blocks = raw.reshape(-1, size)
     for at in F16_FIELDS[kind]:
-        scales = (rng.standard_normal(blocks.shape[0]) * 10.0 ** rng.uniform(-4, 0, blocks.shape[0])).astype(np.float16)
+        scales = (rng.standard_normal(blocks.shape[0]) * 10.0 ** rng.uniform(-4, 0, blocks.shape[0])).astype(
+            np.float16
+        )
         blocks[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
     return raw
 
@@ -163,7 +165,9 @@ def test_the_reference_decoder_reads_what_the_gguf_package_writes():
         raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
         ref = reference(kind, raw)
         assert np.abs(ref - w).max() < 0.25 * np.abs(w).max()  # it is the matrix, quantized
-        assert np.allclose(ref, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]), rtol=0, atol=1e-6)
+        assert np.allclose(
+            ref, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]), rtol=0, atol=1e-6
+        )
 
 
 def test_types_without_an_exact_format_go_to_the_nearest_width():

@@ -187,7 +187,7 @@ def hf_config(m: GgufModel) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in m.tensors,
         "num_nextn_predict_layers": nextn,
         "hidden_act": "silu",
-        "bos_token_id": bos,
+        "bos_token_id": bos if m.meta.get("tokenizer.ggml.add_bos_token") else None,  # llama.cpp's rule
         "eos_token_id": eos,
     }
     if (scaling := _rope_scaling(m)) is not None:
