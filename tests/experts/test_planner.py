@@ -111,3 +111,19 @@ def test_the_worked_example_configs_size_the_published_models(name, billions):
         cfg, DOCS / "configs" / name, 128 << 30, "int8", CacheConfig("tq4-r8"), 32768, expert_dtype="int4"
     )
     assert plan.sizes_from == "config.json alone" and plan.fits and plan.mtp_layers == 1
+
+
+@pytest.mark.parametrize("name", ["builtin:fixture", "builtin:tiny"])
+def test_a_config_alone_plans_like_its_checkpoint(tmp_path, name):
+    """A folder with only config.json is planned from the shapes the config implies: the same
+    plan as the real checkpoint's (dense bytes, MTP layer, experts)."""
+    import shutil
+
+    d = resolve(name)
+    shutil.copy(d / "config.json", tmp_path / "config.json")
+    cfg = ModelConfig.from_hf(d)
+    for fmt in ("f32", "int4"):
+        real = make_plan(cfg, d, 8 << 30, fmt, store_dir=tmp_path / "none").as_dict()
+        alone = make_plan(cfg, tmp_path, 8 << 30, fmt, store_dir=tmp_path / "none").as_dict()
+        assert (real.pop("sizes_from"), alone.pop("sizes_from")) == ("the checkpoint", "config.json alone")
+        assert alone == real

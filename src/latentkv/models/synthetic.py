@@ -73,6 +73,14 @@ def _shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "lm_head.weight", (V, D)
 
 
+def config_shapes(cfg) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor a checkpoint of `cfg` (a ModelConfig) holds, DeepSeek-V3's
+    and GLM-5's naming: `models.shapes.checkpoint_shapes` (checked against real checkpoints)."""
+    from latentkv.models.shapes import checkpoint_shapes
+
+    return iter(checkpoint_shapes(cfg).items())
+
+
 def _layer_shapes(cfg: dict, p: str, kind: str, indexer: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
     """One decoder layer's tensors under the name prefix p."""
     D, H = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -82,9 +90,12 @@ def _layer_shapes(cfg: dict, p: str, kind: str, indexer: bool) -> Iterator[tuple
     yield p + "input_layernorm.weight", (D,)
     yield p + "post_attention_layernorm.weight", (D,)
     a = p + "self_attn."
-    yield a + "q_a_proj.weight", (Lq, D)
-    yield a + "q_a_layernorm.weight", (Lq,)
-    yield a + "q_b_proj.weight", (H * (P + R), Lq)
+    if Lq:
+        yield a + "q_a_proj.weight", (Lq, D)
+        yield a + "q_a_layernorm.weight", (Lq,)
+        yield a + "q_b_proj.weight", (H * (P + R), Lq)
+    else:  # no q-LoRA (DeepSeek-V2-Lite): one query projection
+        yield a + "q_proj.weight", (H * (P + R), D)
     yield a + "kv_a_proj_with_mqa.weight", (Lkv + R, D)
     yield a + "kv_a_layernorm.weight", (Lkv,)
     yield a + "kv_b_proj.weight", (H * (P + Vh), Lkv)
