@@ -20,16 +20,14 @@ import torch
 from latentkv.config import ModelConfig
 from latentkv.models.loader import Checkpoint
 
-ARCH = {"glm_moe_dsa": "glm-dsa", "deepseek_v3": "deepseek2"}
+ARCH = {"glm_moe_dsa": "glm-dsa", "deepseek_v3": "deepseek2", "deepseek_v32": "deepseek32"}
 
 
 def gguf_tensors(directory: Path) -> dict[str, np.ndarray]:
     """A checkpoint's float32 tensors under llama.cpp's names, in its layout."""
-    import gguf
 
     cfg = ModelConfig.from_hf(directory)
-    arch = gguf.MODEL_ARCH.GLM_DSA if cfg.model_type == "glm_moe_dsa" else gguf.MODEL_ARCH.DEEPSEEK2
-    names = gguf.get_tensor_name_map(arch, cfg.num_layers + cfg.num_mtp_layers)
+    names = _name_map(cfg)
     ckpt = Checkpoint(directory)
     out: dict[str, np.ndarray] = {}
     per_expert: dict[str, dict[int, np.ndarray]] = {}
@@ -60,6 +58,14 @@ def gguf_tensors(directory: Path) -> dict[str, np.ndarray]:
     for name, experts in per_expert.items():
         out[name] = np.stack([experts[e] for e in sorted(experts)])
     return out
+
+
+def _name_map(cfg: ModelConfig):
+    """gguf's tensor name map; GLM-5's has the DSA indexer's names, which DeepSeek-V3.2 shares."""
+    import gguf
+
+    arch = gguf.MODEL_ARCH.DEEPSEEK2 if cfg.dsa is None else gguf.MODEL_ARCH.GLM_DSA
+    return gguf.get_tensor_name_map(arch, cfg.num_layers + cfg.num_mtp_layers)
 
 
 def write_gguf(
@@ -120,9 +126,12 @@ def _metadata(w, cfg: ModelConfig, raw: dict, directory: Path, chat_template: st
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_group_count(cfg.n_group)
     w.add_expert_group_used_count(cfg.topk_group)
-    w.add_leading_dense_block_count(raw.get("first_k_dense_replace", 0))
+    w.add_leading_dense_block_count(
+        cfg.mlp_layer_types.index("sparse") if "sparse" in cfg.mlp_layer_types else cfg.num_layers
+    )
     w.add_vocab_size(cfg.vocab_size)
-    w.add_q_lora_rank(cfg.q_lora_rank)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
     w.add_kv_lora_rank(cfg.kv_lora_rank)
     w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     w.add_value_length(cfg.kv_lora_rank)
@@ -135,6 +144,14 @@ def _metadata(w, cfg: ModelConfig, raw: dict, directory: Path, chat_template: st
         w.add_expert_weights_norm(True)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    if cfg.rope.kind == "yarn":  # as llama.cpp's converter writes DeepSeek-V3's YaRN
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope.factor)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
+        w.add_rope_scaling_yarn_beta_fast(cfg.rope.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(cfg.rope.beta_slow)
+        if cfg.rope.mscale_all_dim is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope.mscale_all_dim)
     if cfg.num_mtp_layers:
         w.add_nextn_predict_layers(cfg.num_mtp_layers)
     if cfg.dsa is not None:
@@ -142,7 +159,8 @@ def _metadata(w, cfg: ModelConfig, raw: dict, directory: Path, chat_template: st
         w.add_indexer_key_length(cfg.dsa.index_head_dim)
         w.add_indexer_top_k(cfg.dsa.index_topk)
         w.add_array(f"{w.arch}.attention.indexer.types", [t == "full" for t in cfg.dsa.indexer_types])
-    _vocab(w, directory, chat_template)
+    if (directory / "tokenizer.json").exists():
+        _vocab(w, directory, chat_template)
 
 
 def _vocab(w, directory: Path, chat_template: str | None) -> None:
@@ -247,13 +265,14 @@ def dequantized_checkpoint(gguf_path: Path, source: Path, out: Path) -> Path:
     H, P = cfg.num_heads, cfg.qk_nope_head_dim
     back = {}
     ckpt = Checkpoint(source)
-    names = gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH.GLM_DSA if cfg.model_type == "glm_moe_dsa" else gguf.MODEL_ARCH.DEEPSEEK2,
-        cfg.num_layers + cfg.num_mtp_layers,
-    )
+    names = _name_map(cfg)
     for name in ckpt.keys():  # noqa: SIM118
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("experts.gate_up_proj"):
+        parts = name.split(".")
+        if ".mlp.experts." in name and parts[5].isdigit():
+            kind = parts[6].removesuffix("_proj")
+            v = values[f"blk.{layer}.ffn_{kind}_exps.weight"][int(parts[5])]
+        elif name.endswith("experts.gate_up_proj"):
             v = np.concatenate(
                 [values[f"blk.{layer}.ffn_gate_exps.weight"], values[f"blk.{layer}.ffn_up_exps.weight"]], 1
             )

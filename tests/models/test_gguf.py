@@ -11,6 +11,7 @@ activations). Files made by llama.cpp's own converter and quantizer: test_gguf_l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -75,7 +76,7 @@ def loaded(files):
 
 
 def logits(model) -> torch.Tensor:
-    return model.forward(IDS, model.make_cache(CacheConfig()), all_logits=True)
+    return model.forward(IDS % model.cfg.vocab_size, model.make_cache(CacheConfig()), all_logits=True)
 
 
 def test_the_config_comes_from_the_metadata(files):
@@ -240,3 +241,58 @@ def test_a_bad_gguf_is_one_line(files, tmp_path, monkeypatch, capsys, damage, me
     assert main(["generate", str(bad), "--prompt-ids", "1,2", "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_sizes_a_gguf_in_the_formats_it_loads_in(files, capsys):
+    from latentkv.streaming.planner import make_plan
+
+    _, ref, view = files
+    cfg = ModelConfig.from_hf(view)
+    gguf_plan, float_plan = make_plan(cfg, view, 8 << 30), make_plan(cfg, ref, 8 << 30)
+    assert gguf_plan.sizes_from == "the GGUF"
+    # int4 Q4_K matrices: 0.875 bytes per weight, int8 groups 1.125-1.25, against f32's 4
+    assert gguf_plan.dense_bytes < 0.6 * float_plan.dense_bytes
+
+
+# Every oracle architecture through GGUF: deepseek2 with grouped routing and YaRN (dsv3-tiny),
+# without q-LoRA (the softmax scale folded into a pre-quantized q_proj), deepseek32, glm-dsa with
+# shared indexer layers. k_b stays F32: its rows (qk_nope 24) are not whole blocks of 32.
+ORACLE_TYPES = {
+    "blk.*.attn_k_b.weight": "F32",
+    "blk.*.attn_q.weight": "Q8_0",
+    "blk.*.attn_q_a.weight": "Q4_0",
+    "blk.*.attn_q_b.weight": "Q8_0",
+    "blk.*.attn_kv_a_mqa.weight": "Q8_0",
+    "blk.*.attn_v_b.weight": "Q4_1",
+    "blk.*.attn_output.weight": "Q8_0",
+    "blk.*.ffn_*.weight": "Q8_0",
+    "blk.*.ffn_*_exps.weight": "Q4_0",
+    "blk.*.indexer.attn_q_b.weight": "Q8_0",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dsv3-tiny",
+        "dsv3-tiny-noqlora",
+        pytest.param("dsv32-tiny-dsa", marks=pytest.mark.slow),  # glm-dsa's names: covered by the fixture
+        pytest.param("glm5-tiny-dsa", marks=pytest.mark.slow),
+    ],
+)
+def test_every_mla_architecture_through_gguf(name, checkpoint, tmp_path, monkeypatch):
+    from latentkv.eval import oracle
+
+    assert name in oracle.SPECS
+    monkeypatch.setenv("LATENTKV_CACHE", str(tmp_path / "cache"))
+    source = checkpoint(name)
+    f32 = resolve(str(write_gguf(source, tmp_path / "f32.gguf", {})))
+    ids = {"bos_token_id": None, "eos_token_ids": ()}  # these checkpoints have no tokenizer to give them
+    expected = dataclasses.replace(ModelConfig.from_hf(source), **ids)
+    assert dataclasses.replace(ModelConfig.from_hf(f32), **ids) == expected
+    assert torch.equal(logits(load_model(f32)), logits(load_model(source)))
+    path = write_gguf(source, tmp_path / "q.gguf", ORACLE_TYPES)
+    ours = logits(load_model(resolve(str(path))))
+    reference = logits(load_model(dequantized_checkpoint(path, source, tmp_path / "reference")))
+    kl = F.kl_div(F.log_softmax(ours, -1), F.log_softmax(reference, -1), log_target=True, reduction="none")
+    assert kl.sum(-1).max() < 2e-5

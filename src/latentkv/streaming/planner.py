@@ -130,10 +130,12 @@ def _is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def dense_bytes(shapes: dict[str, tuple[int, ...]], fmt: str) -> int:
-    """Every tensor but the routed experts (`shapes`: name -> shape): matrices in the format,
-    vectors and routers float32."""
+def dense_bytes(shapes: dict[str, tuple[int, ...]], fmt: str, stored: dict[str, float] | None = None) -> int:
+    """Every tensor but the routed experts (`shapes`: name -> shape): matrices in the format (or,
+    `stored`: name -> bytes per weight, in the format a GGUF's matrix loads in), vectors and
+    routers float32."""
     per = bytes_per_element(fmt)
+    stored = stored or {}
     total = 0.0
     for name, shape in shapes.items():
         if _is_routed_expert(name) or name.endswith("weight_scale_inv"):
@@ -142,8 +144,34 @@ def dense_bytes(shapes: dict[str, tuple[int, ...]], fmt: str) -> int:
         for d in shape:
             n *= d
         matrix = len(shape) == 2 and ".mlp.gate.weight" not in name
-        total += n * (per if matrix else 4)
+        total += n * (stored.get(name, per) if matrix else 4)
     return int(total)
+
+
+def gguf_bytes_per_element(model_dir: Path | None) -> dict[str, float]:
+    """name -> resident bytes per weight of each quantized matrix of a GGUF's folder, in the
+    format it loads in (models/gguf.py); empty for any other folder."""
+    from latentkv.models.convert import read_manifest
+    from latentkv.weights.base import format_class
+    from latentkv.weights.gguf_blocks import EXACT, REQUANT_GROUP
+
+    manifest = read_manifest(model_dir) if model_dir is not None else None
+    if manifest is None or manifest.get("source") != "gguf":
+        return {}
+    per: dict[tuple, float] = {}
+    out = {}
+    for name, entry in manifest["tensors"].items():
+        fmt, exact = entry["format"], entry["gguf_type"] in EXACT
+        group = EXACT[entry["gguf_type"]][1] if exact else REQUANT_GROUP
+        key = (fmt, group, exact)
+        if key not in per:
+            cls = format_class(fmt)
+            state = cls.quantize_state(torch.zeros(256, 1024), group_size=group)
+            if exact:  # GGUF's scales stay float32 (weights/gguf_blocks.py)
+                state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+            per[key] = cls.from_state(state, 1024).nbytes / (256 * 1024)
+        out[name] = per[key]
+    return out
 
 
 def expert_extent_bytes(
@@ -170,7 +198,11 @@ def tensor_shapes(cfg: ModelConfig, model_dir: Path | None) -> tuple[dict[str, t
         return checkpoint_shapes(cfg), cfg.num_mtp_layers >= 1, "config.json alone"
     ckpt = Checkpoint(model_dir)
     shapes = {name: tuple(ckpt.shape(name)) for name in ckpt.keys()}  # noqa: SIM118
-    return shapes, routed_layer(cfg, ckpt) is not None, "the checkpoint"
+    return (
+        shapes,
+        routed_layer(cfg, ckpt) is not None,
+        "the GGUF" if ckpt.gguf is not None else "the checkpoint",
+    )
 
 
 def make_plan(
@@ -199,7 +231,7 @@ def make_plan(
     per_token = resolve_tier(layout, cache).bytes_per_token_layer * layout.num_layers + index_bytes
     kv = per_token * max_model_len * max_num_seqs
     shapes, has_mtp_experts, sizes_from = tensor_shapes(cfg, model_dir)
-    dense = dense_bytes(shapes, weight_dtype)
+    dense = dense_bytes(shapes, weight_dtype, gguf_bytes_per_element(model_dir))
     act = ACTIVATION_BASE + max_num_seqs * 4 * (
         cfg.vocab_size + cfg.num_heads * max_model_len + 16 * cfg.hidden_size
     )

@@ -215,7 +215,7 @@ class Int4Linear(Linear):
             x2 = F.pad(x2, (0, self._in_padded - self.in_features))
         x2 = x2.contiguous()
         tiled = x2.shape[0] > PREFILL_MIN_ROWS and prefill_tiles()
-        y = self._tiled(x2, self.scale_zeros) if tiled else self._op(x2, self.packed, self.scale_zeros)
+        y = self._tiled(x2) if tiled else self._op(x2, self.packed, self.scale_zeros)
         if (lo := self.scale_zeros_lo) is not None:  # float32 scales: the rest, then the zeros
             y = y + (self._tiled(x2, lo) if tiled else self._op(x2, self.packed, lo))
         if self._out_padded != self.out_features:
