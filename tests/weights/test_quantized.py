@@ -132,8 +132,10 @@ def test_resident_bytes():
 def test_bad_parameters_say_what_is_valid():
     with pytest.raises(ValueError, match="one of"):
         make_linear(torch.randn(16, 64), "int4", group_size=16)
-    with pytest.raises(ValueError, match="takes no parameters"):
-        make_linear(torch.randn(16, 64), "int8", group_size=32)
+    with pytest.raises(ValueError, match="int8 group size must be one of"):
+        make_linear(torch.randn(16, 64), "int8", group_size=24)
+    with pytest.raises(ValueError, match="takes only group_size"):
+        make_linear(torch.randn(16, 64), "int8", bits=8)
     with pytest.raises(ValueError, match="valid formats: .*int4.*int8"):
         make_linear(torch.randn(16, 64), "int2")
 
