@@ -178,6 +178,7 @@ def test_convert_writes_the_same_model(files, loaded, tmp_path, capsys):
     }
     manifest = json.loads((out / "latentkv-weights.json").read_text())
     assert "model.layers.0.self_attn.k_b_proj.weight" in manifest["tensors"]
+    assert not (out / "latentkv-gguf.json").exists()  # OUT stands on its own: no pointer to the GGUF
     assert torch.equal(logits(load_model(out)), logits(loaded[0]))
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from latentkv.config import ModelConfig
-from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
+from latentkv.models.loader import GGUF_POINTER, Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.weights.base import DenseLinear, format_class
 
 MANIFEST = "latentkv-weights.json"
@@ -289,7 +289,7 @@ class _Writer:
 
 def _copy_small_files(source: Path, out: Path) -> None:
     """Tokenizer, generation config, held-out text...: everything but weights and config."""
-    skip = ("config.json", MANIFEST, "model.safetensors.index.json")
+    skip = ("config.json", MANIFEST, "model.safetensors.index.json", GGUF_POINTER)
     for f in source.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
             shutil.copy2(f, out / f.name)

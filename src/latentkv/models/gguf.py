@@ -38,6 +38,9 @@ VIEW_FORMAT, VIEW_VERSION = "latentkv-gguf-view", 1
 SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 SIGMOID = 2  # expert_gating_func: 1 softmax (DeepSeek-V2), 2 sigmoid (V3 and later)
+# Matrices the loader keeps in float32 whatever the format (the router, the indexer's head
+# weights): served dequantized, never as a format's pieces.
+FLOAT_ONLY = ("mlp.gate.weight", "indexer.weights_proj.weight")
 
 # GGUF tensor name within block i (after "blk.{i}.") -> transformers' name after "model.layers.{i}."
 BLOCK_NAMES = {
@@ -296,7 +299,7 @@ class GgufSource:
                 "exact": t.type in EXACT,
             }
             for n, t in self._by_name.items()
-            if t.quantized and len(t.shape) >= 2
+            if t.quantized and len(t.shape) >= 2 and not n.endswith(FLOAT_ONLY)
         }
 
     def _add(self, gname: str, t) -> None:

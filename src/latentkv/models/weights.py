@@ -90,7 +90,14 @@ class _Reader:
         return t.to(self.device)  # (no copy on the CPU)
 
     def table(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The embedding table, in the format's dtype (a view when it already is)."""
+        """The embedding table, in the format's dtype (a view when it already is); a pre-quantized
+        one (a GGUF's) dequantized."""
+        if (entry := self.packed.get(name)) is not None:
+            state = self._state(name, entry["format"])
+            assert state is not None
+            return (
+                format_class(entry["format"]).from_state(state, entry["shape"][1]).dequantize().to(self.dtype)
+            )
         return self.raw(name, shape).to(self.dtype).contiguous()
 
     def linear(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
