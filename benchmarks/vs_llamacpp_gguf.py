@@ -28,7 +28,6 @@ import platform
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -108,9 +107,7 @@ def ours(args, ggufs: dict[str, Path]) -> tuple[list[dict], dict]:
         ids = Tokenizer(view).encode(text, add_special_tokens=False)
         tokens[name] = len(ids)
         windows = ppl.make_windows(ids, args.context)[: args.chunks]
-        t0 = time.perf_counter()
         model = load_model(view, progress=True)
-        load_seconds = time.perf_counter() - t0
         own = load_model(dequantized_folder(view, llamacpp.cache_dir() / "dequantized" / path.stem))
         variants = [
             ppl.Variant(reference, f32, "safetensors f32"),
@@ -127,7 +124,6 @@ def ours(args, ggufs: dict[str, Path]) -> tuple[list[dict], dict]:
                 "gguf": name,
                 "file": path.name,
                 "bytes": path.stat().st_size,
-                "load_seconds": round(load_seconds, 2),
                 "mapping": load_line(view),
                 "vs_safetensors": {k: row[k] for k in ("ppl", "ppl_ci", "kld", "kld_ci", "top1", "top1_ci")},
                 "quantization_alone": {k: summary["tiers"][1][k] for k in ("ppl", "kld", "top1")},
@@ -222,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-llama", action="store_true", help="no llama-perplexity (the logits table only)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--append", action="store_true", help="add the rows to --out's (split long tables)")
+    p.add_argument(
+        "--no-floats", dest="floats", action="store_false", help="leave out the F32 and BF16 files"
+    )
+    p.add_argument(
+        "--prepare", action="store_true", help="only make the GGUFs (not timed; before a quiet run)"
+    )
     args = p.parse_args(argv)
 
     from latentkv import version
@@ -229,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
 
     directory = resolve(args.model)
     ggufs = make_ggufs(args.model, directory, [t for t in args.types.split(",") if t])
+    if args.prepare:
+        print(json.dumps({k: str(v) for k, v in ggufs.items()}, indent=1))
+        return 0
+    if args.floats is False:
+        ggufs = {k: v for k, v in ggufs.items() if k not in ("F32", "BF16")}
     rows, tokens = ours(args, ggufs)
     if not args.skip_llama:
         text = args.text or directory / "heldout.txt"
@@ -249,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if args.out is not None:
+        if args.append and args.out.exists():
+            before = json.loads(args.out.read_text())
+            payload["rows"] = [r for r in before["rows"] if r["gguf"] not in ggufs] + payload["rows"]
+            payload["latentkv_text_tokens"] = {**before["latentkv_text_tokens"], **tokens}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(payload, indent=1) + "\n")
     return 0
