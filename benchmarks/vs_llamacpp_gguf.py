@@ -16,8 +16,9 @@
    GGUF, the same windows and the same positions (the second half of each chunk, as
    llama-perplexity scores them), each with its interval.
 
-The engines tokenize the text themselves (ours with the tokenizer rebuilt from the GGUF); the
-JSON records both token counts.
+The engines tokenize the text themselves (ours with the tokenizer rebuilt from the GGUF; the
+JSON records our token count: llama-perplexity prints none). The F32 GGUF's two perplexities
+agree to 5 digits when both score the same tokens.
 """
 
 from __future__ import annotations
@@ -79,11 +80,21 @@ def dequantized_folder(view: Path, out: Path) -> Path:
     return out
 
 
-def load_line(view: Path) -> str:
-    from latentkv.models.gguf import report_line
+def load_gguf(view: Path):
+    """Load a GGUF view as `latentkv generate` does, and the line its load prints: per GGUF type
+    the format and, for re-quantized types, the worst relative RMS error measured while loading."""
+    import contextlib
+    import io
 
-    manifest = json.loads((view / "latentkv-weights.json").read_text())
-    return report_line(manifest["tensors"], {}) if manifest["tensors"] else "all float"
+    from latentkv.models.weights import load_model
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        model = load_model(view, progress=True)
+    lines = [x for x in err.getvalue().splitlines() if "GGUF matrices" in x]
+    line = lines[0].removeprefix("latentkv: ") if lines else "all float"
+    print(f"  {line}", file=sys.stderr)
+    return model, line
 
 
 def ours(args, ggufs: dict[str, Path]) -> tuple[list[dict], dict]:
@@ -107,7 +118,7 @@ def ours(args, ggufs: dict[str, Path]) -> tuple[list[dict], dict]:
         ids = Tokenizer(view).encode(text, add_special_tokens=False)
         tokens[name] = len(ids)
         windows = ppl.make_windows(ids, args.context)[: args.chunks]
-        model = load_model(view, progress=True)
+        model, mapping = load_gguf(view)
         own = load_model(dequantized_folder(view, llamacpp.cache_dir() / "dequantized" / path.stem))
         variants = [
             ppl.Variant(reference, f32, "safetensors f32"),
@@ -124,7 +135,7 @@ def ours(args, ggufs: dict[str, Path]) -> tuple[list[dict], dict]:
                 "gguf": name,
                 "file": path.name,
                 "bytes": path.stat().st_size,
-                "mapping": load_line(view),
+                "mapping": mapping,
                 "vs_safetensors": {k: row[k] for k in ("ppl", "ppl_ci", "kld", "kld_ci", "top1", "top1_ci")},
                 "quantization_alone": {k: summary["tiers"][1][k] for k in ("ppl", "kld", "top1")},
                 "vs_own_values": {k: own_row[k] for k in ("kld", "kld_ci", "top1", "top1_ci")},
@@ -149,13 +160,7 @@ def llama_perplexity(path: Path, text: Path, args) -> dict:
     m = _PPL.search(log)
     if m is None:
         raise SystemExit(f"no 'Final estimate' in llama-perplexity's output for {path.name}:\n{log[-2000:]}")
-    tokens = re.search(r"tokenizing the input .*?\n.*?(\d+) tokens", log, re.S)
-    return {
-        "ppl": float(m.group(1)),
-        "ppl_err": float(m.group(2)),
-        "command": " ".join(cmd),
-        "tokens": int(tokens.group(1)) if tokens else None,
-    }
+    return {"ppl": float(m.group(1)), "ppl_err": float(m.group(2)), "command": " ".join(cmd)}
 
 
 def cpu_model() -> str:

@@ -297,3 +297,11 @@ def test_every_mla_architecture_through_gguf(name, checkpoint, tmp_path, monkeyp
     reference = logits(load_model(dequantized_checkpoint(path, source, tmp_path / "reference")))
     kl = F.kl_div(F.log_softmax(ours, -1), F.log_softmax(reference, -1), log_target=True, reduction="none")
     assert kl.sum(-1).max() < 2e-5
+
+
+def test_a_small_requantization_error_keeps_two_digits():
+    from latentkv.models.gguf import percent
+
+    assert percent(0.0054) == "0.54%"
+    assert percent(3.14e-5) == "0.0031%"  # not 0.00%
+    assert percent(0.25) == "25%"

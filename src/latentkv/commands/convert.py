@@ -103,12 +103,14 @@ def gguf_summary(tensors: dict) -> dict:
 
 
 def gguf_lines(summary: dict) -> list[str]:
+    from latentkv.models.gguf import percent
+
     lines = []
     for gguf_type, row in sorted(summary.items()):
         how = (
             "exactly"
             if row["exact"]
-            else f"re-quantized, relative RMS error up to {row.get('max_rel_rms_error', 0.0):.2%}"
+            else f"re-quantized, relative RMS error up to {percent(row.get('max_rel_rms_error', 0.0))}"
         )
         lines.append(f"  {row['matrices']:5d} {gguf_type} matrices -> {row['format']} ({how})")
     return lines

@@ -374,6 +374,12 @@ class GgufSource:
         return self._float(t).reshape(t.shape)
 
 
+def percent(fraction: float) -> str:
+    """A relative error as a percentage with two significant digits (0.54%, 0.0031%): a fixed
+    number of decimals shows a small error as 0.00%."""
+    return f"{100 * fraction:.2g}%"
+
+
 def report_line(packed: dict[str, dict], report: dict[str, dict]) -> str:
     """One line on how a GGUF's quantized matrices loaded: per GGUF type, how many, the format
     and whether exactly; for re-quantized ones the worst relative RMS error (`report`)."""
@@ -384,7 +390,7 @@ def report_line(packed: dict[str, dict], report: dict[str, dict]) -> str:
         if name in report:
             row[3] = max(row[3], report[name]["rel_rms_error"])
     parts = [
-        f"{n} {t} -> {fmt} ({'exact' if exact else f're-quantized, relative RMS error up to {err:.2%}'})"
+        f"{n} {t} -> {fmt} ({'exact' if exact else f're-quantized, relative RMS error up to {percent(err)}'})"
         for t, (n, fmt, exact, err) in sorted(rows.items())
     ]
     return "GGUF matrices: " + "; ".join(parts) + "; float tensors in --weight-dtype"

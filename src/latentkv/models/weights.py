@@ -70,8 +70,14 @@ class _Reader:
         return name in self.ckpt or name in self.packed
 
     def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = self.ckpt.get(name)
-        self.used.add(name)
+        """A tensor's float values. A pre-quantized matrix read as floats (fused with a float one,
+        e.g. a GGUF's F16 q_a beside its Q6_K kv_a) is its format's own dequantization: the same
+        values from a GGUF and from its conversion, which keeps only the pieces."""
+        if (entry := self.packed.get(name)) is not None:
+            t = self._dequantized(name, entry)
+        else:
+            t = self.ckpt.get(name)
+            self.used.add(name)
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale_name = name.removesuffix("weight") + "weight_scale_inv"
             if scale_name not in self.ckpt:
@@ -92,13 +98,12 @@ class _Reader:
     def table(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The embedding table, in the format's dtype (a view when it already is); a pre-quantized
         one (a GGUF's) dequantized."""
-        if (entry := self.packed.get(name)) is not None:
-            state = self._state(name, entry["format"])
-            assert state is not None
-            return (
-                format_class(entry["format"]).from_state(state, entry["shape"][1]).dequantize().to(self.dtype)
-            )
         return self.raw(name, shape).to(self.dtype).contiguous()
+
+    def _dequantized(self, name: str, entry: dict) -> torch.Tensor:
+        state = self._state(name, entry["format"])
+        assert state is not None
+        return format_class(entry["format"]).from_state(state, entry["shape"][1]).dequantize()
 
     def linear(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """A float matrix [out, in] in the chosen weight format."""
