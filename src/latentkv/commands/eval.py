@@ -370,15 +370,25 @@ def _run_recall(args: argparse.Namespace) -> dict:
 
     if args.cases < 1:
         raise UserError(f"--cases must be positive (got {args.cases})")
+    asked = None
+    if args.distances is not None:
+        try:
+            asked = list(dict.fromkeys(int(x) for x in args.distances.split(",") if x.strip()))
+        except ValueError:
+            raise UserError(f"--distances must be comma-separated integers, got {args.distances!r}") from None
     loaded, tiers = _load(args, RECALL_TIERS)
+    if all(t.kv_cache_dtype != "f32" for t in tiers):  # the reference and the control run in f32
+        from latentkv.config import CacheConfig
+
+        tiers.insert(0, CacheConfig("f32"))
     model, directory = loaded.model, loaded.directory
     if not (directory / HELDOUT).is_file():
         raise UserError(f"{args.model} ships no {HELDOUT} ({directory}); eval recall plants names in it")
     limit = model.cfg.max_position_embeddings
-    if args.distances is None:
-        distances = [d for d in recall.DISTANCES if d <= limit]
-    else:
-        distances = _contexts(args.distances, limit)
+    distances = [d for d in recall.DISTANCES if d <= limit] if asked is None else asked
+    for d in distances or [0]:
+        if not 64 <= d <= limit:
+            raise UserError(f"--distances {d}: must be 64 .. {limit} tokens (the model's maximum)")
     text = (directory / HELDOUT).read_text(encoding="utf-8", errors="replace")
     cases = recall.planted_cases(text, loaded.tokenizer.encode_with_offsets, distances, args.cases, args.seed)
     rows = []
