@@ -136,9 +136,11 @@ class ExpertReader:
     def read(self, layer: int, expert: int) -> Extent:
         """One expert, read and verified now (on the calling thread)."""
         entry = self.entry(layer)
-        if not 0 <= expert < entry.n_experts:
+        if not entry.holds(expert):
+            has = f"has {entry.n_experts} experts" if entry.ids is None else "is in this share of the experts"
             raise ExpertFileError(
-                f"{expert_name(layer, expert)}: layer {layer} has {entry.n_experts} experts"
+                f"{expert_name(layer, expert)}: not in the expert store at {self.directory} "
+                f"(layer {layer} {has}{'' if entry.ids is None else ': not this one'})"
             )
         f = self._file(layer)
         stride, offset = entry.layout.stride, entry.offset(expert)

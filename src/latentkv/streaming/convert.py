@@ -11,7 +11,7 @@ computes with exactly the objects a resident run of the same format would.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -35,21 +35,25 @@ def write_store(
     meta: dict | None = None,
     replace: bool = False,
     progress: bool = False,
+    share: Mapping[int, Sequence[int]] | None = None,
 ) -> Manifest:
-    """Write every layer's experts, expert by expert; publish the manifest last."""
+    """Write every layer's experts, expert by expert; publish the manifest last. `share`: only
+    these experts of each layer (layer -> ids; one rank's share of a cluster's experts)."""
     layers = list(layers)
+    todo = {i: list(range(n)) if share is None else sorted(share.get(i, ())) for i, n, _f in layers}
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=sum(n for _i, n, _f in layers), desc="writing experts", unit="expert", leave=False)
+        bar = tqdm(total=sum(map(len, todo.values())), desc="writing experts", unit="expert", leave=False)
     with ExpertStoreWriter(out_dir, fingerprint, meta=meta, replace=replace) as writer:
         for layer, n, make in layers:
             lw = None
-            for e in range(n):
+            ids = None if share is None else tuple(todo[layer])
+            for e in todo[layer]:
                 layout, tensors = expert_layout(make(e))
                 if lw is None:
-                    lw = writer.layer(layer, n, layout)
+                    lw = writer.layer(layer, n, layout, ids)
                 elif layout != lw.layout:
                     raise ValueError(f"layer {layer} expert {e}: its tensors differ from expert 0's")
                 lw.write(e, [tensor_bytes(t) for t in tensors])
@@ -69,9 +73,12 @@ def convert_experts(
     weight_format: str = "f32",
     replace: bool = False,
     progress: bool = False,
+    share: Mapping[int, Sequence[int]] | None = None,
+    extra_meta: dict | None = None,
     **params,
 ) -> Manifest:
-    """A checkpoint folder's routed experts -> an expert store in `weight_format`."""
+    """A checkpoint folder's routed experts -> an expert store in `weight_format` (`share`: only
+    these experts of each layer, one rank's share; `extra_meta`: more manifest meta)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf(model_dir)
     raw_cfg = json.loads((model_dir / "config.json").read_text())
@@ -93,7 +100,10 @@ def convert_experts(
     if mtp is not None:
         sparse.append(mtp)
         meta["mtp_layer"] = mtp
-    return write_store(out_dir, ckpt.fingerprint(), [layer(i) for i in sparse], meta, replace, progress)
+    meta.update(extra_meta or {})
+    return write_store(
+        out_dir, ckpt.fingerprint(), [layer(i) for i in sparse], meta, replace, progress, share
+    )
 
 
 class _ExpertSource:
