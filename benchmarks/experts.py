@@ -109,7 +109,7 @@ def run_child(args: argparse.Namespace) -> int:
     config = StreamConfig(budget=args.budget, policy=args.policy, history=args.history)
     model, streamer = load_streamed(directory, store, config, weight_dtype=args.weight_dtype)
     if args.routing_trace:  # route and prefetch as the trace says (the parent checked it)
-        routing_trace.attach(model, streamer, routing_trace.load(args.routing_trace), args.trace_first_layer)
+        routing_trace.attach(model, routing_trace.load(args.routing_trace), args.trace_first_layer)
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g)

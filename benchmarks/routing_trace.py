@@ -8,7 +8,7 @@ ones the expert prefetch would have predicted; their statistics; and their repla
     .venv/bin/python benchmarks/routing_trace.py stats benchmarks/results/routing-trace-a.json
     # replayed on the experts benchmark model: benchmarks/experts.py --routing-trace FILE
 
-Recording wires the prefetch exactly as streaming does (`latentkv.streaming.attach`): each MoE
+Recording builds the model with the lookahead streaming builds (`latentkv.models.moe.Lookahead`): each MoE
 layer is predicted early, by its router run on the residual stream after the previous block's
 attention, and again late, on the previous block's output (the first MoE layer only late, from
 the dense block before it). The trace keeps, per MoE layer and token, the k experts chosen with
@@ -38,18 +38,39 @@ FORMAT = "latentkv-routing-trace/1"
 # --- recording ---------------------------------------------------------------------------------
 
 
-class _Predictions:
-    """Stands in for the streamer in the prefetch wiring: keeps each pass's predictions in order."""
+class _Noting:
+    """A resident layer's experts as an `ExpertStore` that notes the predictions made for it."""
 
-    def __init__(self) -> None:
-        self.calls: dict[int, list[list[int]]] = {}
+    def __init__(self, inner, calls: list[list[int]]):
+        self.inner, self.calls = inner, calls
+        self.num_experts = inner.num_experts
+        self.stacked = inner.stacked
 
-    def prefetch(self, layer: int, ids) -> None:
-        self.calls.setdefault(layer, []).append(sorted(int(i) for i in ids))
+    def run(self, x: torch.Tensor, jobs):
+        return self.inner.run(x, jobs)
+
+    def prefetch(self, ids) -> None:
+        self.calls.append(sorted(int(i) for i in ids))
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+
+class _Source:
+    """An `ExpertSource` over a resident model's experts that predicts, as streaming does."""
+
+    predicts = True
+
+    def __init__(self, resident, calls: dict[int, list[list[int]]]):
+        self.resident, self.calls = resident, calls
+
+    def store(self, layer: int) -> _Noting:
+        return _Noting(self.resident.blocks[layer].mlp.experts, self.calls.setdefault(layer, []))
 
 
 class _Chosen:
-    """A router that remembers its last choice (the prefetch keeps the unwrapped router)."""
+    """A router that remembers its last choice (the lookahead keeps its own reference)."""
 
     def __init__(self, router) -> None:
         self.router = router
@@ -64,15 +85,13 @@ class _Chosen:
 def record(model_dir: Path, tokens: list[int]) -> dict:
     """Teacher-forced decode of `tokens`; the trace dict (see the module docstring)."""
     from latentkv.models.weights import load_model
-    from latentkv.streaming.attach import StreamedMoE, _wire_prefetch, moe_layers
+    from latentkv.streaming.attach import moe_layers
 
-    model = load_model(model_dir, load_mtp=False)
+    calls: dict[int, list[list[int]]] = {}
+    model = load_model(
+        model_dir, experts=_Source(load_model(model_dir, load_mtp=False), calls), load_mtp=False
+    )
     layers = moe_layers(model)
-    for i in layers:
-        mlp = model.blocks[i].mlp
-        model.blocks[i].mlp = StreamedMoE(mlp.router, mlp.experts, mlp.shared)
-    predictions = _Predictions()
-    _wire_prefetch(model, predictions)
     chosen = {}
     for i in layers:
         chosen[i] = model.blocks[i].mlp.router = _Chosen(model.blocks[i].mlp.router)
@@ -80,16 +99,17 @@ def record(model_dir: Path, tokens: list[int]) -> dict:
     cache = model.make_cache()
     with torch.inference_mode():
         for t in tokens:
-            predictions.calls.clear()
+            for c in calls.values():
+                c.clear()
             model.forward(torch.tensor([t]), cache)
             for i in layers:
                 experts, weights = chosen[i].last
-                calls = predictions.calls.get(i, [])
+                made = calls.get(i, [])
                 row = per_layer[i]
                 row["experts"].append(experts)
                 row["weights"].append(weights)
-                row["early"].append(calls[0] if len(calls) == 2 else None)
-                row["late"].append(calls[-1] if calls else None)
+                row["early"].append(made[0] if len(made) == 2 else None)
+                row["late"].append(made[-1] if made else None)
     cfg = model.cfg
     return {
         "format": FORMAT,
@@ -230,8 +250,8 @@ class _TraceLookahead:
     """A block's prefetch, from the trace: a MoE block calls it twice per pass (before its experts:
     the early prediction; after: the late one), the dense block before the first MoE layer once."""
 
-    def __init__(self, streamer, layer: int, router: TraceRouter, calls_per_pass: int):
-        self.streamer, self.layer, self.router = streamer, layer, router
+    def __init__(self, store, router: TraceRouter, calls_per_pass: int):
+        self.store, self.router = store, router
         self.calls_per_pass = calls_per_pass
         self.calls = 0
 
@@ -240,13 +260,14 @@ class _TraceLookahead:
         self.calls += 1
         ids = self.router.predicted(hidden.shape[0], early)
         if ids:
-            self.streamer.prefetch(self.layer, ids)
+            self.store.prefetch(ids)
 
 
-def attach(model, streamer, trace: dict, first: int | None = None) -> list[int]:
+def attach(model, trace: dict, first: int | None = None) -> list[int]:
     """Make a streamed model (`load_streamed`) route and prefetch by `trace`: bench MoE layer j takes
     trace MoE layer first + j (default: the trace's middle layers). Returns the trace layers used."""
-    from latentkv.streaming.attach import PrefetchingMLP, moe_layers
+    from latentkv.models.moe import PrefetchingMLP
+    from latentkv.streaming.attach import moe_layers
 
     layers = moe_layers(model)
     available = trace["moe_layers"]
@@ -266,10 +287,10 @@ def attach(model, streamer, trace: dict, first: int | None = None) -> list[int]:
     for i, t in zip(layers, chosen, strict=True):
         routers[i] = model.blocks[i].mlp.router = TraceRouter(trace["layers"][str(t)], trace["top_k"])
     for here, nxt in zip(layers, layers[1:], strict=False):
-        model.blocks[here].mlp.lookahead = _TraceLookahead(streamer, nxt, routers[nxt], 2)
+        model.blocks[here].mlp.lookahead = _TraceLookahead(model.blocks[nxt].mlp.experts, routers[nxt], 2)
     before = model.blocks[layers[0] - 1].mlp if layers and layers[0] > 0 else None
     if isinstance(before, PrefetchingMLP):
-        before.lookahead = _TraceLookahead(streamer, layers[0], routers[layers[0]], 1)
+        before.lookahead = _TraceLookahead(model.blocks[layers[0]].mlp.experts, routers[layers[0]], 1)
     return chosen
 
 

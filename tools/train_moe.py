@@ -420,8 +420,8 @@ def keep_heap() -> None:
     except OSError:
         return
     libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: its maximum, 32 MiB
-    libc.mallopt(-1, 4 << 30)  # M_TRIM_THRESHOLD
-    libc.mallopt(-2, 256 << 20)  # M_TOP_PAD
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: give back what a step no longer needs past 1 GiB
+    libc.mallopt(-2, 64 << 20)  # M_TOP_PAD
 
 
 def load_tokenizer(path: Path):

@@ -101,7 +101,7 @@ def test_replay_asks_for_the_traces_experts_and_measures_its_recall(rt, trace, b
     from its predictions: the replay prefetches what the trained model's prefetch would."""
     model, streamer = load_streamed(bench, bench / "experts", StreamConfig(budget=1 << 30, history=True))
     try:
-        used = rt.attach(model, streamer, trace)
+        used = rt.attach(model, trace)
         cache = model.make_cache(CacheConfig("f32"))
         with torch.inference_mode():
             for t in range(TOKENS):
