@@ -88,6 +88,7 @@ def model_config(vocab_size: int, args) -> dict:
 # --- data ------------------------------------------------------------------------------------
 
 KEYWORDS = set(__import__("keyword").kwlist + __import__("keyword").softkwlist + dir(__import__("builtins")))
+CONVENTIONS = {"self", "cls"}  # not names a window defines: renaming them would teach that Python has none
 IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
 
 
@@ -97,7 +98,7 @@ def rename_identifiers(text: str, rng: random.Random, n: int) -> str:
     spans: dict[str, list[int]] = {}
     for m in IDENT.finditer(text):
         w = m.group()
-        if len(w) < 3 or w in KEYWORDS or w.startswith("__"):
+        if len(w) < 3 or w in KEYWORDS or w in CONVENTIONS or w.startswith("__"):
             continue
         s = spans.setdefault(w, [m.start(), m.start(), 0])
         s[1], s[2] = m.start(), s[2] + 1
@@ -121,6 +122,16 @@ def plant_line(lines: list[str], name: str, rng: random.Random, def_at: int, use
     return out[:def_at] + [f"{name} = {value}\n"] + out[def_at:]
 
 
+def repeat_block(lines: list[str], rng: random.Random) -> list[str]:
+    """Copy a block of 8-40 consecutive lines from the first third to a line boundary in the
+    second half (code repeats itself; after renaming, only the earlier copy tells the later one's
+    names)."""
+    n = rng.randint(8, 40)
+    src = rng.randrange(0, max(1, len(lines) // 3 - n))
+    dst = rng.randrange(len(lines) // 2, max(len(lines) // 2 + 1, (3 * len(lines)) // 4))
+    return lines[:dst] + lines[src : src + n] + lines[dst:]
+
+
 class Windows:
     """Training windows of `context` tokens from the training text, renamed and planted, seeded by
     (seed, step) so a resumed run draws exactly the batches it would have drawn."""
@@ -129,19 +140,22 @@ class Windows:
         self.text, self.tok, self.args = text, tok, args
 
     def window(self, rng: random.Random, context: int) -> list[int]:
+        a = self.args
+        long = context > a.short_context  # the long phase copies more (see the module docstring)
         chars = int(context * 4.2)  # the tokenizer averages ~3.5 characters per token here
         start = rng.randrange(0, len(self.text) - chars)
         start = self.text.find("\n", start) + 1  # whole lines
         chunk = self.text[start : start + chars]
-        if rng.random() < self.args.rename_prob:
-            chunk = rename_identifiers(chunk, rng, self.args.renames)
-        if rng.random() < self.args.plant_prob:
-            lines = chunk.splitlines(keepends=True)
-            if len(lines) > 20:
-                def_at = rng.randrange(0, max(1, len(lines) // 10))
-                use_at = rng.randrange(len(lines) // 2, len(lines) - 5)
-                chunk = "".join(plant_line(lines, random_name(rng), rng, def_at, use_at))
-        ids = self.tok.encode(chunk).ids
+        if rng.random() < (a.long_rename_prob if long else a.rename_prob):
+            chunk = rename_identifiers(chunk, rng, a.long_renames if long else a.renames)
+        lines = chunk.splitlines(keepends=True)
+        if long and rng.random() < a.repeat_prob and len(lines) > 60:
+            lines = repeat_block(lines, rng)
+        if rng.random() < (a.long_plant_prob if long else a.plant_prob) and len(lines) > 20:
+            def_at = rng.randrange(0, max(1, len(lines) // 10))
+            use_at = rng.randrange(len(lines) // 2, len(lines) - 5)
+            lines = plant_line(lines, random_name(rng), rng, def_at, use_at)
+        ids = self.tok.encode("".join(lines)).ids
         while len(ids) < context:  # rare: a chunk of very long tokens; pad with more text
             ids += [self.tok.token_to_id(EOT)] + self.tok.encode(
                 self.text[start + chars : start + 2 * chars]
@@ -664,6 +678,7 @@ def export(state: dict, out: Path, tok, heldout: list[str], counts: list[int], w
         ),
         "parameters": sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in mtp.parameters()),
         "best_eval": state["best"],
+        "recipe_changes": state.get("recipe_changes", []),
         "args": state["args"],
         "history": history[: state["step"]],
         "evals": evals,
@@ -699,6 +714,12 @@ def parse(argv: list[str] | None):
     t.add_argument("--rename-prob", type=float, default=0.8, help="share of windows with renamed identifiers")
     t.add_argument("--renames", type=int, default=3, help="identifiers renamed per window")
     t.add_argument("--plant-prob", type=float, default=0.3, help="share of windows with a planted name")
+    t.add_argument("--long-rename-prob", type=float, default=1.0, help="--rename-prob of the long windows")
+    t.add_argument("--long-renames", type=int, default=12, help="--renames of the long windows")
+    t.add_argument("--long-plant-prob", type=float, default=0.5, help="--plant-prob of the long windows")
+    t.add_argument(
+        "--repeat-prob", type=float, default=0.3, help="share of long windows with a block of lines repeated"
+    )
     t.add_argument("--layers", type=int, default=6, help="decoder layers: 1 dense, the rest MoE (default: 6)")
     t.add_argument("--hidden", type=int, default=256)
     t.add_argument("--heads", type=int, default=4)
@@ -775,6 +796,11 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in state["args"].items():  # the run's recipe is the checkpoint's, not the flags'
             if k not in OPERATIONAL:
                 setattr(args, k, v)
+        added = {k: v for k, v in vars(args).items() if k not in state["args"] and k not in OPERATIONAL}
+        if added:  # settings this version of the trainer introduced: recorded from this step on
+            state["args"].update({k: (str(v) if isinstance(v, Path) else v) for k, v in added.items()})
+            state.setdefault("recipe_changes", []).append({"step": state["step"], "added": added})
+            log(f"recipe from step {state['step']}: {added}")
         truncate_jsonl(args.work / "history.jsonl", state["step"])
         truncate_jsonl(args.work / "evals.jsonl", state["step"])
         truncate_jsonl(args.work / "indexer_history.jsonl", state["indexer_step"])
