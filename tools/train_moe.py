@@ -113,11 +113,16 @@ def rename_identifiers(text: str, rng: random.Random, n: int) -> str:
     return pattern.sub(lambda m: mapping[m.group()], text)
 
 
-def plant_line(lines: list[str], name: str, rng: random.Random, def_at: int, use_at: int) -> list[str]:
-    """Insert `name = <int>` as line def_at and a bare use of it, indented like its neighbour, at use_at."""
+def plant_line(
+    lines: list[str], name: str, rng: random.Random, def_at: int, use_at: int, indented: bool = False
+) -> list[str]:
+    """Insert `name = <int>` as line def_at and a bare use of it at use_at: unindented, as
+    `latentkv eval recall` plants it (so the use is tokenized as the definition is), or indented like
+    its neighbour (trainer versions before 3; the indent's last space then joins the name's first
+    token, `Ġk` for `k`)."""
     value = rng.randint(0, 999)
     nxt = lines[use_at] if use_at < len(lines) else ""
-    indent = nxt[: len(nxt) - len(nxt.lstrip(" "))]
+    indent = nxt[: len(nxt) - len(nxt.lstrip(" "))] if indented else ""
     out = lines[:use_at] + [f"{indent}{name}\n"] + lines[use_at:]
     return out[:def_at] + [f"{name} = {value}\n"] + out[def_at:]
 
@@ -150,11 +155,12 @@ class Windows:
             chunk = rename_identifiers(chunk, rng, a.long_renames if long else a.renames)
         lines = chunk.splitlines(keepends=True)
         if long and rng.random() < a.repeat_prob and len(lines) > 60:
-            lines = repeat_block(lines, rng)
+            for _ in range(a.long_repeats):
+                lines = repeat_block(lines, rng)
         if rng.random() < (a.long_plant_prob if long else a.plant_prob) and len(lines) > 20:
             def_at = rng.randrange(0, max(1, len(lines) // 10))
             use_at = rng.randrange(len(lines) // 2, len(lines) - 5)
-            lines = plant_line(lines, random_name(rng), rng, def_at, use_at)
+            lines = plant_line(lines, random_name(rng), rng, def_at, use_at, a.plant_use == "indented")
         ids = self.tok.encode("".join(lines)).ids
         while len(ids) < context:  # rare: a chunk of very long tokens; pad with more text
             ids += [self.tok.token_to_id(EOT)] + self.tok.encode(
@@ -312,9 +318,26 @@ def fast_logits(model):
     return fn
 
 
+def copy_losses(logits_of, segments: torch.Tensor) -> tuple[float, float]:
+    """Mean next-token loss on the first and on the second copy of each held-out segment [N, L]
+    repeated once. A model that copies from context (an induction head) predicts the second copy
+    far better than the first; one that does not, no better. Recall of a planted name needs this."""
+    first, second = [], []
+    L = segments.shape[1]
+    for seg in segments:
+        ids = torch.cat([seg, seg])[None]
+        nll = F.cross_entropy(logits_of(ids)[0, :-1], ids[0, 1:], reduction="none")
+        first.append(nll[: L - 1].mean().item())
+        second.append(nll[L:].mean().item())
+    return sum(first) / len(first), sum(second) / len(second)
+
+
 @torch.no_grad()
-def heldout_eval(model, mtp, eval_ids: torch.Tensor, cases: list) -> dict:
-    """Held-out next-token and MTP loss on fixed windows, and planted-identifier recall."""
+def heldout_eval(
+    model, mtp, eval_ids: torch.Tensor, cases: list, segments: torch.Tensor | None = None
+) -> dict:
+    """Held-out next-token and MTP loss on fixed windows, planted-identifier recall, and the
+    loss on a repeated segment's first and second copy."""
     model.eval()
     mains, extras = [], []
     for x in eval_ids.split(1):
@@ -327,8 +350,11 @@ def heldout_eval(model, mtp, eval_ids: torch.Tensor, cases: list) -> dict:
         d: hits / n
         for d, (hits, n) in score(lambda ids: logits_of(torch.tensor(ids)[None])[0], cases).items()
     }
+    out = {"loss": sum(mains) / len(mains), "mtp_loss": sum(extras) / len(extras), "recall": recall}
+    if segments is not None:
+        out["copy_first"], out["copy_second"] = copy_losses(logits_of, segments)
     model.train()
-    return {"loss": sum(mains) / len(mains), "mtp_loss": sum(extras) / len(extras), "recall": recall}
+    return out
 
 
 def eval_windows(heldout: str, tok, n: int, context: int) -> torch.Tensor:
@@ -453,7 +479,8 @@ def new_state(args, tok) -> dict:
         "step": 0,
         "indexer_step": 0,
         "config": cfg,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "change"},
+        "trainer_version": TRAINER_VERSION,
         "model": model.state_dict(),
         "mtp": mtp.state_dict(),
         "opt": opt.state_dict(),
@@ -502,7 +529,10 @@ def pretrain(state: dict, work: Path, windows: Windows, evals: tuple, args, log)
         if (step + 1) % args.eval_every == 0 or done:
             state["paused_seconds"] += wait_quiet(args.quiet_file, log)
             ev = {"step": step + 1, **heldout_eval(model, mtp, *evals)}
-            log(f"eval step {step + 1}: loss {ev['loss']:.3f} mtp {ev['mtp_loss']:.3f} recall {ev['recall']}")
+            copy = f" copy {ev['copy_first']:.2f}->{ev['copy_second']:.2f}" if "copy_first" in ev else ""
+            log(
+                f"eval step {step + 1}: loss {ev['loss']:.3f} mtp {ev['mtp_loss']:.3f}{copy} recall {ev['recall']}"
+            )
             append_jsonl(work / "evals.jsonl", ev)
             snapshot(state, model, mtp, opt)
             if state["best"] is None or ev["loss"] < state["best"]["loss"]:
@@ -718,7 +748,19 @@ def parse(argv: list[str] | None):
     t.add_argument("--long-renames", type=int, default=12, help="--renames of the long windows")
     t.add_argument("--long-plant-prob", type=float, default=0.5, help="--plant-prob of the long windows")
     t.add_argument(
-        "--repeat-prob", type=float, default=0.3, help="share of long windows with a block of lines repeated"
+        "--repeat-prob", type=float, default=0.3, help="share of long windows with blocks of lines repeated"
+    )
+    t.add_argument(
+        "--long-repeats",
+        type=int,
+        default=3,
+        help="blocks of 8-40 lines repeated in such a window (default: 3)",
+    )
+    t.add_argument(
+        "--plant-use",
+        choices=["top-level", "indented"],
+        default="top-level",
+        help="where a planted name is used: unindented, as `eval recall` plants it (default), or indented",
     )
     t.add_argument("--layers", type=int, default=6, help="decoder layers: 1 dense, the rest MoE (default: 6)")
     t.add_argument("--hidden", type=int, default=256)
@@ -743,6 +785,13 @@ def parse(argv: list[str] | None):
         "--stop-after", type=int, default=None, help="stop (checkpointed) after this many steps of this run"
     )
     t.add_argument("--log-every", type=int, default=10)
+    t.add_argument(
+        "--change",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="on resume, change a recipe setting from this step on (recorded in the checkpoint's recipe)",
+    )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--threads",
@@ -770,8 +819,43 @@ OPERATIONAL = {
     "log_every",
     "eval_every",
     "stop_after",
+    "change",
     "cmd",
 }
+TRAINER_VERSION = 3  # recorded with every recipe change; 3: planted uses unindented, repeats per window
+
+
+def apply_changes(state: dict, args, log) -> None:
+    """Resume with the checkpoint's recipe, plus the settings this trainer version introduced (at
+    their defaults) and the explicit --change KEY=VALUE ones, recorded from the current step."""
+    for k, v in state["args"].items():  # the run's recipe is the checkpoint's, not the flags'
+        if k not in OPERATIONAL:
+            setattr(args, k, v)
+    added = {k: v for k, v in vars(args).items() if k not in state["args"] and k not in OPERATIONAL}
+    changed = {}
+    for item in args.change:
+        key, sep, value = item.partition("=")
+        key = key.replace("-", "_")
+        if not sep or key in OPERATIONAL or not hasattr(args, key):
+            raise SystemExit(f"--change {item}: expected KEY=VALUE with KEY a recipe setting")
+        old = getattr(args, key)
+        new = type(old)(value) if old is not None else value
+        setattr(args, key, new)
+        changed[key] = new
+    if added or changed:
+        state["args"].update(
+            {k: (str(v) if isinstance(v, Path) else v) for k, v in {**added, **changed}.items()}
+        )
+        entry = {
+            "step": state["step"],
+            "trainer_version": TRAINER_VERSION,
+            "added": added,
+            "changed": changed,
+        }
+        state.setdefault("recipe_changes", []).append(entry)
+        log(
+            f"recipe from step {state['step']} (trainer version {TRAINER_VERSION}): added {added} changed {changed}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -793,14 +877,7 @@ def main(argv: list[str] | None = None) -> int:
     last = args.work / "last.pt"
     if last.exists():
         state = torch.load(last, weights_only=False)
-        for k, v in state["args"].items():  # the run's recipe is the checkpoint's, not the flags'
-            if k not in OPERATIONAL:
-                setattr(args, k, v)
-        added = {k: v for k, v in vars(args).items() if k not in state["args"] and k not in OPERATIONAL}
-        if added:  # settings this version of the trainer introduced: recorded from this step on
-            state["args"].update({k: (str(v) if isinstance(v, Path) else v) for k, v in added.items()})
-            state.setdefault("recipe_changes", []).append({"step": state["step"], "added": added})
-            log(f"recipe from step {state['step']}: {added}")
+        apply_changes(state, args, log)
         truncate_jsonl(args.work / "history.jsonl", state["step"])
         truncate_jsonl(args.work / "evals.jsonl", state["step"])
         truncate_jsonl(args.work / "indexer_history.jsonl", state["indexer_step"])
@@ -813,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
     heldout_text = f"\n{EOT}\n".join(heldout)
     encode = lambda text: (lambda e: (e.ids, e.offsets))(tok.encode(text))  # noqa: E731
     cases = planted_cases(heldout_text, encode, DISTANCES, args.eval_per_distance, seed=1)
-    evals = (eval_windows(heldout_text, tok, 2, args.context), cases)
+    evals = (eval_windows(heldout_text, tok, 2, args.context), cases, eval_windows(heldout_text, tok, 4, 256))
     if state["phase"] == "pretrain":
         pretrain(state, args.work, windows, evals, args, log)
     if state["phase"] == "indexer" and args.stop_after is None:

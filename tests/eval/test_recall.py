@@ -35,7 +35,8 @@ def test_cases_plant_a_definition_and_a_late_use(cases, tok):
         text = tok.decode(c.ids)
         assert text.startswith(f"{c.name} = ") and text.endswith(c.name)
         assert text.count(c.name) == 2  # the fresh name occurs nowhere else
-        assert tok.decode(c.ids[c.first :]).strip() == c.name  # the use starts at `first`
+        assert tok.decode(c.ids[c.first :]) == c.name  # the use starts at `first`, unindented
+        assert c.ids[c.first :] == c.ids[: len(c.ids) - c.first]  # tokenized as the definition is
         assert c.distance - 40 <= len(c.ids) <= c.distance  # whole lines, within D tokens
         control = tok.decode(c.control_ids)
         assert control.count(c.name) == 1 and control.endswith(c.name)

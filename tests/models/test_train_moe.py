@@ -167,3 +167,39 @@ def test_resume_continues_exactly(tm, tmp_path, monkeypatch):
     assert resumed["step"] == straight["step"] == 3 and resumed["phase"] == "indexer"
     for k, v in straight["model"].items():
         assert torch.equal(v, resumed["model"][k]), k
+
+
+def test_planted_use_is_tokenized_as_the_definition(tm):
+    """Version 3 plants the use unindented, as `eval recall` does, so the fixture's byte-level BPE
+    gives the name the same tokens at both places; the old indented use did not (`Ġk` for `k`)."""
+    from latentkv.models.registry import builtin_path
+    from latentkv.tokenizer import Tokenizer
+
+    tok = Tokenizer(builtin_path("fixture"))
+    lines = ["import os\n"] + ["def f(x):\n", "    y = x + 1\n", "    return y\n"] * 4
+    name = "kovu_relami"
+    for indented, same in ((False, True), (True, False)):
+        out = "".join(tm.plant_line(lines, name, random.Random(0), 1, 9, indented))
+        assert out.count(name) == 2
+        ids, offsets = tok.encode_with_offsets(out)
+        at = [
+            next(i for i, (_, end) in enumerate(offsets) if end > c)
+            for c in (out.index(name), out.rindex(name))
+        ]
+        assert (ids[at[0]] == ids[at[1]]) is same, [tok.decode([ids[i]]) for i in at]
+
+
+def test_recipe_changes_are_recorded(tm, tmp_path):
+    """A resume takes the checkpoint's recipe over the flags, adds this version's new settings and
+    the explicit --change ones, and records both with the step and the trainer version."""
+    args = tm.parse(["train", "--work", str(tmp_path), "--repeat-prob", "0.9", "--change", "repeat_prob=1.0"])
+    state = {"step": 40, "args": {"repeat_prob": 0.3, "lr": 1e-3}}
+    tm.apply_changes(state, args, lambda m: None)
+    assert args.repeat_prob == 1.0 and args.lr == 1e-3  # --change wins; the checkpoint beats the flag
+    entry = state["recipe_changes"][-1]
+    assert entry["step"] == 40 and entry["trainer_version"] == tm.TRAINER_VERSION
+    assert entry["changed"] == {"repeat_prob": 1.0} and entry["added"]["long_repeats"] == 3
+    assert state["args"]["repeat_prob"] == 1.0 and "work" not in entry["added"]
+    bad = tm.parse(["train", "--work", str(tmp_path), "--change", "nonsense=1"])
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        tm.apply_changes({"step": 0, "args": {}}, bad, lambda m: None)

@@ -1,8 +1,11 @@
 """Planted-identifier recall: does the model (through a KV tier) use context N tokens back?
 
-A case is held-out code with a definition `NAME = <int>` planted as its first line and a bare use
-of NAME at the start of a line, indented like the line after it, as many whole lines later as fit
-in `distance` tokens in all (the use ends 8-24 tokens short of it, less a partial line).
+A case is held-out code with a definition `NAME = <int>` planted as its first line and a bare,
+unindented use of NAME at the start of a line as many whole lines later as fit in `distance`
+tokens in all (the use ends 8-24 tokens short of it, less a partial line). The use is unindented
+so that it is tokenized as the definition is: a byte-level BPE joins an indent's last space to the
+word after it (`Ġk` where the definition has `k`), which would test how the model aliases two
+spellings of a token rather than whether it reaches back to the definition.
 NAME is fresh and random (`kovu_relami`: two parts of 2-3 consonant-vowel syllables), so nothing
 but the definition says how it continues. The model is scored on the use: given everything up
 to and including the name's first token, is every later token of the name the argmax? (That is
@@ -40,7 +43,7 @@ def random_name(rng: random.Random) -> str:
 @dataclass(frozen=True)
 class Case:
     distance: int
-    ids: list[int]  # definition line, code, the use's indent and the name
+    ids: list[int]  # definition line, code and the name (the use)
     first: int  # position of the name's first token at the use
     name: str
     control_ids: list[int]  # the same without the definition line
@@ -70,9 +73,7 @@ def planted_cases(
                 if n_def + len(encode("".join(kept) + line)[0]) > d - 24:
                     break
                 kept.append(line)
-            nxt = lines[len(kept)] if len(kept) < len(lines) else ""
-            indent = nxt[: len(nxt) - len(nxt.lstrip(" "))]
-            body = "".join(kept) + indent
+            body = "".join(kept)
             ids, offsets = encode(definition + body + name)
             control, control_offsets = encode(body + name)
             cases.append(
