@@ -137,6 +137,24 @@ def repeat_block(lines: list[str], rng: random.Random) -> list[str]:
     return lines[:dst] + lines[src : src + n] + lines[dst:]
 
 
+def copy_segments(ids: list[int], rng: random.Random, context: int) -> list[int]:
+    """A window of segments of 32-512 tokens taken in order from `ids`, each followed, half the
+    time, by a repeat of an earlier segment (any earlier one, so the copy distance ranges over the
+    whole window): about a third of the tokens are exact copies, predictable only by finding the
+    earlier occurrence and reading on (what an induction head does)."""
+    out: list[int] = []
+    segments: list[list[int]] = []
+    i = 0
+    while len(out) < context and i < len(ids):
+        seg = ids[i : i + rng.randint(32, 512)]
+        i += len(seg)
+        out += seg
+        segments.append(seg)
+        if rng.random() < 0.5:
+            out += segments[rng.randrange(len(segments))]
+    return out[:context]
+
+
 class Windows:
     """Training windows of `context` tokens from the training text, renamed and planted, seeded by
     (seed, step) so a resumed run draws exactly the batches it would have drawn."""
@@ -162,6 +180,8 @@ class Windows:
             use_at = rng.randrange(len(lines) // 2, len(lines) - 5)
             lines = plant_line(lines, random_name(rng), rng, def_at, use_at, a.plant_use == "indented")
         ids = self.tok.encode("".join(lines)).ids
+        if long and rng.random() < a.copy_prob:
+            ids = copy_segments(ids, rng, context)
         while len(ids) < context:  # rare: a chunk of very long tokens; pad with more text
             ids += [self.tok.token_to_id(EOT)] + self.tok.encode(
                 self.text[start + chars : start + 2 * chars]
@@ -757,6 +777,12 @@ def parse(argv: list[str] | None):
         help="blocks of 8-40 lines repeated in such a window (default: 3)",
     )
     t.add_argument(
+        "--copy-prob",
+        type=float,
+        default=0.5,
+        help="share of long windows made of segments repeated token for token (default: 0.5)",
+    )
+    t.add_argument(
         "--plant-use",
         choices=["top-level", "indented"],
         default="top-level",
@@ -822,7 +848,8 @@ OPERATIONAL = {
     "change",
     "cmd",
 }
-TRAINER_VERSION = 3  # recorded with every recipe change; 3: planted uses unindented, repeats per window
+TRAINER_VERSION = 4  # recorded with every recipe change
+# 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
 
 
 def apply_changes(state: dict, args, log) -> None:

@@ -203,3 +203,22 @@ def test_recipe_changes_are_recorded(tm, tmp_path):
     bad = tm.parse(["train", "--work", str(tmp_path), "--change", "nonsense=1"])
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         tm.apply_changes({"step": 0, "args": {}}, bad, lambda m: None)
+
+
+def test_copy_segments_repeat_earlier_text_token_for_token(tm):
+    """Distinct tokens in: every token out is either the next unread input token or part of a
+    repeat of an earlier stretch of the window; about a third are repeats, from near and far."""
+    ids = list(range(100_000))
+    out = tm.copy_segments(ids, random.Random(0), 4096)
+    assert len(out) == 4096
+    fresh, seen, repeats, distances = 0, set(), 0, []
+    for pos, t in enumerate(out):
+        if t == fresh:
+            fresh += 1
+        else:
+            assert t in seen and t < fresh  # a repeat of what came before
+            repeats += 1
+            distances.append(pos - out.index(t))
+        seen.add(t)
+    assert 0.2 < repeats / len(out) < 0.5
+    assert min(distances) < 512 and max(distances) > 2048
