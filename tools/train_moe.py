@@ -137,11 +137,11 @@ def repeat_block(lines: list[str], rng: random.Random) -> list[str]:
     return lines[:dst] + lines[src : src + n] + lines[dst:]
 
 
-def copy_segments(ids: list[int], rng: random.Random, context: int) -> list[int]:
-    """A window of segments of 32-512 tokens taken in order from `ids`, each followed, half the
-    time, by a repeat of an earlier segment (any earlier one, so the copy distance ranges over the
-    whole window): about a third of the tokens are exact copies, predictable only by finding the
-    earlier occurrence and reading on (what an induction head does)."""
+def copy_segments(ids: list[int], rng: random.Random, context: int, repeat: float = 0.5) -> list[int]:
+    """A window of segments of 32-512 tokens taken in order from `ids`, each followed, with
+    probability `repeat`, by a repeat of an earlier segment (any earlier one, so the copy distance
+    ranges over the whole window): at 0.5 about a third of the tokens are exact copies, predictable
+    only by finding the earlier occurrence and reading on (what an induction head does)."""
     out: list[int] = []
     segments: list[list[int]] = []
     i = 0
@@ -150,7 +150,7 @@ def copy_segments(ids: list[int], rng: random.Random, context: int) -> list[int]
         i += len(seg)
         out += seg
         segments.append(seg)
-        if rng.random() < 0.5:
+        if rng.random() < repeat:
             out += segments[rng.randrange(len(segments))]
     return out[:context]
 
@@ -181,7 +181,7 @@ class Windows:
             lines = plant_line(lines, random_name(rng), rng, def_at, use_at, a.plant_use == "indented")
         ids = self.tok.encode("".join(lines)).ids
         if long and rng.random() < a.copy_prob:
-            ids = copy_segments(ids, rng, context)
+            ids = copy_segments(ids, rng, context, a.copy_repeat_prob)
         while len(ids) < context:  # rare: a chunk of very long tokens; pad with more text
             ids += [self.tok.token_to_id(EOT)] + self.tok.encode(
                 self.text[start + chars : start + 2 * chars]
@@ -783,6 +783,12 @@ def parse(argv: list[str] | None):
         help="share of long windows made of segments repeated token for token (default: 0.5)",
     )
     t.add_argument(
+        "--copy-repeat-prob",
+        type=float,
+        default=0.5,
+        help="in those windows, the chance that a segment is followed by a repeat (default: 0.5)",
+    )
+    t.add_argument(
         "--plant-use",
         choices=["top-level", "indented"],
         default="top-level",
@@ -850,6 +856,7 @@ OPERATIONAL = {
 }
 TRAINER_VERSION = 4  # recorded with every recipe change
 # 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
+# (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5)
 
 
 def apply_changes(state: dict, args, log) -> None:
