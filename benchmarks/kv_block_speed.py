@@ -11,7 +11,7 @@ bench decode` on an idle one).
                `kv.attention.attend` over its packed rows
     fixture    greedy generation of --tokens tokens of the demo prompt on builtin:fixture
 
-    PYTHONPATH=src .venv/bin/python benchmarks/kv_block_speed.py [--out benchmarks/results/kv-block-speed.json]
+    PYTHONPATH=src .venv/bin/python benchmarks/kv_block_speed.py --out benchmarks/results/kv-block-speed.json
     PYTHONPATH=OLD/src .venv/bin/python benchmarks/kv_block_speed.py   # an older checkout: "before"
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -80,17 +81,6 @@ def fixture_runs(tiers: list[str], tokens: int) -> dict[str, object]:
     return {tier: (lambda tier=tier: run(tier)) for tier in tiers}
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux), else what platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiers", default=TIERS, help=f"comma-separated, f32 first (default: {TIERS})")
@@ -98,7 +88,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=64, help="query heads (default: 64)")
     p.add_argument("--tokens", type=int, default=48, help="tokens generated on the fixture (default: 48)")
     p.add_argument("--repeats", type=int, default=11, help="interleaved repeats, fastest kept (default: 11)")
-    p.add_argument("--out", type=Path, default=None, help="also write the numbers as JSON here")
+    p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = p.parse_args()
     tiers = args.tiers.split(",")
     if tiers[0] != "f32":
@@ -114,21 +104,32 @@ def main() -> None:
             f"| {tier} | {attend[tier] * 1e3:.2f} | {attend['f32'] / attend[tier]:.2f}x "
             f"| {args.tokens / fixture[tier]:.1f} | {fixture['f32'] / fixture[tier]:.2f}x |"
         )
-    if args.out is not None:
-        rows = {
-            tier: {
-                "attention_cpu_s": attend[tier],
-                "attention_x_f32": attend["f32"] / attend[tier],
-                "fixture_tok_s_cpu": args.tokens / fixture[tier],
-                "fixture_x_f32": fixture["f32"] / fixture[tier],
+    if args.out:
+        rows = [
+            {
+                "tier": t,
+                "attention_seconds": attend[t],
+                "attention_vs_f32": attend["f32"] / attend[t],
+                "fixture_tok_s": args.tokens / fixture[t],
+                "fixture_vs_f32": fixture["f32"] / fixture[t],
             }
-            for tier in tiers
-        }
-        settings = {"rows": args.rows, "heads": args.heads, "tokens": args.tokens, "repeats": args.repeats}
-        about = {"cpu": cpu_model(), "torch": torch.__version__, "threads": 1}
-        payload = {**settings, **about, "statistic": "fastest of the repeats, thread CPU time", "tiers": rows}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=1) + "\n")
+            for t in tiers
+        ]
+        meta = {"args": vars(args) | {"out": str(args.out)}, "torch": torch.__version__, "cpu": _cpu_model()}
+        meta["uname"] = " ".join(os.uname())
+        args.out.write_text(
+            json.dumps({**meta, "threads": 1, "clock": "thread_time", "rows": rows}, indent=1)
+        )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 if __name__ == "__main__":
