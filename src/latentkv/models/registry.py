@@ -10,11 +10,11 @@ BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 BUILTINS = {
     "fixture": "GLM-5 architecture trained on the Python standard library (9.5M parameters incl. one MTP layer, "
     "4096-entry BPE; tools/train_fixture.py); the model for quality numbers and the demo",
-    "stdlib-moe": "GLM-5 architecture trained on the Python standard library: 6 layers, 64 experts top-8 + shared, "
-    "DSA, one MTP layer, context 4096 (24M parameters; tools/train_moe.py); learned, skewed routing",
     "tiny": "GLM-5 architecture, random weights, the seed system's oracle shape (1.2M parameters, byte tokenizer)",
     "slice": "GLM-5's real attention widths, 2 layers, 8 experts, random weights (1.1B parameters; "
     "built into the cache directory on first use, 4.4 GB)",
+    "stdlib-moe": "GLM-5 architecture trained on the Python standard library: 6 layers, 64 experts top-8 + shared, "
+    "DSA, one MTP layer, context 4096 (24M parameters; tools/train_moe.py); learned, skewed routing",
 }
 BUILT_ON_DEMAND = {"slice"}
 
