@@ -821,8 +821,10 @@ def main(argv: list[str] | None = None) -> int:
     settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "flash_attn": 1, "compile": args.compile}
     settings |= {"statistic": "median of the rounds' samples, with min and max", "goals": args.goals}
     run_ = {"started": started, "depths": args.depths, "pairs": [list(p) for p in args.pairs]}
+    about = machine(about)
     run_ |= {"rounds": args.repetitions, "prefill": args.prefill, "bytes": args.bytes}
-    payload = {"model": str(model), **settings, "machine": machine(about), "notes": notes, "bars": []}
+    run_["latentkv_commit"] = about["latentkv_commit"]  # pieces may span commits: each says its own
+    payload = {"model": str(model), **settings, "machine": about, "notes": notes, "bars": []}
     payload |= {"results": results, "memory": memory, "bytes": traffic, "runs": [run_]}
     if old is not None:
         merged = combine(old, payload)
