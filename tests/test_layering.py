@@ -11,12 +11,13 @@ top-level module or package of latentkv; docs/architecture.md draws them):
     3  attention, experts                        attention backends over kv; expert stores over weights
     4  models                                    a forward pass over a Batch, through the seams above
     5  streaming                                 experts streamed from disk into a model: attach, convert, plan
-    6  runtime                                   load a model + tokenizer for running
-    7  engine                                    generation, sampling, the scheduler, its process
-    8  eval, server                              leaves that use the engine (siblings: neither imports the other)
-    9  commands                                  the CLI's subcommands (serve starts the server)
-    10 cli                                       argparse -> commands
-    11 __main__                                  `python -m latentkv`
+    6  cluster                                   experts over several ranks (torch.distributed): head, workers
+    7  runtime                                   load a model + tokenizer for running
+    8  engine                                    generation, sampling, the scheduler, its process
+    9  eval, server                              leaves that use the engine (siblings: neither imports the other)
+    10 commands                                  the CLI's subcommands (serve starts the server)
+    11 cli                                       argparse -> commands
+    12 __main__                                  `python -m latentkv`
 
 A unit may import its own modules and units of lower layers, never a unit of its own layer or
 above. Circles are checked between units and between modules (a package's `__init__` is the
@@ -42,6 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("attention", "experts"),
     ("models",),
     ("streaming",),
+    ("cluster",),
     ("runtime",),
     ("engine",),
     ("eval", "server"),

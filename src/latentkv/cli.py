@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from latentkv.config import quiet_torch_for_cluster
+
+    quiet_torch_for_cluster()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

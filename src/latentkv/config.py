@@ -543,6 +543,7 @@ class EngineConfig:
     expert_dtype: str | None = None  # routed experts' format; None: the same as weight_dtype
     ram_gb: float | None = None  # stream routed experts from disk within this RAM budget (GiB)
     expert_policy: str = "lru"  # the expert cache's eviction policy when streaming
+    cluster: ClusterConfig | None = None  # expert-parallel over a cluster (started by torchrun)
 
     def __post_init__(self) -> None:
         for flag, name in (("weight", self.weight_dtype), ("expert", self.expert_dtype or self.weight_dtype)):
@@ -554,6 +555,8 @@ class EngineConfig:
             raise ConfigError(f"--ram-gb must be positive (got {self.ram_gb})")
         if self.ram_gb is not None and self.compile:
             raise ConfigError("--compile does not apply to streamed experts (--ram-gb): drop one of them")
+        if self.cluster is not None and self.compile:
+            raise ConfigError("--compile does not apply to a cluster (experts on several ranks): drop it")
 
     @property
     def experts(self) -> str:
@@ -647,3 +650,85 @@ def cache_root() -> Path:
 def sessions_dir() -> Path:
     """Where `--session NAME` keeps its KV files when --kv-dir is not given: cache_root()/sessions."""
     return cache_root() / "sessions"
+
+
+# --- a cluster of ranks (expert parallelism, docs/distributed.md) ----------------------------
+
+DEFAULT_CLUSTER_TIMEOUT_S = 60.0  # a rank that does not answer within this is lost
+DEFAULT_CLUSTER_START_TIMEOUT_S = 900.0  # start-up: every rank joins (and writes its share) within this
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """This process's place in a cluster started by torchrun (or anything that sets torch's
+    env:// variables): `world_size` ranks, rank 0 the head. Built by `cluster_from_env`."""
+
+    world_size: int
+    rank: int
+    master_addr: str
+    master_port: int
+    local_world_size: int = 1  # ranks on this machine (they share its memory)
+    agent_store: bool = False  # torchrun's agent hosts the rendezvous store (rank 0 connects to it)
+    timeout_s: float = DEFAULT_CLUSTER_TIMEOUT_S
+    start_timeout_s: float = DEFAULT_CLUSTER_START_TIMEOUT_S
+    secret: str | None = None  # a token every rank must present at start-up
+    placement: Path | None = None  # a placement file (`latentkv plan --nodes N --placement-out`)
+    head_experts: bool = True  # the head owns a share of the experts
+    disk_gbps: float | None = None  # this rank's disk read speed; None: measured
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ConfigError(f"a cluster needs WORLD_SIZE >= 2 (got {self.world_size})")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"RANK must be in 0..{self.world_size - 1} (got {self.rank})")
+        if not 0 < self.master_port <= 65535:
+            raise ConfigError(f"MASTER_PORT must be in 1..65535 (got {self.master_port})")
+        if not self.master_addr:
+            raise ConfigError("MASTER_ADDR is empty: the head's address (torchrun --master-addr)")
+        if not self.timeout_s > 0 or not self.start_timeout_s > 0:
+            raise ConfigError("--cluster-timeout and --cluster-start-timeout must be positive")
+        if self.secret is not None and not self.secret:
+            raise ConfigError("the cluster secret is empty (leave it out to run without one)")
+        if self.disk_gbps is not None and not self.disk_gbps > 0:
+            raise ConfigError(f"--disk-gbps must be positive (got {self.disk_gbps})")
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+
+def cluster_env(environ: dict[str, str] | None = None) -> dict[str, int | str | bool] | None:
+    """torch's env:// variables (what torchrun sets): None unless WORLD_SIZE > 1. ConfigError for
+    values that are not what torchrun would set."""
+    env = os.environ if environ is None else environ
+    raw = env.get("WORLD_SIZE", "").strip()
+    if not raw:
+        return None
+    try:
+        world = int(raw)
+        if world <= 1:
+            return None
+        out: dict[str, int | str | bool] = {"world_size": world, "rank": int(env.get("RANK", ""))}
+        out["master_port"] = int(env.get("MASTER_PORT", ""))
+        out["local_world_size"] = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    except ValueError:
+        raise ConfigError(
+            "WORLD_SIZE, RANK and MASTER_PORT must be integers (torchrun sets them; "
+            f"got WORLD_SIZE={raw!r}, RANK={env.get('RANK')!r}, MASTER_PORT={env.get('MASTER_PORT')!r})"
+        ) from None
+    out["master_addr"] = env.get("MASTER_ADDR", "").strip()
+    out["agent_store"] = env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
+    return out
+
+
+def env_cluster_secret() -> str | None:
+    """LATENTKV_CLUSTER_SECRET, an alias of --cluster-secret (keeps it out of the process list)."""
+    return os.environ.get("LATENTKV_CLUSTER_SECRET") or None
+
+
+def quiet_torch_for_cluster() -> None:
+    """Under torchrun (WORLD_SIZE > 1), before torch is imported: torch's C++ warnings off. A rank
+    that goes away makes the store and gloo log stack frames on every other rank; latentkv says
+    what happened in one line instead. An explicit TORCH_CPP_LOG_LEVEL is kept."""
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -24,12 +24,14 @@ from pathlib import Path
 
 from latentkv.chat_template import ChatTemplateError, PlainFormat, TemplateFormat, special_tokens
 from latentkv.commands.common import (
+    add_cluster_arguments,
     add_model_arguments,
     add_sampling_arguments,
     add_speculative_arguments,
     check_speculative,
     draft_tokens,
     engine_config,
+    run_as_worker,
     sampling_params,
     speculative_config,
 )
@@ -58,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write one JSON object per turn on stdout (user, reply, finish_reason, stats) instead of streaming text",
     )
+    add_cluster_arguments(p)
 
 
 def chat_format(loaded, plain: bool):
@@ -77,6 +80,8 @@ def chat_format(loaded, plain: bool):
 
 
 def run(args: argparse.Namespace) -> int:
+    if (status := run_as_worker(args)) is not None:
+        return status
     if args.session is not None:
         check_name(args.session)
     if args.max_tokens < 1:

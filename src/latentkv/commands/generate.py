@@ -13,6 +13,7 @@ import json
 import sys
 
 from latentkv.commands.common import (
+    add_cluster_arguments,
     add_model_arguments,
     add_sampling_arguments,
     add_speculative_arguments,
@@ -22,6 +23,7 @@ from latentkv.commands.common import (
     draft_tokens,
     engine_config,
     parse_ids,
+    run_as_worker,
     sampling_params,
     speculative_config,
 )
@@ -41,9 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     add_session_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_cluster_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if (status := run_as_worker(args)) is not None:
+        return status
     if args.session is not None:
         check_name(args.session)  # before the weights load
     if args.max_tokens < 0:

@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 from latentkv.commands.common import (
+    add_cluster_arguments,
     add_model_arguments,
     add_speculative_arguments,
     engine_config,
+    run_as_worker,
     speculative_config,
 )
 from latentkv.errors import UserError
@@ -90,9 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
     )
+    add_cluster_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if (status := run_as_worker(args)) is not None:
+        return status
     uvicorn = _import_server_deps()
     config = server_config(args)
     from latentkv.server.app import create_app

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,16 +47,21 @@ class UsageHistory:
         for e in ids:
             row[e] += 1
 
-    def hot_set(self, budget: int, expert_bytes: Mapping[int, int]) -> list[tuple[int, int]]:
+    def hot_set(
+        self,
+        budget: int,
+        expert_bytes: Mapping[int, int],
+        only: Mapping[int, Collection[int]] | None = None,
+    ) -> list[tuple[int, int]]:
         """The most used (layer, expert) pairs, most used first, whose bytes fit in `budget`;
-        only layers that `expert_bytes` names."""
+        only layers that `expert_bytes` names (and with `only`, only the experts it lists)."""
         ranked = sorted(
             (
                 (c, layer, e)
                 for layer, row in self.counts.items()
                 if layer in expert_bytes
                 for e, c in enumerate(row)
-                if c > 0
+                if c > 0 and (only is None or e in only.get(layer, ()))
             ),
             key=lambda t: (-t[0], t[1], t[2]),
         )

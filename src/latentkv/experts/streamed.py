@@ -55,6 +55,9 @@ class StreamConfig:
     pin_fraction: float = 0.5  # at most this share of the budget pinned from the usage history
     prefetch_bytes: int | None = None  # bytes of prefetch reads in flight (None: 8 experts' worth)
     history: bool = True  # keep and use DIR/usage.json
+    # the experts this streamer serves (a cluster rank's share of a full store): only these are
+    # pinned from the usage history; None: every expert of the store
+    experts: dict[int, frozenset[int]] | None = None
 
 
 @dataclass
@@ -178,7 +181,9 @@ class ExpertStreamer:
         if self.history is None:
             return []
         sizes = {i: n for i, n in self.expert_bytes.items() if i != self.draft_layer}
-        hot = self.history.hot_set(int(self.config.budget * self.config.pin_fraction), sizes)
+        hot = self.history.hot_set(
+            int(self.config.budget * self.config.pin_fraction), sizes, self.config.experts
+        )
         futures = [(key, self.reader.submit(*key)) for key in hot]
         for key, f in futures:
             ext = f.result()

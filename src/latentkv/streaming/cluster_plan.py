@@ -96,9 +96,11 @@ def make_cluster_plan(
     load: Mapping[int, Sequence[float]] | None = None,
     head_experts: bool = True,
     draft_tokens: int = 0,
+    placement: Placement | None = None,
 ) -> ClusterPlan:
     """`rams` and `disk_gbps`: one per rank, rank 0 the head. `load`: expected uses per token of
-    each expert per layer (the usage history), None for even routing."""
+    each expert per layer (the usage history), None for even routing. `placement`: use this one
+    (a file, or the one the ranks' shares were written for) instead of placing anew."""
     nodes = len(rams)
     if nodes < 1 or len(disk_gbps) != nodes:
         raise ValueError(f"one RAM budget and one disk speed per rank (got {len(rams)} and {len(disk_gbps)})")
@@ -116,7 +118,12 @@ def make_cluster_plan(
     specs = [
         Rank(free[r], disk_gbps[r], takes_experts=head_experts or r > 0 or nodes == 1) for r in range(nodes)
     ]
-    placement = place(layers, extent, specs, load)
+    if placement is None:
+        placement = place(layers, extent, specs, load)
+    elif placement.nodes != nodes:
+        raise ValueError(f"the placement is for {placement.nodes} ranks, the cluster has {nodes}")
+    else:
+        placement.check_layers(layers)
     counts = placement.counts()
     caches = [min(free[r], counts[r] * extent) for r in range(nodes)]
     specs = [Rank(caches[r], disk_gbps[r], specs[r].takes_experts) for r in range(nodes)]

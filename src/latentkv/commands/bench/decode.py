@@ -64,17 +64,22 @@ def add(sub) -> None:
         help="also time decode through torch.compile (rows 'latentkv+compile', beside the eager "
         "ones; tiers f32, bf16, fp8); compiling takes tens of seconds per tier before timing",
     )
-    from latentkv.commands.common import add_speculative_arguments
+    from latentkv.commands.common import add_cluster_arguments, add_speculative_arguments
 
     add_speculative_arguments(d)
     common.add_output(d)
+    add_cluster_arguments(d)
 
 
 def run(args: argparse.Namespace) -> dict:
+    from latentkv.commands.common import cluster_config, run_as_worker
     from latentkv.config import ConfigError, EngineConfig
     from latentkv.eval import bench
     from latentkv.runtime import load
 
+    if (status := run_as_worker(args)) is not None:
+        raise SystemExit(status)
+    cluster = cluster_config(args)
     contexts = common.ints(args.context, "--context")
     weight_dtypes = weight_list(args.weight_dtype)
     tiers = common.tiers(args.kv_cache_dtype)
@@ -86,6 +91,11 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(
             "--vs-transformers cannot be combined with --fill random: transformers' generate() only "
             "builds its cache by prefilling a prompt; use --fill prefill"
+        )
+    if cluster is not None and (len(weight_dtypes) > 1 or args.vs_transformers or args.compile):
+        raise UserError(
+            "a cluster runs one --weight-dtype, without --vs-transformers and --compile: the workers serve "
+            "one model until the head ends"
         )
     if args.vs_transformers:
         try:
@@ -103,6 +113,7 @@ def run(args: argparse.Namespace) -> dict:
                 expert_dtype=args.expert_dtype,
                 ram_gb=args.ram_gb,
                 expert_policy=args.expert_cache_policy,
+                cluster=cluster,
             )
         except ConfigError as exc:
             raise UserError(str(exc)) from None
