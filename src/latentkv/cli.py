@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from latentkv import version
-from latentkv.errors import UserError
+from latentkv.errors import Unavailable, UserError
 
 COMMANDS = {
     "demo": ("latentkv.commands.demo", "run the bundled model end to end"),
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Unavailable as exc:  # a cluster rank was lost mid-run: nothing the flags could fix
+        print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         if not _explained(exc):
             raise

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from latentkv.errors import UserError
 
 if TYPE_CHECKING:
+    from latentkv.cluster.head import Cluster
     from latentkv.config import CacheConfig, EngineConfig, ModelConfig
     from latentkv.experts.streamed import ExpertStreamer
     from latentkv.models.model import Model
@@ -44,9 +45,14 @@ class Loaded:
     directory: Path
     seconds: float
     streamer: ExpertStreamer | None = None  # the experts stream from disk (--ram-gb)
+    cluster: Cluster | None = None  # the head of a cluster: the other ranks hold experts too
 
     def close(self) -> None:
-        """Stop expert reads and save the usage history (streamed runs)."""
+        """Stop expert reads and save the usage history (streamed runs); a cluster's head tells
+        the workers it is ending."""
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
         if self.streamer is not None:
             self.streamer.close()
             self.streamer = None
@@ -86,8 +92,12 @@ def load(
                     "torch's own ops): drop --compile"
                 )
             check_compilable(engine.cache)
-        streamer = None
-        if engine.ram_gb is not None:
+        streamer = cluster = None
+        if engine.cluster is not None:
+            model, streamer, cluster = _load_head(
+                directory, model_arg, engine, quiet, max_model_len, max_num_seqs, draft_tokens
+            )
+        elif engine.ram_gb is not None:
             model, streamer = _load_streamed(
                 directory, engine, quiet, max_model_len, max_num_seqs, draft_tokens
             )
@@ -103,7 +113,29 @@ def load(
         _report_load(model_arg, model, engine, seconds)
     if engine.compile:
         model.compile_decode(engine.cache, progress=not quiet)
-    return Loaded(model, tokenizer, directory, seconds, streamer)
+    return Loaded(model, tokenizer, directory, seconds, streamer, cluster)
+
+
+def _load_head(
+    directory: Path,
+    model_arg: str,
+    engine: EngineConfig,
+    quiet: bool,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    draft_tokens: int,
+):
+    """The head of a cluster (torchrun, WORLD_SIZE > 1): (model, its own streamer, the cluster)."""
+    from latentkv.cluster.load import load_head
+    from latentkv.cluster.rendezvous import StoreGone
+    from latentkv.config import ModelConfig
+
+    length = max_model_len or min(ModelConfig.from_hf(directory).max_position_embeddings, 4096)
+    try:
+        model, head = load_head(directory, model_arg, engine, quiet, length, max_num_seqs, draft_tokens)
+    except (StoreGone, TimeoutError) as exc:
+        raise UserError(f"the cluster did not start: {exc}") from None
+    return model, head.streamer, head.cluster
 
 
 def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: float) -> None:

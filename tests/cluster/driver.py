@@ -68,6 +68,7 @@ def main() -> int:
         print(json.dumps({"event": "refused", "error": str(exc)}), flush=True)
         return 2
     streamer = ExpertStreamer(store, model.fingerprint, StreamConfig(budget=1 << 30))
+    cluster.start_monitor()
     takeover = os.environ.get("DRIVER_TAKEOVER", "1") == "1"
     cluster.local_holds = lambda layer, e: takeover
     print(json.dumps({"event": "started", "placement": cluster.placement.digest}), flush=True)

@@ -99,6 +99,7 @@ class Cluster:
         self._current: Exchange | None = None
         self._groups: list = []  # every epoch's group stays referenced (old receivers stay blocked)
         self._receivers: list[threading.Thread] = []
+        self._peers: list[Peer] = []  # every link of every epoch (the byte counters)
         self._stats_replies: queue.Queue = queue.Queue()
         self._closed = False
         self.tokens = 0
@@ -116,6 +117,7 @@ class Cluster:
                 continue
             state = self.ranks[r]
             peer = Peer(group, members.index(r), self.cfg.timeout_s)
+            self._peers.append(peer)
             old = state.sender
             state.peer, state.sender = peer, queue.Queue()
             if old is not None:
@@ -306,11 +308,30 @@ class Cluster:
         out = []
         for s in self.ranks.values():
             rec = dict(s.record) or {"rank": s.rank}
-            rec.update(rank=s.rank, host=s.host or rec.get("host", ""), status=s.status)
+            rec.update(rank=s.rank, role="worker", host=s.host or rec.get("host", ""), status=s.status)
+            rec["experts"] = sum(len(v) for v in self.placement.share(s.rank).values())
             if s.status == "lost":
                 rec["reason"] = s.reason
-            out.append(rec)
+            out.append(_per_token(rec, self.tokens))
         return out
+
+    def report(self, streamer=None, refresh: bool = True) -> list[dict]:
+        """Every rank's telemetry, the head's first (its own share's `streamer`, when it has
+        one): hit rate, recall, GB/s read, time waiting on the network and bytes sent, with
+        per-token figures over the tokens the head has run."""
+        head = dict(streamer.snapshot()) if streamer is not None else {}
+        head.update(
+            rank=0,
+            role="head",
+            host=socket.gethostname(),
+            status="ok",
+            experts=sum(len(v) for v in self.placement.share(0).values()),
+            bytes_sent=sum(p.bytes_sent for p in self._peers),
+            bytes_received=sum(p.bytes_received for p in self._peers),
+            net_wait_seconds=self.net_wait_seconds,
+        )
+        workers = self.refresh() if refresh else self.records()
+        return [_per_token(head, self.tokens), *workers]
 
     # --- the monitor: heartbeats, rejoins, telemetry ----------------------------------------
 
@@ -418,7 +439,8 @@ def start_head(
 ):
     """Open the store, take every worker's hello, decide the placement (`plan_for(hellos,
     placement or None)` -> ClusterPlan), answer, wait until every worker has opened its share,
-    form the first group. UserError (one line) if a rank is refused, missing or fails."""
+    form the first group. UserError (one line) if a rank is refused, missing or fails. The
+    caller starts the monitor (`Cluster.start_monitor`) once it is ready to serve."""
     store, sock = rv.open_store(cfg)
     try:
         return _start(cfg, store, sock, facts, hidden, plan_for, quiet)
@@ -474,8 +496,31 @@ def _start(cfg: ClusterConfig, store, sock, facts: HeadFacts, hidden: int, plan_
     for r in workers:
         cluster.ranks[r].gen = gens[r]
     cluster.connect(group, members)
-    cluster.start_monitor()
     return cluster
+
+
+def _per_token(rec: dict, tokens: int) -> dict:
+    """`rec` with its per-token figures over `tokens` (the tokens the head ran)."""
+    rec["tokens"] = tokens
+    rec["bytes_sent_per_token"] = rec.get("bytes_sent", 0) / tokens if tokens else 0.0
+    rec["net_wait_ms_per_token"] = 1e3 * rec.get("net_wait_seconds", 0.0) / tokens if tokens else 0.0
+    return rec
+
+
+def describe(records: list[dict]) -> list[str]:
+    """One line per rank for people (the stats lines of generate, chat, bench)."""
+    lines = []
+    for r in records:
+        if r.get("status") != "ok":
+            lines.append(f"rank {r['rank']} ({r.get('host', '')}): lost: {r.get('reason', '')}")
+            continue
+        lines.append(
+            f"rank {r['rank']} ({r.get('role', 'worker')}, {r.get('experts', 0)} experts): hit rate "
+            f"{r.get('hit_rate', 0.0):.1%}, prefetch recall {r.get('recall', 0.0):.1%}, "
+            f"{r.get('read_gbps', 0.0):.2f} GB/s read, network wait {r['net_wait_ms_per_token']:.2f} ms/token, "
+            f"sent {r['bytes_sent_per_token'] / 1024:.1f} KiB/token"
+        )
+    return lines
 
 
 def adopted_placement(hellos: dict[int, Hello]):

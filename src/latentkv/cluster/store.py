@@ -94,13 +94,14 @@ class ClusterSource:
 
     predicts = True  # each MoE layer predicts the next one's experts (forwarded to their owners)
 
-    def __init__(self, cluster: Cluster, streamer, num_experts: int):
+    def __init__(self, cluster: Cluster, streamer, num_experts: int, at_once: int):
         self.cluster = cluster
         self.streamer = streamer  # the head's ExpertStreamer (its share), or None when it owns none
         self.num_experts = num_experts
+        self.at_once = at_once  # the head's own experts are asked for k at a time (one token's)
 
     def store(self, layer: int) -> RemoteExperts:
         local = None
         if self.streamer is not None and layer in self.streamer.manifest.layers:
-            local = self.streamer.layer(layer)
+            local = self.streamer.layer(layer, self.at_once)
         return RemoteExperts(layer, self.num_experts, self.cluster, local)

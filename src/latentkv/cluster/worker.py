@@ -47,6 +47,7 @@ class WorkerModel:
     hidden_size: int
     expert_format: str
     layers: dict[int, int]  # MoE layer -> experts (the MTP layer's included)
+    top_k: int  # experts per token: a job's experts are asked for this many at a time
 
 
 def describe_model(model_arg: str, engine: EngineConfig) -> WorkerModel:
@@ -60,7 +61,15 @@ def describe_model(model_arg: str, engine: EngineConfig) -> WorkerModel:
     cfg = ModelConfig.from_hf(directory)
     ckpt = Checkpoint(directory)
     layers = {i: cfg.n_routed_experts for i in moe_layer_ids(cfg, routed_layer(cfg, ckpt))}
-    return WorkerModel(directory, model_arg, ckpt.fingerprint(), cfg.hidden_size, engine.experts, layers)
+    return WorkerModel(
+        directory,
+        model_arg,
+        ckpt.fingerprint(),
+        cfg.hidden_size,
+        engine.experts,
+        layers,
+        cfg.num_experts_per_tok,
+    )
 
 
 def run_worker(cfg: ClusterConfig, model_arg: str, engine: EngineConfig) -> int:
@@ -84,7 +93,7 @@ def run_worker(cfg: ClusterConfig, model_arg: str, engine: EngineConfig) -> int:
             file=sys.stderr,
             flush=True,
         )
-        return _Server(cfg, store, streamer, group, verdict.epoch, model.hidden_size).serve()
+        return _Server(cfg, store, streamer, group, verdict.epoch, model).serve()
     finally:
         streamer.close()
 
@@ -280,8 +289,10 @@ class _Heartbeat(threading.Thread):
 class _Server:
     """The serve loop of one worker (see the module docstring)."""
 
-    def __init__(self, cfg: ClusterConfig, store, streamer, group, epoch: int, hidden: int):
-        self.cfg, self.store, self.streamer, self.hidden = cfg, store, streamer, hidden
+    def __init__(self, cfg: ClusterConfig, store, streamer, group, epoch: int, model: WorkerModel):
+        self.cfg, self.store, self.streamer, self.hidden = cfg, store, streamer, model.hidden_size
+        # each layer's store, asked for one token's k experts at a time (as the head's own)
+        self.stores = {layer: streamer.layer(layer, model.top_k) for layer in streamer.manifest.layers}
         self.lock = threading.Lock()  # the streamer's prefetch (receiver) vs a job's start (main)
         self.inbox: queue.Queue = queue.Queue()
         self.jobs = self.experts_computed = 0
@@ -342,21 +353,22 @@ class _Server:
         return e in self.streamer.config.experts.get(layer, ())
 
     def _jobs(self, seq: int, layer: int, ids: torch.Tensor, rows: torch.Tensor, first: bool) -> None:
-        """Compute each job's expert on its rows, each output sent as soon as it is ready."""
-        experts = ids[:, 0].tolist()
-        counts = ids[:, 1].tolist()
-        offsets = [0]
-        for n in counts:
-            offsets.append(offsets[-1] + n)
-        # each job's rows in their own tensor, as the head's index_select gives them
-        part = {e: rows[offsets[i] : offsets[i + 1]].clone() for i, e in enumerate(experts)}
+        """Compute each job's expert on its rows (the rows the head's pass gives it, each job's
+        in a tensor of its own as `Job.inputs` makes it), each output sent as soon as it is
+        ready; the head applies the router weights (`Job.apply`: y * weight)."""
+        from latentkv.experts.base import Job
+
+        experts, counts = ids[:, 0].tolist(), ids[:, 1].tolist()
+        jobs, start = [], 0
+        for e, n in zip(experts, counts, strict=True):
+            jobs.append(Job(e, torch.arange(start, start + n), 1.0))
+            start += n
         t0 = time.perf_counter()
-        arriving = None
+        results = None
         try:
             with self.lock:
-                arriving = self.streamer.arrivals(layer, experts, first)
-            for e, expert in arriving:
-                y = expert(part[e])
+                results = self.stores[layer].run(rows, jobs)
+            for e, y in results:
                 self.peer.send([header(Kind.OUT, seq, layer, e, y.shape[0]), y], TAG_REPLY)
                 self.experts_computed += 1
         except Exception as exc:  # noqa: BLE001 - reported to the head, which fails the request
@@ -364,8 +376,9 @@ class _Server:
             with contextlib.suppress(Exception):  # the head is gone too: the receiver notices
                 self.peer.send([header(Kind.ERR, seq, layer, msg.numel()), msg], TAG_REPLY)
         finally:
-            if arriving is not None:
-                arriving.close()
+            close = getattr(results, "close", None)
+            if close is not None:
+                close()
         self.jobs += 1
         self.compute_seconds += time.perf_counter() - t0
 

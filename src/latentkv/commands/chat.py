@@ -118,6 +118,7 @@ class Chat:
     def __init__(self, loaded, fmt, conv, sampling, args: argparse.Namespace):
         self.model = loaded.model
         self.streamer = loaded.streamer  # experts streamed from disk (--ram-gb), or None
+        self.cluster = loaded.cluster  # the head of a cluster (torchrun), or None
         self.tokenizer = loaded.tokenizer
         self.fmt = fmt
         self.conv = conv
@@ -203,7 +204,12 @@ class Chat:
             f"({stats.prompt_tps:.1f} tok/s), generated {stats.generated_tokens} ({stats.decode_tps:.1f} tok/s), "
             f"{len(self.conv.tokens)} tokens in the conversation]"
         )
-        if self.streamer is not None:
+        if self.cluster is not None:
+            from latentkv.cluster.head import describe
+
+            for line in describe(self.cluster.report(self.streamer)):
+                say(f"[{line}]")
+        elif self.streamer is not None:
             from latentkv.runtime import experts_line
 
             say(f"[{experts_line(self.streamer)}]")
@@ -251,6 +257,7 @@ class Chat:
             "conversation_tokens": len(self.conv.tokens),
             "reused_tokens": self.conv.resumed_tokens,
             "stats": stats.as_dict(),
+            **({"cluster": self.cluster.report(self.streamer)} if self.cluster is not None else {}),
         }
 
 

@@ -69,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
         prompt = parse_ids(args.prompt_ids)
     conv = _open_session(args, loaded, engine.cache)
     try:
-        return _generate(args, model, tokenizer, prompt, sampling, engine.cache, conv, loaded.streamer)
+        return _generate(
+            args, model, tokenizer, prompt, sampling, engine.cache, conv, loaded.streamer, loaded.cluster
+        )
     finally:
         if conv is not None:
             conv.close()
@@ -86,7 +88,9 @@ def _open_session(args: argparse.Namespace, loaded, cache_config):
     return conv
 
 
-def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config, conv, streamer=None) -> int:
+def _generate(
+    args, model, tokenizer, prompt: list[int], sampling, cache_config, conv, streamer=None, cluster=None
+) -> int:
     from latentkv.engine.generate import GenerationStats, stream_generate
 
     cache = conv.cache if conv is not None else model.make_cache(cache_config)
@@ -131,6 +135,8 @@ def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config,
             out["session"] = conv.report()
         if streamer is not None:
             out["experts"] = streamer.snapshot()
+        if cluster is not None:
+            out["cluster"] = cluster.report(streamer)
         print(json.dumps(out, indent=1))
     else:
         print()
@@ -139,8 +145,13 @@ def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config,
             line = f"{conv.resume_line()} | {line} | saved: {conv.saved_tokens} tokens to {conv.path}"
         print(line, file=sys.stderr)
         print(f"KV tier: {describe_tier(cache)}", file=sys.stderr)
-        if streamer is not None:
+        if streamer is not None and cluster is None:
             print(experts_line(streamer), file=sys.stderr)
+        if cluster is not None:
+            from latentkv.cluster.head import describe
+
+            for line in describe(cluster.report(streamer)):
+                print(line, file=sys.stderr)
     return 0
 
 

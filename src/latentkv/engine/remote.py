@@ -51,6 +51,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 
 from latentkv.config import ServerConfig
@@ -281,6 +282,15 @@ def _pin_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
+STATS_PUSH_S = 2.0  # a cluster's head sends its stats this often, so /health sees a lost rank
+
+
+def _push_stats(send, scheduler: Scheduler) -> None:
+    while True:
+        time.sleep(STATS_PUSH_S)
+        send(("stats", scheduler.stats()))
+
+
 def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int] | None = None) -> None:
     """The child: load the model, run a Scheduler whose events go down the pipe, obey commands.
     `cpus`: run on these (`cpu_split`), with one torch thread each."""
@@ -323,6 +333,10 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
         send(("failed", user_message(exc)))
         return
     send(("ready", scheduler.stats()))
+    if loaded.cluster is not None:  # a rank can be lost (or come back) while nothing runs
+        threading.Thread(
+            target=_push_stats, args=(send, scheduler), name="latentkv-stats", daemon=True
+        ).start()
     while True:
         try:
             message = conn.recv()

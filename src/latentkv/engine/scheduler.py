@@ -59,6 +59,7 @@ import collections
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,9 +88,11 @@ from latentkv.engine.speculative import (
     check_model,
     draft_together,
 )
+from latentkv.errors import Unavailable
 from latentkv.kv.slots import SlotPool
 
 if TYPE_CHECKING:
+    from latentkv.cluster.head import Cluster
     from latentkv.experts.streamed import ExpertStreamer
 
 
@@ -131,6 +134,8 @@ class Scheduler:
         sink: Sink | None = None,
         streamer: ExpertStreamer | None = None,
         speculative: SpeculativeConfig | None = None,
+        cluster: Cluster | None = None,
+        on_shutdown: Callable[[], None] | None = None,
     ):
         """`sink`: deliver every step's events to this callable as [(handle, event), ...] instead
         of to the handles' iterators (see `delivery.Outbox`). `streamer`: the ExpertStreamer
@@ -152,6 +157,8 @@ class Scheduler:
         self.kv_dir = Path(kv_dir) if kv_dir is not None else None
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.streamer = streamer
+        self.cluster = cluster  # the head of a cluster: its status and every rank's telemetry in stats
+        self._on_shutdown = on_shutdown  # after the worker stops (the server's: `Loaded.close`)
         # sessions need the weights' fingerprint for the KV file header, hence model_dir
         self._sessions = (
             sessions.SessionFiles(model, cache_config, self.model_dir, self.kv_dir) if model_dir else None
@@ -194,6 +201,8 @@ class Scheduler:
             model_dir=loaded.directory,
             sink=sink,
             streamer=loaded.streamer,
+            cluster=loaded.cluster,
+            on_shutdown=loaded.close,
             speculative=(
                 SpeculativeConfig(draft_tokens=config.speculative_draft_tokens)
                 if config.speculative_draft_tokens
@@ -222,6 +231,9 @@ class Scheduler:
             thread.join()
         else:  # never started: nothing runs, finish what was queued here
             self._finish_all("cancelled")
+        hook, self._on_shutdown = self._on_shutdown, None
+        if hook is not None:  # a cluster's workers are told the head ends; the usage history is saved
+            hook()
 
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request; never blocks. ValueError for an invalid request, QueueFull when the
@@ -260,7 +272,15 @@ class Scheduler:
                 kv_cache_dtype=self.cache_config.kv_cache_dtype,
                 experts=self.streamer.snapshot() if self.streamer is not None else None,
                 speculative=self._spec_snapshot,
+                cluster=self._cluster_stats(),
             )
+
+    def _cluster_stats(self) -> dict | None:
+        """The cluster's status and every rank's latest telemetry (no network: the cluster's
+        monitor refreshes the workers' records every few seconds)."""
+        if self.cluster is None:
+            return None
+        return {**self.cluster.status(), "ranks": self.cluster.report(self.streamer, refresh=False)}
 
     def _validate(self, request: Request) -> None:
         validate_request(request, self.model.cfg.vocab_size, self.max_model_len, self._sessions is not None)
@@ -328,6 +348,9 @@ class Scheduler:
         except sessions.SessionUnavailable as exc:  # not a failure of the model: the client is told 409
             self._finish(seq, "error", str(exc), refused="session")
             return None
+        except Unavailable as exc:  # a cluster rank is gone: the client is told 503, with the reason
+            self._finish(seq, "error", str(exc), refused="unavailable")
+            return None
         except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             traceback.print_exc()
@@ -357,6 +380,9 @@ class Scheduler:
                 hidden = list(h.split([len(todo) for _, todo in together]))
             else:
                 logits, hidden = self.model.prefill_batch(prompts, caches), [None] * len(together)
+        except Unavailable as exc:
+            self._fail_unavailable([seq for seq, _ in together], exc)
+            return True
         except Exception:  # noqa: BLE001 - the caller prefills each on its own, which finds the culprit
             return False
         seconds = time.perf_counter() - t0
@@ -430,6 +456,9 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             rows = list(self.model.decode_batch(tokens, [s.cache for s in seqs], self._pool))
+        except Unavailable as exc:  # the whole step is lost (no retry: its caches are half written)
+            self._fail_unavailable(seqs, exc)
+            return
         except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
             rows = [self._decode_alone(s) for s in seqs]
         seconds = time.perf_counter() - t0
@@ -438,9 +467,18 @@ class Scheduler:
                 seq.decode_seconds += seconds
                 self._guarded(seq, self._advance, logits)
 
+    def _fail_unavailable(self, seqs: list[_Sequence], exc: Unavailable) -> None:
+        """A step that needed a lost cluster rank: every sequence in it fails (503 with the
+        reason; their session files keep the last saved turn)."""
+        for seq in seqs:
+            self._finish(seq, "error", str(exc), refused="unavailable")
+
     def _decode_alone(self, seq: _Sequence) -> torch.Tensor | None:
         try:
             return self.model.decode_batch(torch.tensor([seq.pending]), [seq.cache])[0]
+        except Unavailable as exc:
+            self._finish(seq, "error", str(exc), refused="unavailable")
+            return None
         except Exception as exc:  # noqa: BLE001
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             traceback.print_exc()
@@ -466,6 +504,9 @@ class Scheduler:
             logits, h = self.model.verify_batch(segments, [s.cache for s in seqs])
             sizes = [len(seg) for seg in segments]
             outs = list(zip(logits.split(sizes), h.split(sizes), strict=True))
+        except Unavailable as exc:
+            self._fail_unavailable(seqs, exc)
+            return
         except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
             outs = [self._verify_alone(s, seg) for s, seg in zip(seqs, segments, strict=True)]
         seconds = time.perf_counter() - t0
@@ -477,6 +518,9 @@ class Scheduler:
     def _verify_alone(self, seq: _Sequence, segment: torch.Tensor):
         try:
             return self.model.verify_batch([segment], [seq.cache])
+        except Unavailable as exc:
+            self._finish(seq, "error", str(exc), refused="unavailable")
+            return None
         except Exception as exc:  # noqa: BLE001
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             traceback.print_exc()

@@ -75,6 +75,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health(r: Serving):
+        cluster = r.scheduler.stats().cluster
+        if cluster is not None and cluster["status"] != "ok":  # serving all the same (the head reads
+            # a lost rank's experts): 200, degraded; else `serving` answered 503 already
+            return {"status": "degraded", "reason": cluster["reason"], "advice": cluster["advice"]}
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -139,6 +143,14 @@ async def serving(request: Request) -> Ready:
     if state.ready is not None:
         if (failure := state.ready.scheduler.failure) is not None:
             raise APIError(503, f"the model stopped serving: {failure}", headers={"Retry-After": "60"})
+        cluster = state.ready.scheduler.stats().cluster
+        if cluster is not None and not cluster["serving"]:
+            raise APIError(
+                503,
+                f"degraded: {cluster['reason']}; {cluster['advice']}",
+                code="unavailable",
+                headers={"Retry-After": "30"},
+            )
         return state.ready
     if state.error is not None:
         raise APIError(503, f"the model failed to load: {state.error}", headers={"Retry-After": "60"})

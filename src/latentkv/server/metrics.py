@@ -74,6 +74,8 @@ def render(model: str, loaded: bool, stats, rates: tuple[float, float], registry
             _experts(out, stats.experts)
         if stats.speculative:
             _speculative(out, stats.speculative)
+        if stats.cluster:
+            _cluster(out, stats.cluster)
     out.header("latentkv_http_requests_total", "counter", "HTTP requests answered, by route and status")
     for (route, status), n in sorted(registry.requests.items()):
         out.sample("latentkv_http_requests_total", n, {"route": route, "status": str(status)})
@@ -171,6 +173,59 @@ def _experts(out, snapshot: dict) -> None:
     if snapshot.get("draft_asked"):
         for name, kind, help_text, key in DRAFT_EXPERT_METRICS:
             out.metric(name, kind, help_text, snapshot[key])
+
+
+# (metric, kind, help, key of a rank's record in `Cluster.report`), one sample per rank
+CLUSTER_METRICS = (
+    ("latentkv_cluster_rank_up", "gauge", "1 while the rank answers, 0 once it is lost", None),
+    ("latentkv_cluster_expert_hit_rate", "gauge", "The rank's expert cache hit rate", "hit_rate"),
+    ("latentkv_cluster_prefetch_recall", "gauge", "The rank's prefetch recall", "recall"),
+    (
+        "latentkv_cluster_read_gbps",
+        "gauge",
+        "The rank's expert read speed in GB/s (inside pread)",
+        "read_gbps",
+    ),
+    (
+        "latentkv_cluster_read_bytes_total",
+        "counter",
+        "Bytes of experts the rank read from disk",
+        "bytes_read",
+    ),
+    ("latentkv_cluster_sent_bytes_total", "counter", "Bytes the rank sent to the others", "bytes_sent"),
+    (
+        "latentkv_cluster_sent_bytes_per_token",
+        "gauge",
+        "Bytes the rank sent per token the head ran",
+        "bytes_sent_per_token",
+    ),
+    (
+        "latentkv_cluster_network_wait_seconds_total",
+        "counter",
+        "Time the rank waited on the network (the head: for outputs; a worker: in sends)",
+        "net_wait_seconds",
+    ),
+)
+
+
+def _cluster(out, cluster: dict) -> None:
+    """The cluster's state and every rank's telemetry (labels: rank, role)."""
+    out.metric(
+        "latentkv_cluster_ranks", "gauge", "Ranks in the cluster (the head included)", len(cluster["ranks"])
+    )
+    out.metric("latentkv_cluster_degraded", "gauge", "1 while a rank is lost", int(cluster["status"] != "ok"))
+    out.metric(
+        "latentkv_cluster_epoch",
+        "gauge",
+        "Groups formed so far (a rank's return forms a new one)",
+        cluster["epoch"],
+    )
+    for name, kind, help_text, key in CLUSTER_METRICS:
+        out.header(name, kind, help_text)
+        for rec in cluster["ranks"]:
+            labels = {"rank": str(rec["rank"]), "role": rec.get("role", "worker")}
+            value = int(rec.get("status") == "ok") if key is None else rec.get(key, 0)
+            out.sample(name, value, labels)
 
 
 def _escape(value: str) -> str:

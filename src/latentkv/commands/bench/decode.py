@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     spec = _speculative(args)
     common.set_threads(args.threads)
     rows: list[bench.BenchRow] = []
+    cluster_report: list[dict] = []
     notes: list[str] = [RANDOM_FILL_NOTE] if args.fill == "random" else []
     for dtype in weight_dtypes:
         try:
@@ -152,6 +153,12 @@ def run(args: argparse.Namespace) -> dict:
                 if spec is not None:
                     rows.append(_row(args, model, dtype, ctx, cache_config, speculative=spec))
         directory = loaded.directory
+        if loaded.cluster is not None:
+            from latentkv.cluster.head import describe
+
+            cluster_report = loaded.cluster.report(loaded.streamer)
+            notes.extend(describe(cluster_report))
+            loaded.close()  # the workers end with the head
         del loaded, model
         gc.collect()
         if args.vs_transformers and dtype not in ("f32", "bf16"):
@@ -171,7 +178,9 @@ def run(args: argparse.Namespace) -> dict:
             del hf
             gc.collect()
     bench.add_ratios(rows)
+    extra = {"cluster": cluster_report} if cluster is not None else {}
     return {
+        **extra,
         "bench": "decode",
         "model": args.model,
         "fill": args.fill,
