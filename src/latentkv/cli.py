@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    if (refusal := _not_distributed(args)) is not None:
+        print(f"latentkv {args.command}: error: {refusal}", file=sys.stderr)
+        return 2
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)
@@ -76,6 +79,28 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+# The commands that run expert-parallel when started by torchrun (WORLD_SIZE > 1).
+DISTRIBUTED = {("generate",), ("chat",), ("serve",), ("bench", "decode")}
+
+
+def _not_distributed(args: argparse.Namespace) -> str | None:
+    """Why this command does not run under torchrun (WORLD_SIZE > 1), or None."""
+    from latentkv.config import ConfigError, cluster_env
+
+    try:
+        if cluster_env() is None:
+            return None
+    except ConfigError as exc:
+        return str(exc)
+    name = (args.command, getattr(args, "bench", None)) if args.command == "bench" else (args.command,)
+    if name in DISTRIBUTED:
+        return None
+    return (
+        f"`latentkv {' '.join(name)}` does not run expert-parallel (WORLD_SIZE > 1 starts a cluster: "
+        "generate, chat, serve and bench decode do); run it without torchrun"
+    )
 
 
 def _explained(exc: Exception) -> bool:

@@ -2,9 +2,10 @@
 rejoins and telemetry (docs/distributed.md).
 
     cluster = start_head(cfg, facts, ...)        # every rank joined, placement decided
-    ex = cluster.exchange(layer, {1: [(e, rows), ...], 2: [...]}, first)
+    ex = cluster.exchange(layer, {1: [(e, rows), ...], 2: [...]})
     ... compute the head's own experts ...
-    for e, y in ex.outputs(): ...                # each remote expert's output, as it arrives
+    for e, y in cluster.outputs(ex): ...         # each remote expert's output, as it arrives
+    cluster.finish(ex)
     cluster.prefetch(layer, {1: [ids], 2: [ids]})
 
 Each worker has a sender thread (messages queued in order: a prefetch never waits for the worker
@@ -59,6 +60,7 @@ class RankState:
     cache_bytes: int = 0
     peer: Peer | None = None
     sender: queue.Queue | None = None
+    receiver: threading.Thread | None = None
     record: dict = field(default_factory=dict)  # its latest telemetry
 
 
@@ -98,7 +100,6 @@ class Cluster:
         self._seq = 0
         self._current: Exchange | None = None
         self._groups: list = []  # every epoch's group stays referenced (old receivers stay blocked)
-        self._receivers: list[threading.Thread] = []
         self._peers: list[Peer] = []  # every link of every epoch (the byte counters)
         self._stats_replies: queue.Queue = queue.Queue()
         self._closed = False
@@ -123,9 +124,8 @@ class Cluster:
             if old is not None:
                 old.put(None)
             threading.Thread(target=self._send_loop, args=(r, peer, state.sender), daemon=True).start()
-            receiver = threading.Thread(target=self._receive, args=(r, peer), daemon=True)
-            receiver.start()
-            self._receivers.append(receiver)
+            state.receiver = threading.Thread(target=self._receive, args=(r, peer), daemon=True)
+            state.receiver.start()
 
     def _send_loop(self, r: int, peer: Peer, outbox: queue.Queue) -> None:
         while (parts := outbox.get()) is not None:
@@ -220,6 +220,8 @@ class Cluster:
     ) -> Exchange:
         """Send each rank its jobs (expert, rows) of `layer`; the outputs come back into the
         returned Exchange. ClusterLost at once if a rank with jobs is lost."""
+        if self._current is not None:  # an exchange its caller dropped without finishing it
+            self.finish(self._current)
         self._lock.acquire()  # held until `finish`: a new epoch never starts mid-exchange
         for r in jobs:
             state = self.ranks[r]
@@ -424,8 +426,9 @@ class Cluster:
                 s.sender.put([header(Kind.STOP)] if s.status == "ok" else None)
                 s.sender.put(None)
         deadline = time.monotonic() + wait_s
-        for t in self._receivers:
-            t.join(max(0.0, deadline - time.monotonic()))
+        for s in self.ranks.values():
+            if s.receiver is not None:
+                s.receiver.join(max(0.0, deadline - time.monotonic()))
         if self._sock is not None:
             self._sock.close()
 
