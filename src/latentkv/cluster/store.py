@@ -3,11 +3,11 @@
 
     run(x, jobs)     each rank that owns one of the jobs' experts gets those jobs' rows (sent
                      now, before `run` returns), the head starts its own share's reads; then the
-                     outputs are yielded as they come, the head's and the remote ones mixed. The
-                     MoE layer adds them in its own fixed order, so the result is the one process's,
-                     bit for bit: a remote rank computes Expert(rows) on exactly the rows the
-                     head's own pass would give that expert, and the head applies the router
-                     weight as `Job.apply` does (y * weight).
+                     outputs (unweighted, as every store's) are yielded as they come, the head's
+                     and the remote ones mixed. The MoE layer weights them and adds them in its own
+                     fixed order, so the result is the one process's, bit for bit: a remote rank
+                     computes Expert(rows) on exactly the rows the head's own pass would give
+                     that expert (`Job.apply`).
     prefetch(ids)    the head's prediction of this layer's experts, split by owner: the head's
                      own reads start, the other owners get it at once (a message each), so their
                      reads start before the rows arrive.
@@ -55,18 +55,15 @@ class RemoteExperts:
         except BaseException:
             self.cluster.finish(ex)
             raise
-        weights = {j.expert: j.weight for js in theirs.values() for j in js}
-        return self._merge(ex, local, weights)
+        return self._merge(ex, local)
 
-    def _merge(self, ex, local, weights: dict) -> Iterator[tuple[int, torch.Tensor]]:
+    def _merge(self, ex, local) -> Iterator[tuple[int, torch.Tensor]]:
         cluster = self.cluster
         try:
             for e, y in local:
                 yield e, y
-                for r_e, r_y in cluster.outputs(ex, block=False):
-                    yield r_e, r_y * weights[r_e]
-            for r_e, r_y in cluster.outputs(ex):
-                yield r_e, r_y * weights[r_e]
+                yield from cluster.outputs(ex, block=False)
+            yield from cluster.outputs(ex)
         finally:
             cluster.finish(ex)
             close = getattr(local, "close", None)

@@ -355,13 +355,13 @@ class _Server:
     def _jobs(self, seq: int, layer: int, ids: torch.Tensor, rows: torch.Tensor, first: bool) -> None:
         """Compute each job's expert on its rows (the rows the head's pass gives it, each job's
         in a tensor of its own as `Job.inputs` makes it), each output sent as soon as it is
-        ready; the head applies the router weights (`Job.apply`: y * weight)."""
+        ready (unweighted: the head's MoE layer weights and adds them)."""
         from latentkv.experts.base import Job
 
         experts, counts = ids[:, 0].tolist(), ids[:, 1].tolist()
         jobs, start = [], 0
         for e, n in zip(experts, counts, strict=True):
-            jobs.append(Job(e, torch.arange(start, start + n), 1.0))
+            jobs.append(Job(e, torch.arange(start, start + n)))
             start += n
         t0 = time.perf_counter()
         results = None

@@ -1,15 +1,16 @@
 """The expert seam: a MoE layer hands its `ExpertStore` the rows routed to each expert.
 
-    jobs = [Job(3, rows3, w3), Job(17, rows17, w17)]   # rows of x [N, D] routed to each expert
+    jobs = [Job(3, rows3), Job(17, rows17)]   # rows of x [N, D] routed to each expert
     results = store.run(x, jobs)          # every job started (reads issued, rows sent) ...
     shared = shared_expert(x)             # ... so the layer computes meanwhile
-    for e, y in results: ...              # (id, w * expert(rows)) as each is ready, any order
+    for e, y in results: ...              # (id, expert(x[rows])) as each is ready, any order
     store.prefetch([5, 9])                # a hint: these will be asked for soon (may be ignored)
 
 Contract (what a store may rely on, and what the MoE layer promises):
-  - One store per MoE layer, built with the layer (`ExpertSource.store`). A pass asks `run` once
-    for every expert it needs (distinct ids, 0 <= id < num_experts) and adds the outputs in its
-    own fixed order, so the sum is bit-identical whatever order they arrive in. Where the
+  - One store per MoE layer, built with the layer (`ExpertSource.store`). A forward pass calls
+    `run` once per layer, with a job for every expert it needs (distinct ids, 0 <= id <
+    num_experts); it weights the outputs by the router and adds them in its own fixed order, so
+    the sum is bit-identical whatever order they arrive in. Where the
     experts are computed is the store's business: in this process (`LocalStore`, over
     `get`/`arrivals`), or where they live (another rank's share, issue 23).
   - A `LocalStore`'s `get(ids)` returns Expert objects valid until its next `get`, and not
@@ -73,19 +74,18 @@ class StackedExperts:
 
 @dataclass(frozen=True)
 class Job:
-    """The rows of a MoE input routed to one expert, with their router weights."""
+    """The rows of a MoE input routed to one expert."""
 
     expert: int
     rows: torch.Tensor | None  # [n] int64 indices into the input's rows; None: every row
-    weight: torch.Tensor | float  # [n, 1] in the input's dtype, or a float for one row
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
-        """The job's rows of x [N, D] -> [n, D]."""
+        """The job's rows of x [N, D] -> [n, D] (a lone token's x as it is)."""
         return x if self.rows is None else x.index_select(0, self.rows)
 
     def apply(self, expert: Expert, x: torch.Tensor) -> torch.Tensor:
-        """weight * expert(rows of x) -> [n, D]: what a store hands back for this job."""
-        return expert(self.inputs(x)) * self.weight
+        """expert(the job's rows of x) -> [n, D], unweighted: what a store hands back."""
+        return expert(self.inputs(x))
 
 
 class ExpertStore(Protocol):
@@ -95,7 +95,7 @@ class ExpertStore(Protocol):
     stacked: StackedExperts | None  # the whole layer stacked, when resident in a plain dtype
 
     def run(self, x: torch.Tensor, jobs: Sequence[Job]) -> Iterator[tuple[int, torch.Tensor]]:
-        """(job.expert, job.apply(expert, x)) for every job (distinct experts), in any order:
+        """(job.expert, expert(job's rows of x)) for every job (distinct experts), in any order:
         each as soon as it is ready. Every job has started (reads issued, rows sent) when this
         returns, so the caller computes meanwhile and then iterates; closing the iterator before
         its end releases what the pass holds."""

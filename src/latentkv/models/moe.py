@@ -198,9 +198,10 @@ class MoE:
         shared expert's output, computed while the store works)."""
         out = torch.zeros_like(x)
         ids = idx.tolist()
-        results = self.experts.run(x, [Job(e, None, w) for e, w in zip(ids, weights.tolist(), strict=True)])
+        w = dict(zip(ids, weights.tolist(), strict=True))
+        results = self.experts.run(x, [Job(e, None) for e in ids])
         shared = self._meanwhile(x)
-        _in_order(ids, results, lambda e, y: out.add_(y))
+        _in_order(ids, results, lambda e, y: out.add_(y * w[e]))
         return out, shared
 
     def _grouped(
@@ -215,16 +216,16 @@ class MoE:
         tokens = order // idx.shape[1]
         pair_weights = weights.reshape(-1)[order].to(x.dtype)
         hit = [e for e, n in enumerate(counts) if n]
-        starts = itertools.accumulate((counts[e] for e in hit), initial=0)
-        rows = {}
-        jobs = []
-        for e, start in zip(hit, starts, strict=False):
-            n = counts[e]
-            rows[e] = tokens[start : start + n]
-            jobs.append(Job(e, rows[e], pair_weights[start : start + n, None]))
-        results = self.experts.run(x, jobs)
+        starts = dict(zip(hit, itertools.accumulate((counts[e] for e in hit), initial=0), strict=False))
+        rows = {e: tokens[starts[e] : starts[e] + counts[e]] for e in hit}
+
+        def add(e: int, y: torch.Tensor) -> None:
+            start, n = starts[e], counts[e]
+            out.index_add_(0, rows[e], y * pair_weights[start : start + n, None])
+
+        results = self.experts.run(x, [Job(e, rows[e]) for e in hit])
         shared = self._meanwhile(x)
-        _in_order(hit, results, lambda e, y: out.index_add_(0, rows[e], y))
+        _in_order(hit, results, add)
         return out, shared
 
     def _meanwhile(self, x: torch.Tensor) -> torch.Tensor | None:
