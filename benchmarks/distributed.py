@@ -66,9 +66,9 @@ def add_latency(one_way_s: float) -> None:
     if one_way_s > 0:
         send = wire.Peer.send
 
-        def delayed(self, parts, tag):
+        def delayed(self, parts):
             time.sleep(one_way_s)
-            return send(self, parts, tag)
+            return send(self, parts)
 
         wire.Peer.send = delayed
 
@@ -412,8 +412,13 @@ def run(args) -> int:
     manifest = read_manifest(args.store)
     args.device = disk_device(Path(args.store))
     disk = measure_disk(Path(args.store), drop=True)
-    args.rank_gbps = disk["gbps"] / args.read_share
-    ram = args.ram_gb or plan_ram(args, cfg, directory, manifest.expert_bytes) / GIB
+    earlier = _earlier(args)
+    args.rank_gbps = args.rank_gbps or earlier.get("rank_read_gbps") or disk["gbps"] / args.read_share
+    ram = (
+        args.ram_gb
+        or earlier.get("ram_gb_per_rank")
+        or plan_ram(args, cfg, directory, manifest.expert_bytes) / GIB
+    )
     moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
     print(
         f"disk: {disk['gbps']:.2f} GB/s O_DIRECT; each rank reads at {args.rank_gbps:.2f} GB/s; "
@@ -434,9 +439,12 @@ def run(args) -> int:
             file=sys.stderr,
             flush=True,
         )
-    one = next((r["tok_s"] for r in rows if len(r.get("ranks", ())) == 1 and "tok_s" in r), None) or float(
-        "nan"
-    )
+    done = {len(r["peaks"]) for r in rows}
+    rows = [r for r in earlier.get("rows", []) if len(r["peaks"]) not in done] + rows
+    rows.sort(key=lambda r: len(r["peaks"]))
+    cores = {**{int(k): v for k, v in earlier.get("core_bound_tok_s", {}).items()}, **cores}
+    unshaped = [r for r in earlier.get("unshaped", []) if len(r["peaks"]) not in done] + unshaped
+    one = next((r["tok_s"] for r in rows if len(r["peaks"]) == 1 and "tok_s" in r), float("nan"))
     print(table(rows, cores, one))
     if args.out:
         result = {
@@ -450,7 +458,8 @@ def run(args) -> int:
             "rows": rows,
             "core_bound_tok_s": cores,
             "unshaped": unshaped,
-            "argv": sys.argv[1:],
+            "argv": [*earlier.get("argv", []), sys.argv[1:]] if earlier else [sys.argv[1:]],
+            "disks_measured": [*earlier.get("disks_measured", []), disk],
             "cpu": _cpu(),
             "uname": " ".join(os.uname()),
             "python": platform.python_version(),
@@ -458,6 +467,14 @@ def run(args) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if all("error" not in r for r in rows) else 1
+
+
+def _earlier(args) -> dict:
+    """With --merge: the results file so far (its per-rank read limit and budget are kept, so
+    rows run in separate invocations compare)."""
+    if not (args.merge and args.out and Path(args.out).exists()):
+        return {}
+    return json.loads(Path(args.out).read_text())
 
 
 def _cpu() -> str:
@@ -508,7 +525,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cache", default=str(Path.home() / ".cache" / "latentkv"), help="LATENTKV_CACHE of the ranks"
     )
+    p.add_argument(
+        "--rank-gbps",
+        type=float,
+        default=None,
+        help="each rank's read limit (default: measured / --read-share)",
+    )
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="add these rank counts' rows to --out (its read limit and budget kept): a table in several runs",
+    )
     args = p.parse_args(argv)
     args.ranks = [int(x) for x in args.ranks.split(",")]
     return run(args)

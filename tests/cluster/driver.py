@@ -63,7 +63,7 @@ def main() -> int:
         )
 
     try:
-        cluster = start_head(cfg, facts, model.hidden_size, plan_for)
+        cluster = start_head(cfg, facts, model.hidden_size, max(model.layers.values()), plan_for)
     except Exception as exc:  # noqa: BLE001 - the test reads the line
         print(json.dumps({"event": "refused", "error": str(exc)}), flush=True)
         return 2

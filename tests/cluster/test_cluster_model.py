@@ -87,7 +87,8 @@ def test_generate_ends_with_one_line_and_exit_1_when_a_worker_dies(tmp_path):
         assert wait_all([workers[1]], 60) == [0]  # the head ended: it told the other worker so
     finally:
         kill_all(procs)
-    assert code == 1 and elapsed < 10 + 5
+    # lost at once (its connection closed); the rest is the head telling rank 1 and exiting
+    assert code == 1 and elapsed < 10 + 25
     lines = (tmp_path / "rank0.log").read_text().strip().splitlines()
     assert lines[-1].startswith("latentkv generate: error: rank 2") and "start rank 2 again" in lines[-1]
     assert not any(line.startswith("Traceback") for line in lines)

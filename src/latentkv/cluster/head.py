@@ -9,7 +9,9 @@ rejoins and telemetry (docs/distributed.md).
     cluster.prefetch(layer, {1: [ids], 2: [ids]})
 
 Each worker has a sender thread (messages queued in order: a prefetch never waits for the worker
-to finish its current jobs) and a receiver thread (every message from it, as it comes). A rank is
+to finish its current jobs) and two receiver threads: one posts every output receive of an
+exchange as the jobs go out and hands each output over as it arrives, the other takes the
+worker's other messages (a failure, telemetry). A rank is
 *lost* when its connection breaks (a killed process: at once), when it does not answer an
 exchange within the cluster timeout, or when its heartbeat in the store is older than that:
 the exchange in flight raises `ClusterLost` (the request fails, its session file untouched),
@@ -35,7 +37,7 @@ import torch
 
 from latentkv.cluster import rendezvous as rv
 from latentkv.cluster.handshake import HeadFacts, Hello, Verdict, head_proof, refusal
-from latentkv.cluster.wire import TAG_CMD, TAG_REPLY, Kind, Peer, header, tensor_text
+from latentkv.cluster.wire import TAG_CMD, TAG_MSG, TAG_OUT, TAG_ROWS, Kind, Peer, command, tensor_text
 from latentkv.config import ClusterConfig
 from latentkv.errors import Unavailable, UserError
 
@@ -59,8 +61,9 @@ class RankState:
     gen: int = 1  # its hello counter at its last accepted hello
     cache_bytes: int = 0
     peer: Peer | None = None
-    sender: queue.Queue | None = None
-    receiver: threading.Thread | None = None
+    sender: queue.Queue | None = None  # messages to send, in order (None: stop)
+    expect: queue.Queue | None = None  # (seq, [(expert, rows)]): the outputs an exchange waits for
+    receivers: list = field(default_factory=list)
     record: dict = field(default_factory=dict)  # its latest telemetry
 
 
@@ -80,11 +83,19 @@ class Exchange:
 
 class Cluster:
     def __init__(
-        self, cfg: ClusterConfig, store, sock, facts: HeadFacts, plan, hidden: int, hosts: dict[int, str]
+        self,
+        cfg: ClusterConfig,
+        store,
+        sock,
+        facts: HeadFacts,
+        plan,
+        hidden: int,
+        n_experts: int,
+        hosts: dict[int, str],
     ):
         self.cfg, self.store, self._sock, self.facts = cfg, store, sock, facts
         self.plan = plan  # the ClusterPlan it started with
-        self.hidden = hidden
+        self.hidden, self.n_experts = hidden, n_experts
         placement = self.placement = plan.placement
         budgets = [r.expert_cache_bytes for r in plan.ranks]
         self.max_rows = plan.head.max_num_seqs * (1 + plan.head.draft_tokens)
@@ -119,38 +130,56 @@ class Cluster:
             state = self.ranks[r]
             peer = Peer(group, members.index(r), self.cfg.timeout_s)
             self._peers.append(peer)
-            old = state.sender
-            state.peer, state.sender = peer, queue.Queue()
-            if old is not None:
-                old.put(None)
+            old_sender, old_expect = state.sender, state.expect
+            state.peer, state.sender, state.expect = peer, queue.Queue(), queue.Queue()
+            for q in (old_sender, old_expect):
+                if q is not None:
+                    q.put(None)
             threading.Thread(target=self._send_loop, args=(r, peer, state.sender), daemon=True).start()
-            state.receiver = threading.Thread(target=self._receive, args=(r, peer), daemon=True)
-            state.receiver.start()
+            state.receivers = [
+                threading.Thread(target=self._outputs_loop, args=(r, peer, state.expect), daemon=True),
+                threading.Thread(target=self._messages_loop, args=(r, peer), daemon=True),
+            ]
+            for t in state.receivers:
+                t.start()
 
     def _send_loop(self, r: int, peer: Peer, outbox: queue.Queue) -> None:
         while (parts := outbox.get()) is not None:
             try:
-                peer.send(parts, TAG_CMD)
+                peer.send(parts)
             except Exception as exc:  # noqa: BLE001 - a send that fails or times out loses the rank
-                if self.ranks[r].peer is peer:
-                    self._lose(r, f"sending to it failed: {rv.short(exc)}")
+                self._broken(r, peer, f"sending to it failed: {rv.short(exc)}")
                 return
 
-    def _receive(self, r: int, peer: Peer) -> None:
+    def _outputs_loop(self, r: int, peer: Peer, expect: queue.Queue) -> None:
+        """Post every output receive of an exchange at once, hand each output over as it comes."""
         D = self.hidden
         try:
-            while True:
-                kind, seq, layer, a, b, _c, _, _ = peer.recv_header(TAG_REPLY, idle=True)
-                if kind == Kind.OUT:
-                    y = peer.recv((b, D), torch.float32, TAG_REPLY)
-                    self._deliver(r, seq, (a, y))
-                elif kind == Kind.ERR:
-                    self._deliver(r, seq, RuntimeError(tensor_text(peer.recv((a,), torch.uint8, TAG_REPLY))))
-                elif kind == Kind.STATS_REPLY:
-                    self._stats_replies.put((r, tensor_text(peer.recv((a,), torch.uint8, TAG_REPLY))))
+            while (item := expect.get()) is not None:
+                seq, jobs = item
+                posted = [(e, peer.post((n, D), torch.float32, TAG_OUT)) for e, n in jobs]
+                for e, p in posted:
+                    self._deliver(r, seq, (e, peer.wait(p, idle=True)))
         except Exception as exc:  # noqa: BLE001 - the connection broke (or this epoch ended)
-            if self.ranks[r].peer is peer and not self._closed:
-                self._lose(r, f"its connection broke: {rv.short(exc)}")
+            self._broken(r, peer, f"its connection broke: {rv.short(exc)}")
+
+    def _messages_loop(self, r: int, peer: Peer) -> None:
+        """The worker's other messages: a failed exchange's reason, telemetry."""
+        try:
+            while True:
+                kind, seq, n, *_ = peer.recv((8,), torch.int64, TAG_MSG, idle=True).tolist()
+                text = tensor_text(peer.recv((n,), torch.uint8, TAG_MSG))
+                if kind == Kind.ERR:
+                    self._deliver(r, seq, RuntimeError(text))
+                elif kind == Kind.STATS_REPLY:
+                    self._stats_replies.put((r, text))
+        except Exception as exc:  # noqa: BLE001
+            self._broken(r, peer, f"its connection broke: {rv.short(exc)}")
+
+    def _broken(self, r: int, peer: Peer, why: str) -> None:
+        """A link failed: the rank is lost, unless that link belongs to an epoch gone by."""
+        if self.ranks[r].peer is peer and not self._closed:
+            self._lose(r, why)
 
     def _deliver(self, r: int, seq: int, item) -> None:
         ex = self._current
@@ -234,11 +263,12 @@ class Cluster:
         for r, js in jobs.items():
             if not js:
                 continue
-            ids = torch.tensor([[e, x.shape[0]] for e, x in js], dtype=torch.int64)
+            pairs = [(e, x.shape[0]) for e, x in js]
             rows = torch.cat([x for _, x in js]) if len(js) > 1 else js[0][1]
-            self.ranks[r].sender.put(
-                [header(Kind.JOBS, ex.seq, layer, len(js), rows.shape[0], int(first)), ids, rows]
-            )
+            state = self.ranks[r]
+            state.expect.put((ex.seq, pairs))  # the output receives are posted before the jobs leave
+            cmd = command(self.n_experts, Kind.JOBS, ex.seq, layer, len(js), rows.shape[0], int(first), pairs)
+            state.sender.put([(cmd, TAG_CMD), (rows, TAG_ROWS)])
         return ex
 
     def outputs(self, ex: Exchange, block: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
@@ -280,9 +310,8 @@ class Cluster:
         for r, es in ids.items():
             state = self.ranks[r]
             if es and state.status == "ok" and state.sender is not None:
-                state.sender.put(
-                    [header(Kind.PREFETCH, 0, layer, len(es)), torch.tensor(list(es), dtype=torch.int64)]
-                )
+                cmd = command(self.n_experts, Kind.PREFETCH, 0, layer, len(es), pairs=[(e, 0) for e in es])
+                state.sender.put([(cmd, TAG_CMD)])
 
     # --- telemetry ------------------------------------------------------------------------
 
@@ -292,7 +321,7 @@ class Cluster:
 
         asked = [s for s in self.ranks.values() if s.status == "ok" and s.sender is not None]
         for s in asked:
-            s.sender.put([header(Kind.STATS, 0)])
+            s.sender.put([(command(self.n_experts, Kind.STATS), TAG_CMD)])
         deadline = time.monotonic() + timeout_s
         waiting = {s.rank for s in asked}
         while waiting and time.monotonic() < deadline:
@@ -403,7 +432,7 @@ class Cluster:
         for r in members[1:]:
             st = self.ranks[r]
             if r != back.rank and st.sender is not None:
-                st.sender.put([header(Kind.EPOCH, 0, 0, epoch)])
+                st.sender.put([(command(self.n_experts, Kind.EPOCH, a=epoch), TAG_CMD)])
         group = rv.make_group(store, epoch, members, 0, rv.local_address(self.cfg), self.cfg.timeout_s)
         self.epoch = epoch
         self.connect(group, members)
@@ -423,36 +452,33 @@ class Cluster:
         self._closed = True
         for s in self.ranks.values():
             if s.sender is not None:
-                s.sender.put([header(Kind.STOP)] if s.status == "ok" else None)
+                if s.status == "ok":
+                    s.sender.put([(command(self.n_experts, Kind.STOP), TAG_CMD)])
                 s.sender.put(None)
+            if s.expect is not None:
+                s.expect.put(None)
         deadline = time.monotonic() + wait_s
         for s in self.ranks.values():
-            if s.receiver is not None:
-                s.receiver.join(max(0.0, deadline - time.monotonic()))
+            for t in s.receivers:
+                t.join(max(0.0, deadline - time.monotonic()))
         if self._sock is not None:
             self._sock.close()
 
 
-def start_head(
-    cfg: ClusterConfig,
-    facts: HeadFacts,
-    hidden: int,
-    plan_for,
-    quiet: bool = False,
-):
+def start_head(cfg: ClusterConfig, facts: HeadFacts, hidden: int, n_experts: int, plan_for):
     """Open the store, take every worker's hello, decide the placement (`plan_for(hellos,
     placement or None)` -> ClusterPlan), answer, wait until every worker has opened its share,
     form the first group. UserError (one line) if a rank is refused, missing or fails. The
     caller starts the monitor (`Cluster.start_monitor`) once it is ready to serve."""
     store, sock = rv.open_store(cfg)
     try:
-        return _start(cfg, store, sock, facts, hidden, plan_for, quiet)
+        return _start(cfg, store, sock, facts, hidden, n_experts, plan_for)
     except BaseException:
         sock and sock.close()
         raise
 
 
-def _start(cfg: ClusterConfig, store, sock, facts: HeadFacts, hidden: int, plan_for, quiet: bool):
+def _start(cfg: ClusterConfig, store, sock, facts: HeadFacts, hidden: int, n_experts: int, plan_for):
     store.set("challenge", facts.challenge)
     workers = list(range(1, cfg.world_size))
     try:
@@ -495,7 +521,9 @@ def _start(cfg: ClusterConfig, store, sock, facts: HeadFacts, hidden: int, plan_
     members = [0, *workers]
     rv.put_json(store, "epoch/1", {"members": members})
     group = rv.make_group(store, 1, members, 0, rv.local_address(cfg), cfg.start_timeout_s)
-    cluster = Cluster(cfg, store, sock, facts, plan, hidden, {r: h.host for r, h in hellos.items()})
+    cluster = Cluster(
+        cfg, store, sock, facts, plan, hidden, n_experts, {r: h.host for r, h in hellos.items()}
+    )
     for r in workers:
         cluster.ranks[r].gen = gens[r]
     cluster.connect(group, members)

@@ -81,7 +81,7 @@ def load_head(
             placement=given or adopted,
         )
 
-    cluster = start_head(cfg, facts, mcfg.hidden_size, plan_for)
+    cluster = start_head(cfg, facts, mcfg.hidden_size, mcfg.n_routed_experts, plan_for)
     try:
         plan = cluster.plan
         if not plan.ranks[0].fits:

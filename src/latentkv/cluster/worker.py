@@ -30,7 +30,7 @@ import torch
 
 from latentkv.cluster import rendezvous as rv
 from latentkv.cluster.handshake import PROTOCOL, Hello, Verdict, head_proof, worker_proof
-from latentkv.cluster.wire import TAG_CMD, TAG_REPLY, Kind, Peer, header, text_tensor
+from latentkv.cluster.wire import HEADER, TAG_CMD, TAG_MSG, TAG_OUT, TAG_ROWS, Kind, Peer, header, text_tensor
 from latentkv.config import ClusterConfig, EngineConfig
 from latentkv.errors import UserError
 
@@ -291,6 +291,7 @@ class _Server:
 
     def __init__(self, cfg: ClusterConfig, store, streamer, group, epoch: int, model: WorkerModel):
         self.cfg, self.store, self.streamer, self.hidden = cfg, store, streamer, model.hidden_size
+        self.n_experts = max(model.layers.values())  # sizes the head's fixed-size commands
         # each layer's store, asked for one token's k experts at a time (as the head's own)
         self.stores = {layer: streamer.layer(layer, model.top_k) for layer in streamer.manifest.layers}
         self.lock = threading.Lock()  # the streamer's prefetch (receiver) vs a job's start (main)
@@ -326,19 +327,22 @@ class _Server:
                 return 1
 
     def _receive(self, peer: Peer) -> None:
-        """The receiver thread of one group: every message the head sends, as it comes."""
-        D = self.hidden
+        """The receiver thread of one group: every message the head sends, as it comes (a
+        command's receive is always posted, so the head's sends never wait on this rank)."""
+        D, size = self.hidden, HEADER + 2 * self.n_experts
         try:
             while True:
-                kind, seq, layer, a, b, c, _, _ = peer.recv_header(TAG_CMD, idle=True)
+                cmd = peer.recv((size,), torch.int64, TAG_CMD, idle=True)
+                kind, seq, layer, a, b, c = cmd[:6].tolist()
+                pairs = cmd[HEADER : HEADER + 2 * a].view(a, 2)
                 if kind == Kind.JOBS:
-                    ids = peer.recv((a, 2), torch.int64, TAG_CMD)
-                    rows = peer.recv((b, D), torch.float32, TAG_CMD)
-                    self.inbox.put((Kind.JOBS, seq, layer, ids, rows, bool(c)))
+                    rows = peer.recv((b, D), torch.float32, TAG_ROWS)
+                    self.inbox.put((Kind.JOBS, seq, layer, pairs, rows, bool(c)))
                 elif kind == Kind.PREFETCH:
-                    ids = peer.recv((a,), torch.int64, TAG_CMD).tolist()
                     with self.lock:
-                        self.streamer.prefetch(layer, [e for e in ids if self._mine(layer, e)])
+                        self.streamer.prefetch(
+                            layer, [e for e in pairs[:, 0].tolist() if self._mine(layer, e)]
+                        )
                 elif kind in (Kind.STATS, Kind.EPOCH):
                     self.inbox.put((Kind(kind), seq if kind == Kind.STATS else a))
                     if kind == Kind.EPOCH:
@@ -354,8 +358,10 @@ class _Server:
 
     def _jobs(self, seq: int, layer: int, ids: torch.Tensor, rows: torch.Tensor, first: bool) -> None:
         """Compute each job's expert on its rows (the rows the head's pass gives it, each job's
-        in a tensor of its own as `Job.inputs` makes it), each output sent as soon as it is
-        ready (unweighted: the head's MoE layer weights and adds them)."""
+        in a tensor of its own as `Job.inputs` makes it) and send the outputs in job order, each
+        as soon as it and the ones before it are computed (the head posted their receives in
+        that order; it weights and adds them). A failure sends its reason, then zeros for the
+        outputs not sent, so every posted receive completes."""
         from latentkv.experts.base import Job
 
         experts, counts = ids[:, 0].tolist(), ids[:, 1].tolist()
@@ -364,17 +370,22 @@ class _Server:
             jobs.append(Job(e, torch.arange(start, start + n)))
             start += n
         t0 = time.perf_counter()
-        results = None
+        sent, ready, results = 0, {}, None
         try:
             with self.lock:
                 results = self.stores[layer].run(rows, jobs)
             for e, y in results:
-                self.peer.send([header(Kind.OUT, seq, layer, e, y.shape[0]), y], TAG_REPLY)
+                ready[e] = y
+                while sent < len(experts) and experts[sent] in ready:
+                    self.peer.send([(ready.pop(experts[sent]), TAG_OUT)])
+                    sent += 1
                 self.experts_computed += 1
         except Exception as exc:  # noqa: BLE001 - reported to the head, which fails the request
             msg = text_tensor(f"rank {self.cfg.rank}: {type(exc).__name__}: {exc}")
             with contextlib.suppress(Exception):  # the head is gone too: the receiver notices
-                self.peer.send([header(Kind.ERR, seq, layer, msg.numel()), msg], TAG_REPLY)
+                self.peer.send([(header(Kind.ERR, seq, msg.numel()), TAG_MSG), (msg, TAG_MSG)])
+                for n in counts[sent:]:
+                    self.peer.send([(torch.zeros(n, self.hidden), TAG_OUT)])
         finally:
             close = getattr(results, "close", None)
             if close is not None:
@@ -399,7 +410,7 @@ class _Server:
         )
         msg = text_tensor(json.dumps(snap))
         with contextlib.suppress(Exception):  # a lost head: the receiver reports it
-            self.peer.send([header(Kind.STATS_REPLY, seq, 0, msg.numel()), msg], TAG_REPLY)
+            self.peer.send([(header(Kind.STATS_REPLY, seq, msg.numel()), TAG_MSG), (msg, TAG_MSG)])
 
     def _new_epoch(self, epoch: int) -> None:
         """The head formed a new group (a rank came back): join it."""
