@@ -16,6 +16,9 @@ section still runs; a section that would overrun the time budget is skipped and 
 - bandwidth: the decode kernel at 4k, 32k and 128k tokens of context (one sequence, 64 heads):
   stored bytes read per call over the median time (triton.testing.do_bench, L2 flushed between
   calls), as GB/s and as a share of the copy bandwidth. Goal: fp8 and q4s >= 70% at 32k.
+- weights: bf16, int8 and int4 matrices built on the device from a file's pieces (int4 in the
+  CUDA op's own layout, converted at load): the same weight read back, and the product against
+  the dequantized matrix in float64 at 1 and 64 rows.
 - oracle: our engine on the device (f32 weights and cache) against transformers in float32 on
   the CPU, on every oracle model and builtin:fixture: greedy tokens and teacher-forced argmax
   equal, logits within 1e-4 (the fixture: 1e-3, as its own test).
@@ -50,6 +53,7 @@ class Shapes:
         self.n_c, self.n_r, self.heads = (64, 16, 5) if dry else (512, 64, 64)
         self.lengths = (37, 1, 20) if dry else (3000, 1, 777, 2048)
         self.contexts = (64,) if dry else (4096, 32768, 131072)
+        self.pool_rows = 48 if dry else 4096  # distinct rows of the bandwidth section's contexts
         self.copy_bytes = (4 << 20) if dry else (1 << 30)
         self.kernel_tiers = (
             ("f32", "fp8", "q4s", "tq4-r8")
@@ -200,6 +204,7 @@ def _errors(codec_c, codec_r, q, encoded, out, picks=None) -> tuple[float, float
 
 
 TOLERANCE = {"ieee": 1e-4, "bf16": 5e-2}
+GATHER_TIERS = ("f32", "fp8", "q4s", "tq4", "tq4-r8")
 
 
 def kernels(device, shapes: Shapes) -> list[dict]:
@@ -210,13 +215,15 @@ def kernels(device, shapes: Shapes) -> list[dict]:
     rows = []
     for i, tier in enumerate(shapes.kernel_tiers):
         codec_c, codec_r, q, encoded, stored = _case(tier, shapes.lengths, shapes, device, seed=i)
-        for precision in ("ieee", "bf16"):
+        # float32 products for the tiers the gather covers too; bf16 (the backend's) for all: each
+        # variant is one compile of a few seconds, and the whole check has 8 minutes
+        for precision in ("ieee", "bf16") if tier in GATHER_TIERS else ("bf16",):
             out, _ = mla_decode(
                 q.to(device), codec_c, codec_r, stored, list(shapes.lengths), precision=precision
             )
             torch_err, f64_err = _errors(codec_c, codec_r, q, encoded, out.cpu())
             rows.append(_row(tier, precision, "split-k", torch_err, f64_err))
-        if tier in ("f32", "fp8", "q4s", "tq4"):  # the DSA gather: a random half of each sequence
+        if tier in GATHER_TIERS:  # the DSA gather: a random half of each sequence
             gen = torch.Generator().manual_seed(100 + i)
             picks = [torch.randperm(T, generator=gen)[: max(1, T // 2)] for T in shapes.lengths]
             index = torch.zeros(len(picks), max(len(p) for p in picks), dtype=torch.int32)
@@ -241,6 +248,31 @@ def _row(tier: str, precision: str, mode: str, torch_err: float, f64_err: float)
     }
 
 
+def _long_rows(tier: str, context: int, shapes: Shapes, device):
+    """One sequence of `context` stored rows on the device: a pool of `shapes.pool_rows` encoded
+    rows repeated (encoding 128k rows with a searched codec would take minutes of the budget; the
+    bytes are what is timed, not their values)."""
+    import torch
+
+    from latentkv.attention.triton.decode import SequenceRows
+
+    codec_c, codec_r, q, encoded, _ = _case(
+        tier, (min(context, shapes.pool_rows),), shapes, torch.device("cpu"), seed=1
+    )
+    (c, r) = encoded[0]
+    reps = -(-context // len(c))
+
+    def grow(t):
+        return t.to(device).repeat(reps, 1)[:context].contiguous()
+
+    if tier == "f32":
+        full = grow(torch.cat([c.codes.view(torch.float32), r.codes.view(torch.float32)], 1))
+        stored = SequenceRows(full[:, : shapes.n_c], None, full[:, shapes.n_c :], None)
+    else:
+        stored = SequenceRows(grow(c.codes), grow(c.scales), grow(r.codes), grow(r.scales))
+    return codec_c, codec_r, q.to(device), stored
+
+
 def bandwidth(device, shapes: Shapes, copy_gbps: float | None) -> list[dict]:
     from latentkv.attention.triton.decode import mla_decode
 
@@ -248,14 +280,11 @@ def bandwidth(device, shapes: Shapes, copy_gbps: float | None) -> list[dict]:
     for tier in shapes.bandwidth_tiers:
         precision = "ieee" if tier == "f32" else "bf16"
         for context in shapes.contexts:
-            codec_c, codec_r, q, _, stored = _case(tier, (context,), shapes, device, seed=context)
-            qd = q.to(device)
+            codec_c, codec_r, qd, stored = _long_rows(tier, context, shapes, device)
             nbytes = context * (codec_c.bytes_per_row + codec_r.bytes_per_row)
 
-            def call(
-                qd=qd, codec_c=codec_c, codec_r=codec_r, stored=stored, context=context, precision=precision
-            ):
-                return mla_decode(qd, codec_c, codec_r, stored, [context], precision=precision)
+            def call(qd=qd, codec_c=codec_c, codec_r=codec_r, stored=stored, n=context, precision=precision):
+                return mla_decode(qd, codec_c, codec_r, [stored], [n], precision=precision)
 
             call()  # compile outside the timing
             seconds = timed(call, device)
@@ -272,6 +301,38 @@ def bandwidth(device, shapes: Shapes, copy_gbps: float | None) -> list[dict]:
                 }
             )
             del stored
+    return rows
+
+
+def weights(device, shapes: Shapes) -> list[dict]:
+    """Each weight format built on the device from the file's (portable) pieces: its product
+    against its own dequantized matrix in float64 (bfloat16 activations), at 1 and 64 rows."""
+    import torch
+
+    from latentkv.weights.base import format_class, make_linear
+
+    out_f, in_f = (96, 128) if shapes.dry else (6144, 2048)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(out_f, in_f, generator=gen) * in_f**-0.5
+    rows = []
+    for fmt in ("bf16", "int8", "int4"):
+        cls = format_class(fmt)
+        cpu = make_linear(w, fmt)
+        if hasattr(cls, "quantize_state"):  # what a converted file holds, moved to the device
+            state = cls.quantize_state(w)
+            lin = cls.from_state({k: v.to(device) for k, v in state.items()}, in_f)
+        else:
+            lin = make_linear(w.to(device), fmt)
+        ref_w = cpu.dequantize().double()
+        same = bool(torch.equal(lin.dequantize().cpu(), cpu.dequantize()))
+        for m in (1, 64):
+            x = torch.randn(m, in_f, generator=gen)
+            ref = x.to(torch.bfloat16).double() @ ref_w.T
+            got = lin(x.to(device)).double().cpu()
+            err = float((got - ref).abs().max() / ref.abs().max())
+            rows.append(
+                {"format": fmt, "rows": m, "error": err, "same_weight": same, "ok": same and err <= 2e-2}
+            )
     return rows
 
 
@@ -392,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file (default: {DEFAULT_OUT})")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no section after this")
     parser.add_argument(
-        "--only", default=None, help="comma list of sections (env,copy,kernels,bandwidth,oracle,decode)"
+        "--only",
+        default=None,
+        help="comma list of sections (env,copy,kernels,bandwidth,weights,oracle,decode)",
     )
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -420,11 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = results.get("copy", {}).get("result", {}).get("gb_per_s")
     run("kernels", lambda: kernels(device, shapes))
     run("bandwidth", lambda: bandwidth(device, shapes, copy_gbps))
+    run("weights", lambda: weights(device, shapes))
     run("oracle", lambda: oracle(device, shapes))
     run("decode", lambda: decode_speed(device, shapes))
     results["ok"] = all(
         row.get("ok", True)
-        for key in ("kernels", "oracle")
+        for key in ("kernels", "weights", "oracle")
         for row in (results.get(key, {}).get("result") or [])
     ) and not any("error" in v for v in results.values() if isinstance(v, dict))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ class _Reader:
             keys = [f"{name}.{fmt}.{piece}" for name in names]
             self.used.update(keys)
             parts = [self.ckpt.get(k) for k in keys]
-            state[piece] = torch.cat(parts) if len(parts) > 1 else parts[0]
+            state[piece] = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(self.device)
         return cls.from_state(state, entries[0]["shape"][1])
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:

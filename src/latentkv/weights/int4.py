@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from latentkv.weights import native
 from latentkv.weights.base import Linear, register
+from latentkv.weights.int4_cuda import matmul_cuda, pack_cuda, portable_cuda
 from latentkv.weights.int8 import _fits, _rows, bf16_at_least
 from latentkv.weights.kernels import matmul_dtype
 
@@ -118,8 +119,10 @@ class Int4Linear(Linear):
         if pad_rows:
             nibbles = F.pad(nibbles, (0, 0, 0, pad_rows), value=0x88)  # (8 - 8) * 1 + 0 = 0
             sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
-        # this process's layout; scale_zeros [groups, out_padded, 2]
-        self._adopt(pack(nibbles, layout()), sz.transpose(0, 1).contiguous(), in_features, out_f, bias)
+        # this process's layout (on a CUDA device, the CUDA op's); scale_zeros [groups, out_padded, 2]
+        packed = pack_cuda(nibbles) if nibbles.is_cuda else pack(nibbles, layout())
+        shape = (nibbles.shape[0], 2 * half)
+        self._adopt(packed, sz.transpose(0, 1).contiguous(), in_features, out_f, bias, shape)
 
     def _adopt(
         self,
@@ -128,18 +131,22 @@ class Int4Linear(Linear):
         in_features: int,
         out_features: int,
         bias: torch.Tensor | None,
+        shape: tuple[int, int] | None = None,
     ) -> None:
-        """Take a weight in the op's layout as this Linear's state (no copy)."""
-        half, groups = packed.shape[1], scale_zeros.shape[0]
+        """Take a weight in the op's layout as this Linear's state (no copy). `shape`: (out_padded,
+        in_padded) of a layout that does not show it (the CUDA op's int32 tiles)."""
+        out_padded, in_padded = shape or (packed.shape[0], 2 * packed.shape[1])
+        half, groups = in_padded // 2, scale_zeros.shape[0]
         self.group_size = 2 * half // groups
         if self.group_size not in GROUP_SIZES or groups * self.group_size != 2 * half:
             raise ValueError(f"int4 group size {2 * half}/{groups} is not one of {GROUP_SIZES}")
         self.out_features, self.in_features = out_features, in_features
-        self._in_padded, self._out_padded = 2 * half, packed.shape[0]
+        self._in_padded, self._out_padded = in_padded, out_padded
         self.packed, self.scale_zeros = packed, scale_zeros
         self._bias = None if bias is None else bias.float().contiguous()
-        self._kernel = native.kernels()  # None: torch's op, on its own layout
-        self.layout = layout()  # how `packed` holds the codes (None: the op's, not understood)
+        cuda = packed.is_cuda  # torch's CUDA op, on its own layout (weights/int4_cuda.py)
+        self._kernel = None if cuda else native.kernels()  # None: torch's op, on its own layout
+        self.layout = None if cuda else layout()  # how `packed` holds the codes (None: the op's)
 
     @classmethod
     def from_packed(
@@ -228,12 +235,16 @@ class Int4Linear(Linear):
         if self._in_padded != self.in_features:
             xd = F.pad(xd, (0, self._in_padded - self.in_features))
         xd = xd.contiguous()
-        tiled = self._kernel is not None or (x.shape[0] > PREFILL_MIN_ROWS and prefill_tiles())
+        tiled = not xd.is_cuda and (
+            self._kernel is not None or (x.shape[0] > PREFILL_MIN_ROWS and prefill_tiles())
+        )
         y = self._tiled(xd) if tiled else self._op(xd, self.packed, self.scale_zeros)
         return y[:, : self.out_features] if self._out_padded != self.out_features else y
 
     def _op(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
         """x bfloat16 [M, in_padded] -> float32 [M, rows of packed] through torch's int4 op."""
+        if packed.is_cuda:
+            return matmul_cuda(x, packed, self.group_size, scale_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scale_zeros).float()
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,21 +281,28 @@ class Int4Linear(Linear):
 
     def nibbles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(nibbles [out, in_padded / 2], scale, zero [out, groups]): the portable form a file
-        stores, read back from the op's layout."""
+        stores, read back from the op's layout (on the CPU for a weight on a CUDA device)."""
+        if self.packed.is_cuda:
+            nibbles = portable_cuda(self.packed, self._out_padded, self._in_padded)[: self.out_features]
+            sz = self.scale_zeros[:, : self.out_features].transpose(0, 1).cpu()  # [out, groups, 2]
+            return nibbles, sz[..., 0].contiguous(), sz[..., 1].contiguous()
         return portable(self.packed, self.scale_zeros, self.out_features, self.layout)
 
     def dequantize(self) -> torch.Tensor:
         nib, scale, zero = self.nibbles()
-        return dequantize_int4(unpack_nibbles(nib), scale, zero)[:, : self.in_features]
+        w = dequantize_int4(unpack_nibbles(nib), scale, zero)[:, : self.in_features]
+        return w.to(self.packed.device)
 
     @property
     def kernel(self) -> str:
         """What runs decode: latentkv's kernel and its vector path, or torch's op."""
+        if self.packed.is_cuda:
+            return "_weight_int4pack_mm (CUDA)"
         return f"latentkv {self._kernel.name}" if self._kernel is not None else "_weight_int4pack_mm_for_cpu"
 
     @property
     def nbytes(self) -> int:
-        n = self.packed.numel() + self.scale_zeros.numel() * 2
+        n = self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * 2
         return n if self._bias is None else n + self._bias.numel() * 4
 
 
