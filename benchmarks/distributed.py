@@ -491,9 +491,14 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[3:]
         if argv[0] == "--head-child":
             model, ram, dtype, context, tokens, warm, gbps = rest
-            return head_child(
+            code = head_child(
                 model, float(ram), dtype, int(context), int(tokens), warm == "warm", float(gbps)
             )
+            if os.environ.get("WORLD_SIZE"):  # a cluster's head: as the CLI ends one
+                from latentkv.cluster.rendezvous import end_process
+
+                end_process(code)
+            return code
         from latentkv.cli import main as cli
 
         return cli(rest)

@@ -48,9 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from latentkv.config import quiet_torch_for_cluster
+    from latentkv.config import ConfigError, cluster_env, quiet_torch_for_cluster
 
     quiet_torch_for_cluster()
+    code = _main(argv)
+    try:
+        clustered = cluster_env() is not None
+    except ConfigError:
+        clustered = False
+    if clustered:  # a rank of a cluster: end without tearing its gloo groups down (see end_process)
+        from latentkv.cluster.rendezvous import end_process
+
+        end_process(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

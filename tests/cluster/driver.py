@@ -134,4 +134,9 @@ def _round(cluster, streamer, model, gen) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a cluster's head: as the CLI ends one
+        from latentkv.cluster.rendezvous import end_process
+
+        end_process(code)
+    sys.exit(code)

@@ -69,4 +69,9 @@ def _batched(model, cache_config, prompts, steps: int) -> list[torch.Tensor]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a cluster's head: as the CLI ends one
+        from latentkv.cluster.rendezvous import end_process
+
+        end_process(code)
+    sys.exit(code)
