@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("WORLD_SIZE"):  # a cluster's head: as the CLI ends one
                 from latentkv.cluster.rendezvous import end_process
 
-                end_process(code)
+                code = end_process(code)
             return code
         from latentkv.cli import main as cli
 

@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         clustered = cluster_env() is not None
     except ConfigError:
         clustered = False
-    if clustered:  # a rank of a cluster: end without tearing its gloo groups down (see end_process)
+    if clustered:  # a rank of a cluster: end without tearing its gloo groups down
         from latentkv.cluster.rendezvous import end_process
 
-        end_process(code)
+        return end_process(code)
     return code
 
 

@@ -73,5 +73,5 @@ if __name__ == "__main__":
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a cluster's head: as the CLI ends one
         from latentkv.cluster.rendezvous import end_process
 
-        end_process(code)
+        code = end_process(code)
     sys.exit(code)

@@ -32,11 +32,17 @@ from latentkv.config import ClusterConfig
 PREFIX = "lkv/"
 
 
-def end_process(code: int):
-    """End a rank's process now, its output flushed, without running C++ destructors: a gloo
-    group of an epoch gone by can still hold a receive that never completes (its peer moved on to
-    the next epoch), and destroying it at interpreter exit aborts the process ("terminate called
-    without an active exception"), turning a clean exit into SIGABRT."""
+_GROUPS_MADE = False  # whether this process has made a gloo group (see end_process)
+
+
+def end_process(code: int) -> int:
+    """End a rank's process now, its output flushed, without running C++ destructors, once it has
+    made a gloo group: a group of an epoch gone by can still hold a receive that never completes
+    (its peer moved on to the next epoch), and destroying it at interpreter exit aborts the
+    process ("terminate called without an active exception"), turning a clean exit into SIGABRT.
+    A process that made no group (a refusal before the cluster started) gets `code` back."""
+    if not _GROUPS_MADE:
+        return code
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed (a reader that left)
             stream.flush()
@@ -101,6 +107,8 @@ def local_address(cfg: ClusterConfig) -> str:
 def make_group(store: dist.Store, epoch: int, members: list[int], rank: int, address: str, timeout_s: float):
     """The gloo group of `epoch` (its members in order; this process is `rank`). Blocks until
     every member has joined, at most `timeout_s` (then RuntimeError)."""
+    global _GROUPS_MADE
+    _GROUPS_MADE = True
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     opts._timeout = datetime.timedelta(seconds=timeout_s)
