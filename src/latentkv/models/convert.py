@@ -20,6 +20,13 @@ the converted model is the model the original loads to; those matrices are small
 experts. Each routed expert's tensors (gate, up, down, with their scales) are written
 back to back, one contiguous extent recorded in the manifest: the expert-streaming layout can
 read one expert with one read (issue 16 aligns and checksums the extents).
+
+From a GGUF (its view folder: models/gguf_view.py) the quantized matrices are written in the
+formats they map onto, exactly where one holds them (weights/gguf_blocks.py), each manifest entry
+saying its GGUF type and whether it is exact; MLA's per-head attn_k_b / attn_v_b are written as
+`self_attn.k_b_proj.weight` / `v_b_proj.weight` when quantized (kept per head, exact) and
+folded back into `kv_b_proj.weight` when float. Float tensors (F32, F16, BF16) are converted as
+a safetensors checkpoint's are, in --weight-dtype.
 """
 
 from __future__ import annotations
@@ -34,13 +41,14 @@ from pathlib import Path
 import torch
 
 from latentkv.config import ModelConfig
-from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
+from latentkv.models.loader import GGUF_POINTER, Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.weights.base import DenseLinear, format_class
 
 MANIFEST = "latentkv-weights.json"
 FORMAT, VERSION = "latentkv-weights", 1
 DTYPE_NAMES = {
     torch.float32: "F32",
+    torch.int16: "I16",
     torch.bfloat16: "BF16",
     torch.uint8: "U8",
     torch.int8: "I8",
@@ -102,6 +110,10 @@ def convert(
     raw_cfg = json.loads((source / "config.json").read_text())
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
     ckpt = Checkpoint(source)
+    source_manifest = read_manifest(source)
+    gguf_packed = (
+        source_manifest["tensors"] if source_manifest and source_manifest.get("source") == "gguf" else {}
+    )
     roles = dict(packed_matrices(cfg))
     fmt_of = {"dense": weight_dtype, "expert": expert_dtype}
     out.mkdir(parents=True, exist_ok=True)
@@ -117,6 +129,10 @@ def convert(
         iterator = tqdm(names, desc="converting", unit="tensor", file=sys.stderr)
     block_size = tuple(block) if block else None
     for source_name in iterator:
+        if (start := _copy_packed(ckpt, gguf_packed, source_name, writer, manifest_tensors)) is not None:
+            if roles.get(source_name) == "expert":
+                _record_expert(experts, source_name, start, writer.size)
+            continue
         for name, t in _tensors(ckpt, source_name, block_size):
             start = writer.size
             fmt = fmt_of[roles[name]] if name in roles else None
@@ -147,6 +163,29 @@ def convert(
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def _copy_packed(
+    ckpt: Checkpoint, packed: dict, name: str, writer: _Writer, manifest_tensors: dict
+) -> int | None:
+    """Write a GGUF's pre-quantized matrix `name` as its state (kv_b_proj: the per-head k_b and
+    v_b matrices, when those are stored quantized); its start offset when written, else None."""
+    names = [name]
+    if name.endswith("kv_b_proj.weight"):
+        names = [name.replace("kv_b_proj", "k_b_proj"), name.replace("kv_b_proj", "v_b_proj")]
+    if not all(n in packed for n in names):
+        return None
+    start = writer.size
+    for n in names:
+        fmt = packed[n]["format"]
+        for piece in format_class(fmt).pieces:
+            writer.add(f"{n}.{fmt}.{piece}", ckpt.get(f"{n}.{fmt}.{piece}"))
+        manifest_tensors[n] = dict(packed[n])
+        if ckpt.gguf is not None and n in ckpt.gguf.report:  # re-quantized: the error it was made with
+            manifest_tensors[n].update(
+                {k: ckpt.gguf.report[n][k] for k in ("rel_rms_error", "max_abs_error")}
+            )
+    return start
 
 
 def _ordered(names: list[str]) -> list[str]:
@@ -195,12 +234,12 @@ def _float(ckpt: Checkpoint, name: str, block: tuple[int, int] | None) -> torch.
 
 
 def _stored(t: torch.Tensor, fmt: str | None, weight_dtype: str) -> torch.Tensor:
-    """A tensor kept as floats: in its checkpoint dtype (float32 or bfloat16; an fp8 tensor, now
-    dequantized, as bfloat16), so the loader makes of it exactly what it makes of the original;
-    bf16 when that is the chosen format."""
-    if fmt == "bf16" or t.dtype not in (torch.float32, torch.bfloat16):
+    """A tensor kept as floats: in its checkpoint dtype (float32 or bfloat16; float16 as float32;
+    an fp8 tensor, now dequantized, as bfloat16), so the loader makes of it exactly what it makes
+    of the original; bf16 when that is the chosen format."""
+    if fmt == "bf16" or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return t.to(torch.bfloat16)
-    return t
+    return t.float() if t.dtype == torch.float16 else t  # a GGUF's F16: float32 holds it exactly
 
 
 def _record_expert(experts: dict, name: str, start: int, end: int) -> None:
@@ -250,7 +289,7 @@ class _Writer:
 
 def _copy_small_files(source: Path, out: Path) -> None:
     """Tokenizer, generation config, held-out text...: everything but weights and config."""
-    skip = ("config.json", MANIFEST, "model.safetensors.index.json")
+    skip = ("config.json", MANIFEST, "model.safetensors.index.json", GGUF_POINTER)
     for f in source.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
             shutil.copy2(f, out / f.name)
