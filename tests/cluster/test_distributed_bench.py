@@ -34,7 +34,7 @@ def test_bounds_and_exchange_cost(script):
         _rank(2, 100_000_000, 10 * 100_000),
     ]
     row = script.summarize(
-        args, {"tok_s": 2.0, "tokens": 10, "ranks": ranks, "peaks": [1, 2, 3]}, moe_layers=3
+        args, {"tok_s": 2.0, "tokens": 10, "seconds": 5.0, "ranks": ranks, "peaks": [1, 2, 3]}, moe_layers=3
     )
     assert row["read_bytes_per_token"] == [20e6, 40e6, 10e6]
     assert row["disk_bound_tok_s"] == pytest.approx(0.5e9 / 40e6)  # the rank that reads most sets it
@@ -45,6 +45,7 @@ def test_bounds_and_exchange_cost(script):
     assert row["head_net_wait_ms_per_token"] == pytest.approx(50.0)
     text = script.table([row], {3: 1.5}, one=1.0)
     assert "| 3 | 2.00 | 2.00x | 12.50 | 1.50 | 133% |" in text  # bound by the cores (1.5 < 12.5)
+    assert "| 0.04/0.08/0.02 |" in text  # GB/s read: each rank's bytes over the timed 5 s
 
 
 def test_telemetry_deltas_cover_only_the_timed_steps(script):

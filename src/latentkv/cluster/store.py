@@ -29,6 +29,7 @@ class RemoteExperts:
     """One MoE layer's experts over the cluster (the `ExpertStore` protocol)."""
 
     stacked = None  # never all here: the MoE layer asks `run`
+    packed = None  # nor packed resident here
 
     def __init__(self, layer: int, num_experts: int, cluster: Cluster, local):
         self.layer = layer
