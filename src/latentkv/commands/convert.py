@@ -32,6 +32,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
 
 
+def _check_out(out: Path) -> None:
+    """OUT must be new, or an empty folder (it is written beside it and renamed onto it last)."""
+    from latentkv import fs
+
+    try:
+        if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+            raise UserError(f"{out} exists and is not an empty directory; give a new directory")
+    except OSError as exc:
+        raise fs.error(exc, out, "checking the output folder") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -44,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
         source = resolve(args.model)
     except ModelNotFound as exc:
         raise UserError(str(exc)) from None
-    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-        raise UserError(f"{args.out} exists and is not an empty directory; give a new directory")
+    _check_out(args.out)
     if (Path(source) / MANIFEST).exists():
         raise UserError(f"{args.model} is already converted; convert the original checkpoint")
     t0 = time.perf_counter()

@@ -36,15 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.config import ConfigError, ModelConfig
+    from latentkv.config import MAX_SEQS, ConfigError, ModelConfig, check_gib, check_number, check_tokens
     from latentkv.models.loader import CheckpointError
     from latentkv.models.registry import ModelNotFound, resolve
     from latentkv.streaming.planner import format_plan, make_plan
 
-    if args.ram_gb is not None and not args.ram_gb > 0:
-        raise UserError(f"--ram-gb must be positive, got {args.ram_gb}")
-    if args.max_model_len < 1 or args.max_num_seqs < 1:
-        raise UserError("--max-model-len and --max-num-seqs must be at least 1")
+    if args.ram_gb is not None:
+        check_gib("--ram-gb", args.ram_gb)
+    check_tokens("--max-model-len", args.max_model_len)
+    check_number("--max-num-seqs", args.max_num_seqs, 1, MAX_SEQS, integer=True)
     spec = speculative_config(args, args.model)
     draft_tokens = spec.draft_tokens if spec is not None else 0
     try:

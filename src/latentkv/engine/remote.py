@@ -20,7 +20,8 @@ Messages over one multiprocessing Pipe (pickled tuples):
     child -> parent   ("ready", SchedulerStats) or ("failed", message)    once, after loading
                       ("events", [(id, TokenEvent | Finished), ...], SchedulerStats)
                                              once per scheduler step, in order
-                      ("stats", SchedulerStats)    after each command
+                      ("stats", SchedulerStats)    after each command, and every
+                                             HEALTH_EVERY_S while the expert store is degraded
                       ("refused", id, message, kind)    a submit the child's scheduler refused
                                              (kind: "invalid" | "queue_full" | "closed", so the
                                              server answers 400 / 429 / 503, never 500)
@@ -70,6 +71,7 @@ from latentkv.errors import user_message
 from latentkv.runtime import load
 
 SHUTDOWN_TIMEOUT_S = 60  # for the child to finish its requests and save their sessions
+HEALTH_EVERY_S = 2.0  # while the expert store is degraded, the child's stats (and health) this often
 
 
 class EngineFailed(RuntimeError):
@@ -325,6 +327,10 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
     send(("ready", scheduler.stats()))
     while True:
         try:
+            if not conn.poll(HEALTH_EVERY_S):
+                if scheduler.streamer is not None and scheduler.streamer.health.degraded:
+                    send(("stats", scheduler.stats()))  # rechecks the damage: /health sees a repair
+                continue
             message = conn.recv()
         except (EOFError, OSError):
             break

@@ -75,6 +75,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health(r: Serving):
+        store = _store_health(r)
+        if store is not None and store["degraded"]:
+            raise degraded(store)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -146,6 +149,27 @@ async def serving(request: Request) -> Ready:
 
 
 Serving = Annotated[Ready, Depends(serving)]
+
+
+def _store_health(r: Ready) -> dict | None:
+    """The expert store's health (`experts.health.StoreHealth.as_dict`), when experts stream."""
+    experts = r.scheduler.stats().experts
+    return experts.get("store") if experts else None
+
+
+def degraded(store: dict) -> APIError:
+    """/health's answer while experts of the store are damaged: 503, naming them and the repair."""
+    damaged = store["damaged"]
+    names = ", ".join(d["expert"] for d in damaged[:4]) + (
+        f" and {len(damaged) - 4} more" if len(damaged) > 4 else ""
+    )
+    return APIError(
+        503,
+        f"the expert store is degraded: {names} cannot be read ({damaged[0]['error']}); repair it with "
+        f"`{store['repair']}`: the server reads it again by itself, no restart needed",
+        code="expert_store_damaged",
+        headers={"Retry-After": "10"},
+    )
 
 
 def _model_card(state: ServerState, r: Ready) -> dict:

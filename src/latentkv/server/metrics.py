@@ -168,6 +168,25 @@ DRAFT_EXPERT_METRICS = (
 def _experts(out, snapshot: dict) -> None:
     for name, kind, help_text, key in EXPERT_METRICS:
         out.metric(name, kind, help_text, snapshot[key])
+    if (store := snapshot.get("store")) is not None:
+        out.metric(
+            "latentkv_expert_store_degraded",
+            "gauge",
+            "1 while experts of the store are damaged or unreadable (see /health), else 0",
+            int(store["degraded"]),
+        )
+        out.metric(
+            "latentkv_expert_damaged",
+            "gauge",
+            "Experts found damaged or unreadable and not yet read back whole",
+            len(store["damaged"]),
+        )
+        out.metric(
+            "latentkv_expert_read_failures_total",
+            "counter",
+            "Expert reads that failed (a damaged extent, a layer file gone, an I/O error)",
+            store["read_failures"],
+        )
     if snapshot.get("draft_asked"):
         for name, kind, help_text, key in DRAFT_EXPERT_METRICS:
             out.metric(name, kind, help_text, snapshot[key])

@@ -19,7 +19,8 @@ import torch
 from latentkv.config import ModelConfig
 from latentkv.experts.base import Expert
 from latentkv.experts.extent import expert_layout, tensor_bytes
-from latentkv.experts.store_file import ExpertStoreWriter, Manifest
+from latentkv.experts.store_file import ALIGN, ExpertStoreWriter, Manifest
+from latentkv.fs import gb
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.models.mtp import routed_layer
 from latentkv.weights.base import DenseLinear, format_class, make_linear
@@ -36,31 +37,46 @@ def write_store(
     replace: bool = False,
     progress: bool = False,
 ) -> Manifest:
-    """Write every layer's experts, expert by expert; publish the manifest last."""
+    """Write every layer's experts, expert by expert; publish the manifest last. The store's
+    size (from the first expert's layout) is checked against the free space before anything is
+    written; a failure removes what was written (`ExpertStoreWriter`)."""
     layers = list(layers)
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(n for _i, n, _f in layers), desc="writing experts", unit="expert", leave=False)
     with ExpertStoreWriter(out_dir, fingerprint, meta=meta, replace=replace) as writer:
         for layer, n, make in layers:
             lw = None
             for e in range(n):
                 layout, tensors = expert_layout(make(e))
+                if lw is None and not writer.layers and bar is None:
+                    need = sum(ALIGN + k * layout.stride for _i, k, _f in layers)
+                    writer.check_space(need)
+                    bar = _progress(progress, need, writer.directory, sum(k for _i, k, _f in layers))
                 if lw is None:
                     lw = writer.layer(layer, n, layout)
                 elif layout != lw.layout:
                     raise ValueError(f"layer {layer} expert {e}: its tensors differ from expert 0's")
                 lw.write(e, [tensor_bytes(t) for t in tensors])
-                if bar is not None:
+                if bar:
                     bar.update(1)
             if lw is not None:
                 lw.close()
         manifest = writer.finish()
-    if bar is not None:
+    if bar:
         bar.close()
     return manifest
+
+
+def _progress(progress: bool, need: int, directory: Path, experts: int):
+    """A progress bar over the experts (None when not `progress`), after a line saying how
+    much will be written where."""
+    if not progress:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    print(f"latentkv: writing {gb(need)} of experts to {directory}", file=sys.stderr)
+    return tqdm(total=experts, desc="writing experts", unit="expert", leave=False)
 
 
 def convert_experts(
