@@ -586,6 +586,7 @@ class ServerConfig:
     engine_process: bool = True  # the model and scheduler in a child process (engine/remote.py)
     pin_cpus: bool = False  # with engine_process: the engine and the HTTP process on separate CPUs
     speculative_draft_tokens: int = 0  # --speculative mtp --draft-tokens N; 0: no drafting
+    request_timeout_s: float = 30.0  # a request's headers, then its body, must arrive within this (408)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -600,6 +601,7 @@ class ServerConfig:
             raise ConfigError(f"--draft-tokens must be in 1..8 (got {self.speculative_draft_tokens})")
         if self.max_model_len is not None:
             check_number("--max-model-len", self.max_model_len, 2, MAX_CONTEXT, integer=True)
+        check_number("--request-timeout", self.request_timeout_s, 0, 3600, above=True, unit=" s")
 
 
 # --- numeric flags that size memory or count tokens: one check -----------------------------------

@@ -99,7 +99,19 @@ def describe(exc: OSError, path: str | Path, doing: str) -> str:
         free = free_bytes(path)
         if free is not None:
             reason += f" ({gb(free)} free)"
+    elif code == E.ENOTDIR and (blocker := _file_in_path(path)) is not None:
+        reason = f"{blocker} is a file, not a folder"
+    elif code == E.EEXIST and os.path.islink(path) and not os.path.exists(path):
+        reason = "a symbolic link to a missing file is in the way"
     return f"{path}: {reason} while {doing}: {advice}"
+
+
+def _file_in_path(path: str | Path) -> Path | None:
+    """The first ancestor of `path` that exists and is not a folder."""
+    for parent in reversed(Path(os.path.abspath(path)).parents):
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            return parent
+    return None
 
 
 def error(exc: OSError, path: str | Path, doing: str) -> DiskError:
@@ -393,6 +405,24 @@ def make_dirs(directory: str | Path, doing: str, mode: int = 0o755) -> Path:
     return directory
 
 
+def missing_parents(path: str | Path) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, deepest first (what make_dirs would create)."""
+    out, p = [], Path(os.path.abspath(path))
+    while not os.path.lexists(p) and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove these folders, deepest first, while they are empty (a failed write's own folders)."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
 class Publish:
     """A new file at `path`, written under a temporary name beside it and renamed onto it once
     complete and durable (fsync the file, rename, fsync the folder). Any failure, or an
@@ -519,6 +549,8 @@ class PublishDir:
             remove(self.tmp)
             if isinstance(exc, OSError):
                 raise naming(error(exc, self.tmp, self.doing), self.tmp, self.path) from None
+            if isinstance(exc, DiskError):  # name the folder asked for, not the temporary one
+                raise naming(exc, self.tmp, self.path) from None
             return
         try:
             for entry in os.scandir(self.tmp):  # every file durable before the folder appears
@@ -560,7 +592,8 @@ def free_bytes(path: str | Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-# Room left beside a long write: the file system's own bookkeeping, and the rest of the machine.
+# Room left beside a long write (an eighth of it, at most this): the file system's own
+# bookkeeping, and the rest of the machine.
 SPACE_MARGIN = 64 << 20
 
 
@@ -570,7 +603,7 @@ def check_space(directory: str | Path, need: int, doing: str, *, freed: int = 0)
     free = free_bytes(directory)
     if free is None:
         return
-    if need - freed + SPACE_MARGIN > free:
+    if need - freed + min(SPACE_MARGIN, need // 8) > free:
         where = existing_parent(directory)
         raise DiskError(
             f"not enough space on {where} for {doing}: {gb(need)} needed, {gb(free)} free: free some "

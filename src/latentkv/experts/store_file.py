@@ -416,6 +416,7 @@ class ExpertStoreWriter:
         if checksum not in CHECKSUMS:
             raise ValueError(f"unknown extent checksum {checksum!r}; known: {', '.join(CHECKSUMS)}")
         self.checksum = checksum
+        self._made = fs.missing_parents(directory)  # folders to take back if nothing is written
         self.directory = fs.make_dirs(directory, self.DOING)
         self.replace = replace
         if os.path.lexists(self.directory / MANIFEST) and not replace:
@@ -473,6 +474,8 @@ class ExpertStoreWriter:
             out.abort()
         self._pending.clear()
         self._unlock()
+        if not (self.directory / MANIFEST).exists():
+            fs.remove_empty(self._made)
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:

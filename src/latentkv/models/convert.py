@@ -293,7 +293,10 @@ class _Writer:
             "shape": list(t.shape),
             "data_offsets": [self.size, self.size + len(raw)],
         }
-        self._data.write(raw)
+        try:
+            self._data.write(raw)
+        except fs.DiskError as exc:  # the data file is ours: name the file being made
+            raise fs.naming(exc, self._data_path, self.path) from None
         self.size += len(raw)
 
     def close(self) -> int:

@@ -37,6 +37,7 @@ from latentkv.server.protocol import (
     TokenizeRequest,
 )
 from latentkv.server.state import Ready, ServerState
+from latentkv.server.timeouts import read_body, timeout_error
 
 log = logging.getLogger("latentkv.server")
 OPEN_PATHS = ("/health", "/metrics")
@@ -141,7 +142,8 @@ async def serving(request: Request) -> Ready:
     state: ServerState = request.app.state.latentkv
     if state.ready is not None:
         if (failure := state.ready.scheduler.failure) is not None:
-            raise APIError(503, f"the model stopped serving: {failure}", headers={"Retry-After": "60"})
+            retry = LOADING_RETRY_S if getattr(state.ready.scheduler, "restarting", False) else 60
+            raise APIError(503, f"the model stopped serving: {failure}", headers={"Retry-After": str(retry)})
         return state.ready
     if state.error is not None:
         raise APIError(503, f"the model failed to load: {state.error}", headers={"Retry-After": "60"})
@@ -233,7 +235,11 @@ class Gate:
             if self.key is not None and path not in OPEN_PATHS and not self._authorized(scope):
                 await _send_json(counted, _unauthorized(scope))
                 return
-            receive = await _bounded_body(scope, receive)
+            try:
+                receive = await _bounded_body(scope, receive, self.state.config.request_timeout_s)
+            except asyncio.TimeoutError:
+                await _send_json(counted, timeout_error(self.state.config.request_timeout_s, "body"))
+                return
             if receive is None:
                 await _send_json(counted, _too_large())
                 return
@@ -266,25 +272,16 @@ def _too_large() -> APIError:
     )
 
 
-async def _bounded_body(scope, receive):
-    """The body read whole (at most MAX_BODY_BYTES, else None: 413) and a receive that replays
-    it, then hands over to the connection's own (for disconnects)."""
+async def _bounded_body(scope, receive, timeout: float):
+    """The body read whole (at most MAX_BODY_BYTES, else None: 413; within `timeout` seconds,
+    else asyncio.TimeoutError: 408) and a receive that replays it, then hands over to the
+    connection's own (for disconnects)."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY_BYTES:
             return None
-    chunks, size, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] != "http.request":  # the client left: the app sees that next
-            pending = [message]
-            break
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > MAX_BODY_BYTES:
-            return None
-        more = message.get("more_body", False)
-    else:
-        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+    pending = await read_body(receive, timeout, MAX_BODY_BYTES)
+    if pending is None:
+        return None
 
     async def replay():
         return pending.pop() if pending else await receive()

@@ -42,35 +42,43 @@ def write_store(
     written; a failure removes what was written (`ExpertStoreWriter`)."""
     layers = list(layers)
     bar = None
-    with ExpertStoreWriter(out_dir, fingerprint, meta=meta, replace=replace) as writer:
-        for layer, n, make in layers:
-            lw = None
-            for e in range(n):
-                layout, tensors = expert_layout(make(e))
-                if lw is None and not writer.layers and bar is None:
-                    need = sum(ALIGN + k * layout.stride for _i, k, _f in layers)
-                    writer.check_space(need)
-                    bar = _progress(progress, need, writer.directory, sum(k for _i, k, _f in layers))
-                if lw is None:
-                    lw = writer.layer(layer, n, layout)
-                elif layout != lw.layout:
-                    raise ValueError(f"layer {layer} expert {e}: its tensors differ from expert 0's")
-                lw.write(e, [tensor_bytes(t) for t in tensors])
-                if bar:
+    try:
+        with ExpertStoreWriter(out_dir, fingerprint, meta=meta, replace=replace) as writer:
+            for layer, n, make in layers:
+                lw = None
+                for e in range(n):
+                    layout, tensors = expert_layout(make(e))
+                    if lw is None and bar is None:  # the first expert: the store's size is known
+                        need = sum(ALIGN + k * layout.stride for _i, k, _f in layers)
+                        writer.check_space(need)
+                        bar = _progress(progress, need, writer.directory, sum(k for _i, k, _f in layers))
+                    if lw is None:
+                        lw = writer.layer(layer, n, layout)
+                    elif layout != lw.layout:
+                        raise ValueError(f"layer {layer} expert {e}: its tensors differ from expert 0's")
+                    lw.write(e, [tensor_bytes(t) for t in tensors])
                     bar.update(1)
-            if lw is not None:
-                lw.close()
-        manifest = writer.finish()
-    if bar:
-        bar.close()
-    return manifest
+                if lw is not None:
+                    lw.close()
+            return writer.finish()
+    finally:
+        if bar is not None:
+            bar.close()  # before any error line
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _progress(progress: bool, need: int, directory: Path, experts: int):
-    """A progress bar over the experts (None when not `progress`), after a line saying how
-    much will be written where."""
+    """A progress bar over the experts (one that shows nothing when not `progress`), after a
+    line saying how much will be written where."""
     if not progress:
-        return None
+        return _NoProgress()
     import sys
 
     from tqdm import tqdm
