@@ -55,3 +55,18 @@ def test_plan_cli_json_and_verdicts(capsys):
     assert main(["plan", "builtin:tiny", "--ram-gb", "-1"]) == 2
     assert main(["plan", "no/such/model"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["builtin:fixture", "builtin:tiny"])
+def test_a_config_alone_plans_like_its_checkpoint(tmp_path, name):
+    """A folder with only config.json is planned from the shapes the config implies: the same
+    plan as the real checkpoint's (dense bytes, MTP layer, experts)."""
+    import shutil
+
+    d = resolve(name)
+    shutil.copy(d / "config.json", tmp_path / "config.json")
+    cfg = ModelConfig.from_hf(d)
+    for fmt in ("f32", "int4"):
+        real = make_plan(cfg, d, 8 << 30, fmt, store_dir=tmp_path / "none").as_dict()
+        alone = make_plan(cfg, tmp_path, 8 << 30, fmt, store_dir=tmp_path / "none").as_dict()
+        assert alone == real

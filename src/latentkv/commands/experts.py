@@ -24,6 +24,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--out", type=Path, default=None, help="the store's folder (default: see above)")
     c.add_argument("--weight-dtype", default="f32", help="the experts' weight format (default: f32)")
     c.add_argument("--force", action="store_true", help="replace an existing store")
+    c.add_argument(
+        "--placement",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write one rank's share of the experts only (with --rank): FILE from `latentkv plan MODEL "
+        "--nodes N --placement-out FILE` (docs/distributed.md); copied from this machine's full store when "
+        "there is one, else converted from the checkpoint. Default folder: the user cache's share folder, "
+        "where that rank looks first",
+    )
+    c.add_argument("--rank", type=int, default=None, help="with --placement: the rank whose share to write")
     v = sub.add_parser(
         "verify",
         help="read every expert of a store and check it",
@@ -47,8 +58,12 @@ def _convert(args: argparse.Namespace) -> int:
     from latentkv.streaming.attach import default_store_dir
     from latentkv.streaming.convert import convert_experts
 
+    if (args.placement is None) != (args.rank is None):
+        raise UserError("--placement and --rank go together: the rank whose share of FILE to write")
     try:
         directory = resolve(args.model)
+        if args.placement is not None:
+            return _convert_share(args, directory)
         out = args.out
         if out is None:
             mine = not args.model.startswith("builtin:") and os.access(directory, os.W_OK)
@@ -59,6 +74,36 @@ def _convert(args: argparse.Namespace) -> int:
     mtp = " + the MTP layer" if "mtp_layer" in m.meta else ""
     print(
         f"wrote {out}: {len(m.layers) - bool(mtp)} MoE layers{mtp}, {m.expert_bytes / 2**30:.3f} GiB of experts",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _convert_share(args: argparse.Namespace, directory: Path) -> int:
+    """`experts convert MODEL --placement FILE --rank R`: rank R's share only."""
+    from latentkv.config import ModelConfig
+    from latentkv.experts.placement import Placement
+    from latentkv.models.loader import Checkpoint
+    from latentkv.models.mtp import routed_layer
+    from latentkv.streaming.cluster_plan import moe_layer_ids
+    from latentkv.streaming.shares import default_share_dir, write_share
+
+    placement = Placement.load(args.placement)
+    if not 0 <= args.rank < placement.nodes:
+        raise UserError(f"--rank must be in 0..{placement.nodes - 1} for this placement (got {args.rank})")
+    cfg = ModelConfig.from_hf(directory)
+    layers = moe_layer_ids(cfg, routed_layer(cfg, Checkpoint(directory)))
+    placement.check_layers({i: cfg.n_routed_experts for i in layers})
+    share = placement.share(args.rank)
+    if not share:
+        raise UserError(f"rank {args.rank} owns no experts in this placement: it needs no share")
+    out = args.out or default_share_dir(directory, args.weight_dtype, placement.digest, args.rank)
+    m = write_share(
+        directory, out, args.weight_dtype, placement, args.rank, replace=args.force, progress=True
+    )
+    print(
+        f"wrote {out}: rank {args.rank}'s share of placement {placement.digest} "
+        f"({sum(map(len, share.values()))} experts over {len(share)} layers, {m.expert_bytes / 2**30:.3f} GiB)",
         file=sys.stderr,
     )
     return 0
@@ -81,7 +126,7 @@ def _verify(args: argparse.Namespace) -> int:
     damaged, checked = [], 0
     with reader:
         for layer, entry in sorted(reader.manifest.layers.items()):
-            futures = [(e, reader.submit(layer, e)) for e in range(entry.n_experts)]
+            futures = [(e, reader.submit(layer, e)) for e in entry.held]
             for _e, f in futures:
                 try:
                     f.result()

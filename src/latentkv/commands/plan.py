@@ -1,10 +1,13 @@
 """`latentkv plan MODEL`: how a RAM budget splits between dense weights, the KV pool,
-activations and the expert cache, and what that means for reads per token."""
+activations and the expert cache, and what that means for reads per token. With `--nodes N`:
+the same for a cluster of N ranks (docs/distributed.md), each rank's share of the experts, and
+the placement (`--placement-out FILE`) that `experts convert --rank` and the cluster's ranks use."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from latentkv.commands.common import (
     add_cache_arguments,
@@ -14,6 +17,8 @@ from latentkv.commands.common import (
 )
 from latentkv.errors import UserError
 
+MAX_NODES = 64
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -21,9 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ram-gb",
-        type=float,
         default=None,
-        help="RAM budget in GiB (default: 80%% of available memory, or of the cgroup limit when lower)",
+        metavar="G",
+        help="RAM budget in GiB (default: 80%% of available memory, or of the cgroup limit when lower); "
+        "with --nodes one budget for every rank or one per rank (G0,G1,...; rank 0 is the head)",
     )
     p.add_argument(
         "--weight-dtype", default="f32", help="weight format of the dense weights and experts (default: f32)"
@@ -32,26 +38,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
     p.add_argument("--max-num-seqs", type=int, default=1, help="sequences decoded together (default: 1)")
     add_speculative_arguments(p)
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="plan a cluster of N ranks (expert parallelism over torch.distributed): each rank's share "
+        "of the experts, its cache and reads per token, the whole's disk-bound tok/s",
+    )
+    p.add_argument(
+        "--disk-gbps",
+        default=None,
+        metavar="S",
+        help="with --nodes: each rank's disk read speed in GB/s, one for all or one per rank (default: 1 "
+        "for every rank; `latentkv experts disk` measures one)",
+    )
+    p.add_argument(
+        "--no-head-experts",
+        action="store_true",
+        help="with --nodes: the head (rank 0) owns no experts; the workers hold them all",
+    )
+    p.add_argument(
+        "--placement-out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --nodes: write the placement (which rank owns which expert) to FILE, for "
+        "`latentkv experts convert --placement FILE --rank R` and the ranks' --placement FILE",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.config import MAX_SEQS, ConfigError, ModelConfig, check_gib, check_number, check_tokens
+    from latentkv.config import MAX_SEQS, ConfigError, ModelConfig, check_number, check_tokens
     from latentkv.models.loader import CheckpointError
     from latentkv.models.registry import ModelNotFound, resolve
-    from latentkv.streaming.planner import format_plan, make_plan
 
-    if args.ram_gb is not None:
-        check_gib("--ram-gb", args.ram_gb)
     check_tokens("--max-model-len", args.max_model_len)
     check_number("--max-num-seqs", args.max_num_seqs, 1, MAX_SEQS, integer=True)
+    cluster = args.nodes is not None
+    if not cluster and (args.disk_gbps or args.no_head_experts or args.placement_out):
+        raise UserError("--disk-gbps, --no-head-experts and --placement-out plan a cluster: add --nodes N")
+    if cluster and not 1 <= args.nodes <= MAX_NODES:
+        raise UserError(f"--nodes must be in 1..{MAX_NODES} (got {args.nodes})")
+    rams = per_rank(args.ram_gb, "--ram-gb", args.nodes if cluster else 1)
     spec = speculative_config(args, args.model)
     draft_tokens = spec.draft_tokens if spec is not None else 0
     try:
         model_dir = resolve(args.model)
         cfg = ModelConfig.from_hf(model_dir)
         cache = cache_config(args)
-        ram = None if args.ram_gb is None else int(args.ram_gb * (1 << 30))
+        if cluster:
+            return _cluster(args, cfg, model_dir, rams, cache, draft_tokens)
+        from latentkv.streaming.planner import format_plan, make_plan
+
+        ram = None if rams is None else int(rams[0] * (1 << 30))
         plan = make_plan(
             cfg,
             model_dir,
@@ -65,4 +106,64 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFound, ConfigError, CheckpointError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+def per_rank(text: str | None, flag: str, nodes: int) -> list[float] | None:
+    """A flag's value for each of `nodes` ranks: one positive number for all, or one per rank."""
+    from latentkv.config import MAX_GIB, check_number
+
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        raise UserError(
+            f"{flag} must be a number or a comma-separated list of numbers (got {text!r})"
+        ) from None
+    for v in values:  # a budget (GiB) or a disk speed (GB/s): positive, finite, within reason
+        check_number(flag, v, 0, MAX_GIB, above=True)
+    if len(values) == 1:
+        return values * nodes
+    if len(values) != nodes:
+        if nodes == 1:
+            raise UserError(f"{flag} has {len(values)} values: a list (one per rank) needs --nodes N")
+        raise UserError(
+            f"{flag} has {len(values)} values for {nodes} ranks: give one for all or one per rank"
+        )
+    return values
+
+
+def _cluster(args, cfg, model_dir: Path, rams, cache, draft_tokens: int) -> int:
+    from latentkv.models.loader import CheckpointError
+    from latentkv.streaming.attach import default_store_dir
+    from latentkv.streaming.cluster_plan import format_cluster_plan, make_cluster_plan, usage_load
+
+    if rams is None:
+        raise UserError("--nodes needs --ram-gb: one budget for every rank, or one per rank (G0,G1,...)")
+    speeds = per_rank(args.disk_gbps, "--disk-gbps", args.nodes) or [1.0] * args.nodes
+    try:
+        store = default_store_dir(model_dir, args.weight_dtype)
+    except CheckpointError:  # config.json alone: no store, no usage history yet
+        store = None
+    plan = make_cluster_plan(
+        cfg,
+        model_dir,
+        [int(g * (1 << 30)) for g in rams],
+        speeds,
+        args.weight_dtype,
+        cache,
+        args.max_model_len,
+        args.max_num_seqs,
+        store_dir=store,
+        load=usage_load(store),
+        head_experts=not args.no_head_experts,
+        draft_tokens=draft_tokens,
+    )
+    if args.placement_out is not None:
+        try:
+            plan.placement.save(args.placement_out)
+        except OSError as exc:
+            raise UserError(f"--placement-out {args.placement_out}: {exc.strerror or exc}") from None
+    print(json.dumps(plan.as_dict(), indent=1) if args.json else format_cluster_plan(plan))
     return 0 if plan.fits else 1

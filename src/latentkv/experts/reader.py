@@ -158,9 +158,11 @@ class ExpertReader:
         bytes fail their check, ExpertUnreadable when its layer file cannot be read; either
         retires the layer's open file (the next read opens the path again)."""
         entry = self.entry(layer)
-        if not 0 <= expert < entry.n_experts:
+        if not entry.holds(expert):
+            has = f"has {entry.n_experts} experts" if entry.ids is None else "is in this share of the experts"
             raise ExpertFileError(
-                f"{expert_name(layer, expert)}: layer {layer} has {entry.n_experts} experts"
+                f"{expert_name(layer, expert)}: not in the expert store at {self.directory} "
+                f"(layer {layer} {has}{'' if entry.ids is None else ': not this one'})"
             )
         stride, offset = entry.layout.stride, entry.offset(expert)
         f = None

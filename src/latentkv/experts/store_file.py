@@ -46,8 +46,12 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks
 
 MAGIC = b"\x89LKX\r\n\x1a\n"  # PNG-style, like the KV file: catches text-mode damage
 FORMAT = "latentkv-experts"
-FORMAT_MAJOR = 1  # a reader refuses any other major version
+FORMAT_MAJOR = 1  # a full store; a reader refuses any major version it does not know
 FORMAT_MINOR = 1  # minor versions only add manifest keys or values (1.1: the xxh3-128 checksum)
+# A share (one rank's experts of a cluster, docs/distributed.md) holds some experts of each layer,
+# listed by id: major 2, so a reader that knows only 1.x refuses it instead of misplacing extents.
+SHARE_MAJOR = 2
+KNOWN_MAJORS = (FORMAT_MAJOR, SHARE_MAJOR)
 ALIGN = 4096  # extents start and end on 4 KiB boundaries (O_DIRECT-able on every common disk)
 TENSOR_ALIGN = 64  # tensors inside an extent start on 64-byte boundaries (SIMD loads)
 CHECK_BYTES = 16
@@ -190,49 +194,110 @@ class ExtentLayout:
 
 @dataclass(frozen=True)
 class LayerEntry:
-    """One layer file: its experts' layout and one check per expert (expert e at offset(e))."""
+    """One layer file: its experts' layout and one check per extent. A full store's file holds
+    experts 0..E-1 in order; a share's holds the experts `ids` (ascending) of the layer's `total`."""
 
     layer: int
     file: str
     layout: ExtentLayout
-    checks: tuple[str, ...]  # hex, one per expert
+    checks: tuple[str, ...]  # hex, one per extent in the file
+    ids: tuple[int, ...] | None = None  # a share: the expert id of each extent; None: 0..len(checks)-1
+    total: int | None = None  # a share: the layer's experts in the model
 
     @property
     def n_experts(self) -> int:
-        return len(self.checks)
+        """The layer's experts in the model (a share holds some of them)."""
+        return len(self.checks) if self.ids is None else int(self.total or 0)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The experts this file holds, in file order."""
+        return tuple(range(len(self.checks))) if self.ids is None else self.ids
+
+    def holds(self, expert: int) -> bool:
+        if self.ids is None:
+            return 0 <= expert < len(self.checks)
+        return expert in self._slots
+
+    @property
+    def _slots(self) -> dict[int, int]:
+        slots = self.__dict__.get("_slot_map")
+        if slots is None:
+            slots = {e: i for i, e in enumerate(self.ids or ())}
+            object.__setattr__(self, "_slot_map", slots)
+        return slots
+
+    def slot(self, expert: int) -> int:
+        """The extent index of `expert` in the file; KeyError if the file does not hold it."""
+        if self.ids is None:
+            if not 0 <= expert < len(self.checks):
+                raise KeyError(expert)
+            return expert
+        return self._slots[expert]
+
+    def check(self, expert: int) -> str:
+        return self.checks[self.slot(expert)]
 
     def offset(self, expert: int) -> int:
-        return ALIGN + expert * self.layout.stride
+        return ALIGN + self.slot(expert) * self.layout.stride
 
     @property
     def file_bytes(self) -> int:
-        return ALIGN + self.n_experts * self.layout.stride
+        return ALIGN + len(self.checks) * self.layout.stride
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "layer": self.layer,
             "file": self.file,
-            "experts": self.n_experts,
-            "offsets": [self.offset(e) for e in range(self.n_experts)],
+            "experts": len(self.checks),
+            "offsets": [ALIGN + i * self.layout.stride for i in range(len(self.checks))],
             "checks": list(self.checks),
             "layout": self.layout.to_json(),
         }
+        if self.ids is not None:
+            d.update(ids=list(self.ids), total=self.total)
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> LayerEntry:
-        layer, checks = d["layer"], d["checks"]
+        layer, checks, ids, total = d["layer"], d["checks"], d.get("ids"), d.get("total")
         if not _is_int(layer) or not 0 <= layer < MAX_LAYERS:
             raise ExpertFileError(f"layer index {layer!r:.40} is not in 0..{MAX_LAYERS - 1}")
-        if not isinstance(checks, list) or not 0 < len(checks) <= MAX_EXPERTS:
-            raise ExpertFileError(f"layer {layer}: 1 to {MAX_EXPERTS} expert checks, got {len(checks)}")
+        if not isinstance(checks, list) or len(checks) > MAX_EXPERTS:
+            raise ExpertFileError(f"layer {layer}: at most {MAX_EXPERTS} expert checks, got {len(checks)}")
         if not all(isinstance(c, str) and len(c) == 2 * CHECK_BYTES for c in checks):
             raise ExpertFileError(f"layer {layer}: an expert check is not {2 * CHECK_BYTES} hex digits")
-        entry = cls(layer, str(d["file"]), ExtentLayout.from_json(d["layout"]), tuple(checks))
+        if ids is not None and (
+            not isinstance(ids, list)
+            or not all(_is_int(e) for e in ids)
+            or not _is_int(total)
+            or not 0 <= total <= MAX_EXPERTS
+        ):
+            raise ExpertFileError(
+                f"layer {layer}: a share's ids and total must be integers up to {MAX_EXPERTS}"
+            )
+        entry = cls(
+            layer,
+            str(d["file"]),
+            ExtentLayout.from_json(d["layout"]),
+            tuple(checks),
+            None if ids is None else tuple(ids),
+            None if ids is None else total,
+        )
         if Path(entry.file).name != entry.file or not entry.file.endswith(".lkx"):
             raise ExpertFileError(f"layer {entry.layer}: file name {entry.file!r} is not a plain .lkx name")
-        expected = [entry.offset(e) for e in range(entry.n_experts)]
-        if d.get("experts") != entry.n_experts or d.get("offsets") != expected:
+        n = len(entry.checks)
+        expected = [ALIGN + i * entry.layout.stride for i in range(n)]
+        if d.get("experts") != n or d.get("offsets") != expected:
             raise ExpertFileError(f"layer {entry.layer}: expert count or offsets disagree with the layout")
+        if entry.ids is not None and (
+            len(entry.ids) != n
+            or list(entry.ids) != sorted(set(entry.ids))
+            or (entry.ids and not 0 <= entry.ids[0] <= entry.ids[-1] < (entry.total or 0))
+        ):
+            raise ExpertFileError(
+                f"layer {entry.layer}: its expert ids are not {n} distinct ascending ids below {entry.total}"
+            )
         return entry
 
 
@@ -248,13 +313,18 @@ class Manifest:
 
     @property
     def expert_bytes(self) -> int:
-        """Payload bytes of every expert of every layer."""
-        return sum(e.layout.length * e.n_experts for e in self.layers.values())
+        """Payload bytes of every expert this store holds (a share: its experts only)."""
+        return sum(e.layout.length * len(e.checks) for e in self.layers.values())
+
+    @property
+    def is_share(self) -> bool:
+        """True for one rank's share of a cluster's experts (some experts of each layer)."""
+        return any(e.ids is not None for e in self.layers.values())
 
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
-            "version": [FORMAT_MAJOR, self.minor],
+            "version": [SHARE_MAJOR, 0] if self.is_share else [FORMAT_MAJOR, self.minor],
             "fingerprint": self.fingerprint,
             "checksum": self.checksum,
             "alignment": ALIGN,
@@ -267,10 +337,10 @@ class Manifest:
         if d.get("format") != FORMAT:
             raise ExpertFileError(f"not a latentkv expert store (format {d.get('format')!r})")
         major, minor = d.get("version", [0, 0])
-        if major != FORMAT_MAJOR:
+        if major not in KNOWN_MAJORS:
             raise ExpertFileError(
-                f"expert store format version {major}.{minor}; this latentkv reads {FORMAT_MAJOR}.x: "
-                "convert the model again or upgrade latentkv"
+                f"expert store format version {major}.{minor}; this latentkv reads "
+                f"{' and '.join(f'{m}.x' for m in KNOWN_MAJORS)}: convert the model again or upgrade latentkv"
             )
         if d.get("checksum") not in CHECKSUMS or d.get("alignment") != ALIGN:
             raise ExpertFileError(
@@ -284,7 +354,13 @@ class Manifest:
             if entry.layer in layers:
                 raise ExpertFileError(f"layer {entry.layer} appears twice in the manifest")
             layers[entry.layer] = entry
-        return cls(str(d["fingerprint"]), layers, dict(d.get("meta", {})), int(minor), d["checksum"])
+        manifest = cls(str(d["fingerprint"]), layers, dict(d.get("meta", {})), int(minor), d["checksum"])
+        if manifest.is_share != (major == SHARE_MAJOR):
+            raise ExpertFileError(
+                f"version {major}.{minor} manifest {'without' if major == SHARE_MAJOR else 'with'} expert ids: "
+                "a share lists its experts and is version 2, a full store is version 1"
+            )
+        return manifest
 
 
 def _is_int(value: object) -> bool:
@@ -431,10 +507,14 @@ class ExpertStoreWriter:
         self.bytes_written = 0
         self._pending: list[fs.Publish] = []  # written and fsynced layer files, not yet in place
 
-    def layer(self, layer: int, n_experts: int, layout: ExtentLayout) -> LayerWriter:
+    def layer(
+        self, layer: int, n_experts: int, layout: ExtentLayout, ids: tuple[int, ...] | None = None
+    ) -> LayerWriter:
+        """A layer file of experts 0..n_experts-1, or (a share) of the experts `ids` (ascending)
+        of the layer's n_experts."""
         if layer in self.layers:
             raise ValueError(f"layer {layer} was already written")
-        return LayerWriter(self, layer, n_experts, layout)
+        return LayerWriter(self, layer, n_experts, layout, ids)
 
     def check_space(self, need: int) -> None:
         """DiskError up front unless the folder's file system can hold `need` more bytes (the
@@ -509,21 +589,39 @@ class LayerWriter:
     """One layer file, written expert by expert in order 0..E-1 under a temporary name and
     fsynced on close; the store's writer puts it in place."""
 
-    def __init__(self, parent: ExpertStoreWriter, layer: int, n_experts: int, layout: ExtentLayout):
+    def __init__(
+        self,
+        parent: ExpertStoreWriter,
+        layer: int,
+        n_experts: int,
+        layout: ExtentLayout,
+        ids: tuple[int, ...] | None = None,
+    ):
         layout.validate()
-        self.parent, self.layer, self.n_experts, self.layout = parent, layer, n_experts, layout
+        if ids is not None and (
+            list(ids) != sorted(set(ids)) or (ids and not 0 <= ids[0] <= ids[-1] < n_experts)
+        ):
+            raise ValueError(
+                f"layer {layer}: a share's expert ids must be distinct, ascending and below {n_experts}"
+            )
+        self.parent, self.layer, self.layout = parent, layer, layout
+        self.total, self.ids = n_experts, None if ids is None else tuple(ids)
+        self.order = tuple(range(n_experts)) if ids is None else self.ids  # the experts, in file order
         self.file = layer_file_name(layer)
         self.path = parent.directory / self.file
         self.checks: list[str] = []
         self._out: fs.Publish | None = fs.Publish(self.path, parent.DOING).__enter__()
-        head = LAYER_HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, layer, n_experts, parent.seed)
+        major, minor = (FORMAT_MAJOR, FORMAT_MINOR) if ids is None else (SHARE_MAJOR, 0)
+        head = LAYER_HEADER.pack(MAGIC, major, minor, layer, len(self.order), parent.seed)
         self._pwrite(head + bytes(ALIGN - len(head)), 0)
 
     def write(self, expert: int, tensors: list[bytes | bytearray | memoryview]) -> None:
         """Expert `expert`'s raw tensors, in the layout's order, as bytes."""
-        if expert != len(self.checks):
+        slot = len(self.checks)
+        if slot >= len(self.order) or expert != self.order[slot]:
+            expected = self.order[slot] if slot < len(self.order) else "none"
             raise ValueError(
-                f"layer {self.layer}: experts are written in order; expected {len(self.checks)}, got {expert}"
+                f"layer {self.layer}: experts are written in order; expected {expected}, got {expert}"
             )
         if len(tensors) != len(self.layout.tensors):
             raise ValueError(
@@ -539,7 +637,7 @@ class LayerWriter:
             extent[spec.offset : spec.offset + spec.nbytes] = view
         payload = memoryview(extent)[: self.layout.length]
         self.checks.append(extent_check(self.parent.seed, self.layer, expert, payload, self.parent.checksum))
-        self._pwrite(extent, ALIGN + expert * self.layout.stride)
+        self._pwrite(extent, ALIGN + slot * self.layout.stride)
         self.parent.bytes_written += len(extent)
 
     def _pwrite(self, data, offset: int) -> None:
@@ -555,12 +653,19 @@ class LayerWriter:
         if out is None:
             return
         self._out = None
-        if len(self.checks) != self.n_experts:
+        if len(self.checks) != len(self.order):
             out.abort()
-            raise ValueError(f"layer {self.layer}: {len(self.checks)} of {self.n_experts} experts written")
+            raise ValueError(f"layer {self.layer}: {len(self.checks)} of {len(self.order)} experts written")
         out.close()
         self.parent._pending.append(out)
-        self.parent.layers[self.layer] = LayerEntry(self.layer, self.file, self.layout, tuple(self.checks))
+        self.parent.layers[self.layer] = LayerEntry(
+            self.layer,
+            self.file,
+            self.layout,
+            tuple(self.checks),
+            self.ids,
+            None if self.ids is None else self.total,
+        )
 
     def _abort(self) -> None:
         if self._out is not None:
@@ -585,9 +690,10 @@ def check_layer_header(head: bytes, entry: LayerEntry, seed: bytes, path: Path) 
     if len(head) < LAYER_HEADER.size:
         raise ExpertFileError(f"{path} is too short to be a layer file (truncated?)")
     magic, major, _minor, layer, experts, file_seed = LAYER_HEADER.unpack_from(head)
-    if magic != MAGIC or major != FORMAT_MAJOR:
-        raise ExpertFileError(f"{path} is not a version {FORMAT_MAJOR} latentkv expert layer file")
-    if layer != entry.layer or experts != entry.n_experts:
+    want = FORMAT_MAJOR if entry.ids is None else SHARE_MAJOR
+    if magic != MAGIC or major != want:
+        raise ExpertFileError(f"{path} is not a version {want} latentkv expert layer file")
+    if layer != entry.layer or experts != len(entry.checks):
         raise ExpertFileError(
             f"{path} holds layer {layer} ({experts} experts), the manifest says {entry.layer}"
         )
@@ -610,10 +716,7 @@ def verify_extent(
         raise ExpertDamaged(
             f"{name}: {path} ends inside this expert ({len(payload)} of {length} bytes; truncated file): refusing it"
         )
-    if (
-        extent_check(seed, entry.layer, expert, memoryview(payload)[:length], checksum)
-        != entry.checks[expert]
-    ):
+    if extent_check(seed, entry.layer, expert, memoryview(payload)[:length], checksum) != entry.check(expert):
         raise ExpertDamaged(
             f"{name}: fails its checksum in {path} at offset {entry.offset(expert)}: refusing it"
         )

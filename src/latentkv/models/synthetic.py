@@ -73,6 +73,32 @@ def _shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "lm_head.weight", (V, D)
 
 
+def config_shapes(cfg) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor a checkpoint of `cfg` (a ModelConfig) holds, DeepSeek-V3's
+    and GLM-5's naming (the indexer's tensors on its full layers, when it has one)."""
+    dsa = cfg.dsa
+    raw = {
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "mlp_layer_types": list(cfg.mlp_layer_types),
+        "indexer_types": list(dsa.indexer_types) if dsa else ["none"] * cfg.num_layers,
+        "num_nextn_predict_layers": cfg.num_mtp_layers,
+        "num_attention_heads": cfg.num_heads,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "q_lora_rank": cfg.q_lora_rank or 0,
+        "index_head_dim": dsa.index_head_dim if dsa else 0,
+        "index_n_heads": dsa.index_n_heads if dsa else 0,
+        "intermediate_size": cfg.intermediate_size,
+        "n_routed_experts": cfg.n_routed_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "n_shared_experts": cfg.n_shared_experts,
+    }
+    return _shapes(raw)
+
+
 def _layer_shapes(cfg: dict, p: str, kind: str, indexer: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
     """One decoder layer's tensors under the name prefix p."""
     D, H = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -82,9 +108,12 @@ def _layer_shapes(cfg: dict, p: str, kind: str, indexer: bool) -> Iterator[tuple
     yield p + "input_layernorm.weight", (D,)
     yield p + "post_attention_layernorm.weight", (D,)
     a = p + "self_attn."
-    yield a + "q_a_proj.weight", (Lq, D)
-    yield a + "q_a_layernorm.weight", (Lq,)
-    yield a + "q_b_proj.weight", (H * (P + R), Lq)
+    if Lq:
+        yield a + "q_a_proj.weight", (Lq, D)
+        yield a + "q_a_layernorm.weight", (Lq,)
+        yield a + "q_b_proj.weight", (H * (P + R), Lq)
+    else:  # no q-LoRA (DeepSeek-V2-Lite): one query projection
+        yield a + "q_proj.weight", (H * (P + R), D)
     yield a + "kv_a_proj_with_mqa.weight", (Lkv + R, D)
     yield a + "kv_a_layernorm.weight", (Lkv,)
     yield a + "kv_b_proj.weight", (H * (P + Vh), Lkv)

@@ -11,7 +11,7 @@ computes with exactly the objects a resident run of the same format would.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -36,24 +36,28 @@ def write_store(
     meta: dict | None = None,
     replace: bool = False,
     progress: bool = False,
+    share: Mapping[int, Sequence[int]] | None = None,
 ) -> Manifest:
-    """Write every layer's experts, expert by expert; publish the manifest last. The store's
-    size (from the first expert's layout) is checked against the free space before anything is
-    written; a failure removes what was written (`ExpertStoreWriter`)."""
+    """Write every layer's experts, expert by expert; publish the manifest last. `share`: only
+    these experts of each layer (layer -> ids; one rank's share of a cluster's experts). The
+    store's size (from the first expert's layout) is checked against the free space before
+    anything is written; a failure removes what was written (`ExpertStoreWriter`)."""
     layers = list(layers)
+    todo = {i: list(range(n)) if share is None else sorted(share.get(i, ())) for i, n, _f in layers}
     bar = None
     try:
         with ExpertStoreWriter(out_dir, fingerprint, meta=meta, replace=replace) as writer:
             for layer, n, make in layers:
                 lw = None
-                for e in range(n):
+                ids = None if share is None else tuple(todo[layer])
+                for e in todo[layer]:
                     layout, tensors = expert_layout(make(e))
                     if lw is None and bar is None:  # the first expert: the store's size is known
-                        need = sum(ALIGN + k * layout.stride for _i, k, _f in layers)
+                        need = sum(ALIGN + len(todo[i]) * layout.stride for i, _n, _f in layers)
                         writer.check_space(need)
-                        bar = _progress(progress, need, writer.directory, sum(k for _i, k, _f in layers))
+                        bar = _progress(progress, need, writer.directory, sum(map(len, todo.values())))
                     if lw is None:
-                        lw = writer.layer(layer, n, layout)
+                        lw = writer.layer(layer, n, layout, ids)
                     elif layout != lw.layout:
                         raise ValueError(f"layer {layer} expert {e}: its tensors differ from expert 0's")
                     lw.write(e, [tensor_bytes(t) for t in tensors])
@@ -93,9 +97,12 @@ def convert_experts(
     weight_format: str = "f32",
     replace: bool = False,
     progress: bool = False,
+    share: Mapping[int, Sequence[int]] | None = None,
+    extra_meta: dict | None = None,
     **params,
 ) -> Manifest:
-    """A checkpoint folder's routed experts -> an expert store in `weight_format`."""
+    """A checkpoint folder's routed experts -> an expert store in `weight_format` (`share`: only
+    these experts of each layer, one rank's share; `extra_meta`: more manifest meta)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf(model_dir)
     raw_cfg = json.loads((model_dir / "config.json").read_text())
@@ -117,7 +124,10 @@ def convert_experts(
     if mtp is not None:
         sparse.append(mtp)
         meta["mtp_layer"] = mtp
-    return write_store(out_dir, ckpt.fingerprint(), [layer(i) for i in sparse], meta, replace, progress)
+    meta.update(extra_meta or {})
+    return write_store(
+        out_dir, ckpt.fingerprint(), [layer(i) for i in sparse], meta, replace, progress, share
+    )
 
 
 class _ExpertSource:

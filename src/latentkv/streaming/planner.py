@@ -119,7 +119,33 @@ def _is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def dense_bytes(ckpt: Checkpoint, fmt: str) -> int:
+class ConfigShapes:
+    """The tensor names and shapes a checkpoint of this config.json would hold (transformers'
+    naming, `models.synthetic`): plan a model before downloading its weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        from latentkv.models.synthetic import config_shapes
+
+        self._shapes = dict(config_shapes(cfg))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shapes
+
+    def keys(self):
+        return iter(self._shapes)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._shapes[name])
+
+
+def tensor_shapes(model_dir: Path, cfg: ModelConfig) -> Checkpoint | ConfigShapes:
+    """The checkpoint's tensors, or (a folder with config.json and no weights) the config's."""
+    if not any(Path(model_dir).glob("*.safetensors")):
+        return ConfigShapes(cfg)
+    return Checkpoint(model_dir)
+
+
+def dense_bytes(ckpt: Checkpoint | ConfigShapes, fmt: str) -> int:
     """Every tensor but the routed experts: matrices in the format, vectors and routers float32."""
     per = bytes_per_element(fmt)
     total = 0.0
@@ -173,7 +199,7 @@ def make_plan(
     index_bytes = len(layout.index_layers) * layout.index_head_dim * 4  # indexer keys, float32
     per_token = resolve_tier(layout, cache).bytes_per_token_layer * layout.num_layers + index_bytes
     kv = per_token * max_model_len * max_num_seqs
-    ckpt = Checkpoint(model_dir)
+    ckpt = tensor_shapes(model_dir, cfg)
     dense = dense_bytes(ckpt, weight_dtype)
     act = ACTIVATION_BASE + max_num_seqs * 4 * (
         cfg.vocab_size + cfg.num_heads * max_model_len + 16 * cfg.hidden_size
