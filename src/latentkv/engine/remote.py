@@ -349,10 +349,23 @@ def _pin_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
+def _thread_locks_for_progress() -> None:
+    """tqdm's progress bars (the first --ram-gb run converts experts with one) lock with a
+    threading lock here, not its default process-shared semaphore: a semaphore of an engine
+    process that is SIGKILLed is never released, and the resource tracker warns about it (with a
+    source line) when the server stops."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int] | None = None) -> None:
     """The child: load the model, run a Scheduler whose events go down the pipe, obey commands.
     `cpus`: run on these (`cpu_split`), with one torch thread each."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    _thread_locks_for_progress()
     if cpus is not None:
         _pin_process(cpus)
     send_lock = threading.Lock()
