@@ -19,7 +19,7 @@ Rules every caller gets for free:
   path removes what was partly written.
 - Every OSError becomes a `DiskError`: one line naming the path, what was being done and what
   to do ("/x/model.safetensors: no space left on the device while converting the model (0.2 GB
-  free): free some space or choose a folder on another disk").
+  free): free some space or choose a directory on another disk").
 
 `inject` is the fault seam: tests make chosen operations fail with an errno for paths under a
 folder (EIO, say, which no test can get from a real disk). Nothing else in the package fakes
@@ -53,30 +53,33 @@ O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 # errno -> (what happened, what to do)
 _REASONS: dict[int, tuple[str, str]] = {
-    E.ENOSPC: ("no space left on the device", "free some space or choose a folder on another disk"),
-    E.EDQUOT: ("the disk quota is used up", "free some space or choose a folder on another disk"),
-    E.EROFS: ("the file system is read-only", "choose a folder on a writable file system"),
-    E.EACCES: ("permission denied", "check its permissions, or choose a folder you may write"),
-    E.EPERM: ("operation not permitted", "check its permissions, or choose another folder"),
+    E.ENOSPC: ("no space left on the device", "free some space or choose a directory on another disk"),
+    E.EDQUOT: ("the disk quota is used up", "free some space or choose a directory on another disk"),
+    E.EROFS: ("the file system is read-only", "choose a directory on a writable file system"),
+    E.EACCES: ("permission denied", "check its permissions, or choose a directory you may write"),
+    E.EPERM: ("operation not permitted", "check its permissions, or choose another directory"),
     E.EIO: (
         "input/output error (the disk or the file system is failing)",
         "check the disk (dmesg, smartctl) and copy what you need elsewhere",
     ),
-    E.ENOENT: ("no such file or folder", "check the path"),
-    E.ENOTDIR: ("a part of the path is a file, not a folder", "give a path whose folders are folders"),
-    E.EISDIR: ("it is a folder", "give the path of a file"),
+    E.ENOENT: ("no such file or directory", "check the path"),
+    E.ENOTDIR: (
+        "a part of the path is a file, not a directory",
+        "give a path whose directories are directories",
+    ),
+    E.EISDIR: ("it is a directory", "give the path of a file"),
     E.ELOOP: ("too many levels of symbolic links (a link loop?)", "fix the symbolic link"),
     E.ENAMETOOLONG: ("the name is too long", "choose a shorter path"),
     E.EMFILE: ("too many open files", "raise the limit (ulimit -n)"),
     E.ENFILE: ("too many open files on this machine", "close some programs or raise fs.file-max"),
-    E.EFBIG: ("the file is too large for this file system", "choose a folder on another file system"),
+    E.EFBIG: ("the file is too large for this file system", "choose a directory on another file system"),
     E.EEXIST: ("it already exists", "remove it or choose another name"),
     E.EXDEV: ("it is on another file system", "keep both paths on one file system"),
     E.ENXIO: ("no such device", "check the path"),
     E.ENODEV: ("no such device", "check the path"),
     E.EBUSY: ("the device or resource is busy", "try again later"),
     E.ETXTBSY: ("the file is busy", "try again later"),
-    E.ENOTEMPTY: ("the folder is not empty", "give a new or empty folder"),
+    E.ENOTEMPTY: ("the directory is not empty", "give a new or empty directory"),
     E.EINVAL: ("the file system refused the operation (invalid argument)", "choose another file system"),
 }
 
@@ -100,7 +103,7 @@ def describe(exc: OSError, path: str | Path, doing: str) -> str:
         if free is not None:
             reason += f" ({gb(free)} free)"
     elif code == E.ENOTDIR and (blocker := _file_in_path(path)) is not None:
-        reason = f"{blocker} is a file, not a folder"
+        reason = f"{blocker} is a file, not a directory"
     elif code == E.EEXIST and os.path.islink(path) and not os.path.exists(path):
         reason = "a symbolic link to a missing file is in the way"
     return f"{path}: {reason} while {doing}: {advice}"
@@ -179,21 +182,26 @@ def _check_fault(op: str, path: str | Path) -> None:
 
 
 def kind_of(mode: int) -> str | None:
-    """What a non-regular file is ("a FIFO", "a folder", ...); None for a regular file."""
+    """What a non-regular file is ("a FIFO", "a directory", ...); None for a regular file."""
     if stat.S_ISREG(mode):
         return None
-    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")]
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")]
     kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
+class NotRegular(DiskError):
+    """The path is a directory, FIFO, socket or device where a regular file belongs (`kind` says
+    which); nothing was opened."""
+
+    def __init__(self, path: str | Path, kind: str, doing: str):
+        super().__init__(f"{path} is {kind}, not a regular file (refused while {doing})", path)
+        self.kind = kind
+
+
 def require_regular(path: str | Path, mode: int, doing: str) -> None:
     if (kind := kind_of(mode)) is not None:
-        raise DiskError(
-            f"{path} is {kind}, not a file, so it cannot be used while {doing}: "
-            "put the file there (regular files only)",
-            path,
-        )
+        raise NotRegular(path, kind, doing)
 
 
 def open_regular(path: str | Path, flags: int = os.O_RDONLY, doing: str = "reading it") -> int:
@@ -395,8 +403,8 @@ def make_dirs(directory: str | Path, doing: str, mode: int = 0o755) -> Path:
         directory.mkdir(parents=True, exist_ok=True, mode=mode)
     except FileExistsError:  # a file (or a dangling link) where the folder belongs
         raise DiskError(
-            f"{directory} exists and is not a folder, so it cannot hold files while {doing}: "
-            "remove it or choose another folder",
+            f"{directory} exists and is not a directory, so it cannot hold files while {doing}: "
+            "remove it or choose another directory",
             directory,
             E.EEXIST,
         ) from None
@@ -607,7 +615,7 @@ def check_space(directory: str | Path, need: int, doing: str, *, freed: int = 0)
         where = existing_parent(directory)
         raise DiskError(
             f"not enough space on {where} for {doing}: {gb(need)} needed, {gb(free)} free: free some "
-            "space or choose a folder on another disk",
+            "space or choose a directory on another disk",
             directory,
             E.ENOSPC,
         )

@@ -23,13 +23,13 @@ MODEL = "builtin:fixture"
 def test_convert_into_a_folder_under_a_file(inproc, tmp_path):
     (tmp_path / "file").write_bytes(b"x")
     got = inproc("convert", MODEL, str(tmp_path / "file" / "out"), "--weight-dtype", "int4", "--json")
-    got.refused(f"{tmp_path / 'file'} exists and is not a folder")
+    got.refused(f"{tmp_path / 'file'} exists and is not a directory")
     assert leftovers(tmp_path) == ["file"]
 
 
 def test_convert_into_proc(inproc):
     inproc("convert", MODEL, "/proc/latentkv-out", "--weight-dtype", "int4", "--json").refused(
-        "/proc/latentkv-out: no such file or folder while converting the model"
+        "/proc/latentkv-out: no such file or directory while converting the model"
     )
 
 
@@ -98,7 +98,7 @@ def _generate_streamed(inproc, cache: Path, *more: str):
 def test_first_ram_gb_run_with_a_read_only_cache(inproc, tmp_path, read_only):
     (tmp_path / "src").mkdir()
     ro = read_only(tmp_path / "src")
-    _generate_streamed(inproc, ro / "cache").refused("read-only", "set LATENTKV_CACHE to a folder")
+    _generate_streamed(inproc, ro / "cache").refused("read-only", "set LATENTKV_CACHE to a directory")
 
 
 def test_first_ram_gb_run_with_a_full_cache(inproc, small_disk):
@@ -114,7 +114,7 @@ def test_first_ram_gb_run_with_a_full_cache(inproc, small_disk):
 def test_first_ram_gb_run_with_a_file_where_the_cache_belongs(inproc, tmp_path):
     (tmp_path / "cache").write_bytes(b"not a folder")
     _generate_streamed(inproc, tmp_path / "cache").refused(
-        f"{tmp_path / 'cache'} is a file, not a folder", "LATENTKV_CACHE"
+        f"{tmp_path / 'cache'} is a file, not a directory", "LATENTKV_CACHE"
     )
 
 

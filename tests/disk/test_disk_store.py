@@ -68,9 +68,9 @@ def test_a_layer_file_that_is_not_a_file(store, kind):
         assert r.read(1, 5).expert == 5  # the other layers still read
     assert isinstance(got, ExpertUnreadable)
     said = {
-        "missing": "no such file or folder",
-        "folder": "is a folder, not a file",
-        "fifo": "is a FIFO, not a file",
+        "missing": "no such file or directory",
+        "folder": "is a directory, not a regular file",
+        "fifo": "is a FIFO, not a regular file",
     }
     assert str(got).startswith(f"model.layers.2.mlp.experts.5: {path}") and said[kind] in str(got)
 
@@ -80,14 +80,14 @@ def test_a_fifo_layer_file_is_one_line_for_verify_and_generate(store, cli, tmp_p
     os.mkfifo(store / "layer-0003.lkx")
     verify = cli("experts", "verify", str(store), timeout=60)
     assert verify.code == 1 and "Traceback" not in verify.err
-    assert "model.layers.3.mlp.experts.0:" in verify.out and "is a FIFO, not a file" in verify.out
+    assert "model.layers.3.mlp.experts.0:" in verify.out and "is a FIFO, not a regular file" in verify.out
     # the --ram-gb run finds its store beside the model, as MODEL/experts
     model = tmp_path / "model"
     shutil.copytree(builtin_path("fixture"), model)
     shutil.move(store, model / "experts")
     flags = ("--prompt-ids", "1,2,3", "--max-tokens", "4", "--ram-gb", "1")
     cli("generate", str(model), *flags, timeout=60).refused(
-        "model.layers.3.mlp.experts.", "is a FIFO, not a file"
+        "model.layers.3.mlp.experts.", "is a FIFO, not a regular file"
     )
 
 
@@ -166,7 +166,7 @@ def test_a_manifest_with_counts_no_model_has(store, change, says):
 def test_a_usage_history_that_is_a_fifo_or_cannot_be_saved(store, tmp_path, read_only):
     os.mkfifo(store / "usage.json")
     streamer = _within(lambda: ExpertStreamer(store, None, StreamConfig(budget=0)))
-    assert any("is a FIFO, not a file" in note for note in streamer.notes)
+    assert any("is a FIFO, not a regular file" in note for note in streamer.notes)
     streamer.close()  # saving replaces the FIFO with the history: a FIFO is never written into
     assert (store / "usage.json").is_file()
     ro = read_only(store)

@@ -48,19 +48,19 @@ def test_only_regular_files_open_and_a_fifo_never_hangs(tmp_path, kind):
     got, finished = _opens_within(path)
     assert finished, "open_regular blocked"
     assert isinstance(got, fs.DiskError), got
-    words = {"fifo": "a FIFO", "folder": "a folder", "socket": "a socket", "device": "a character device"}
-    assert str(got).startswith(f"{path} is {words[kind]}, not a file") and "\n" not in str(got)
+    words = {"fifo": "a FIFO", "folder": "a directory", "socket": "a socket", "device": "a character device"}
+    assert str(got).startswith(f"{path} is {words[kind]}, not a regular file") and "\n" not in str(got)
 
 
 @pytest.mark.parametrize(
     ("make", "reason"),
     [
-        (lambda d: d / "missing", "no such file or folder"),
+        (lambda d: d / "missing", "no such file or directory"),
         (
             lambda d: [(d / "file").write_bytes(b"x"), d / "file" / "below"][1],
-            "/file is a file, not a folder",
+            "/file is a file, not a directory",
         ),
-        (lambda d: os.symlink(d / "nowhere", d / "dangling") or d / "dangling", "no such file or folder"),
+        (lambda d: os.symlink(d / "nowhere", d / "dangling") or d / "dangling", "no such file or directory"),
         (
             lambda d: (os.symlink(d / "b", d / "a"), os.symlink(d / "a", d / "b")) and d / "a",
             "symbolic links",
@@ -108,7 +108,9 @@ def test_a_read_only_file_system_is_said_so(tmp_path, read_only):
     with pytest.raises(fs.DiskError) as info:
         fs.write_atomic(ro / "new", b"x", "writing the expert store")
     assert info.value.errno == errno.EROFS
-    assert "the file system is read-only while writing the expert store: choose a folder" in str(info.value)
+    assert "the file system is read-only while writing the expert store: choose a directory" in str(
+        info.value
+    )
     with (
         pytest.raises(fs.DiskError, match="read-only"),
         fs.PublishDir(ro / "out", "converting the model") as tmp,
@@ -134,9 +136,9 @@ def test_a_new_folder_appears_whole_or_not_at_all(tmp_path):
 
 def test_a_file_where_a_folder_belongs(tmp_path):
     (tmp_path / "f").write_bytes(b"x")
-    with pytest.raises(fs.DiskError, match="exists and is not a folder"):
+    with pytest.raises(fs.DiskError, match="exists and is not a directory"):
         fs.make_dirs(tmp_path / "f", "creating the cache")
-    with pytest.raises(fs.DiskError, match="/f is a file, not a folder while creating the cache"):
+    with pytest.raises(fs.DiskError, match="/f is a file, not a directory while creating the cache"):
         fs.make_dirs(tmp_path / "f" / "sub", "creating the cache")
 
 

@@ -471,6 +471,8 @@ def open_regular(path: Path, flags: int) -> int:
     one line saying why."""
     try:
         return fs.open_regular(path, flags, "opening the KV file")
+    except fs.NotRegular as exc:
+        raise KVFileUnavailable(f"{path} is {exc.kind}, not a KV file (regular files only)") from None
     except fs.DiskError as exc:
         if exc.errno == errno.ENOENT:
             raise FileNotFoundError(errno.ENOENT, str(exc), str(path)) from None

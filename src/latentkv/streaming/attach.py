@@ -238,7 +238,7 @@ def ensure_store(model_dir: str | Path, weight_format: str = "f32", progress: bo
             convert_experts(model_dir, store, weight_format, replace=True, progress=progress)
         except DiskError as exc:
             raise DiskError(
-                f"{exc} (a first --ram-gb run writes the experts there: set LATENTKV_CACHE to a folder "
+                f"{exc} (a first --ram-gb run writes the experts there: set LATENTKV_CACHE to a directory "
                 f"with room for them, or write them beside the model with `latentkv experts convert "
                 f"{model_dir}`)",
                 exc.path,
