@@ -68,7 +68,7 @@ def test_damage_is_named_reported_and_repaired_without_a_restart(served):
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "expert_store_damaged"
         assert "model.layers.1.mlp.experts." in health.json()["error"]["message"]
-        assert _degraded_gauge(http).endswith(" 1")
+        assert float(_degraded_gauge(http).split()[-1]) == 1
 
         fixed = subprocess.run(
             [sys.executable, "-m", "latentkv", *repair.split()[1:]],
@@ -81,7 +81,7 @@ def test_damage_is_named_reported_and_repaired_without_a_restart(served):
         while http.get("/health").status_code != 200:  # the damaged experts are read again by themselves
             assert time.monotonic() < deadline, http.get("/health").text
             time.sleep(0.5)
-        assert _degraded_gauge(http).endswith(" 0")
+        assert float(_degraded_gauge(http).split()[-1]) == 0
         assert _complete(http).status_code == 200
     log = server.log_text()
     assert "Traceback" not in log

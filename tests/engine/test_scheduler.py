@@ -439,3 +439,15 @@ def test_requests_admitted_together_prefill_in_one_pass(ours, make):
     assert counting.prefills == [4, 1]
     assert max(counting.decodes) == 4
     assert scheduler._pool is not None and len(scheduler._pool) == 0  # every slot released
+
+
+def test_queued_seconds_is_the_wait_for_a_slot(make):
+    """One slot, two requests: the second waits while the first decodes, the first not at all."""
+    scheduler = make(max_num_seqs=1, start=False)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    first, second = (scheduler.submit(Request(_prompt(4, seed=s), params)) for s in (1, 2))
+    scheduler.start()
+    _, _, done_first = _collect(first)
+    _, _, done_second = _collect(second)
+    assert done_second.queued_seconds >= done_first.prefill_seconds + done_first.decode_seconds
+    assert done_first.queued_seconds < done_second.queued_seconds

@@ -17,7 +17,7 @@ from latentkv.engine.speculative import SpeculativeConfig
 from latentkv.models.registry import builtin_path
 from latentkv.models.synthetic import write_random_checkpoint
 from latentkv.models.weights import load_model
-from latentkv.server.metrics import Registry, render
+from latentkv.server.metrics import render
 from latentkv.tokenizer import Tokenizer
 
 FIXTURE = builtin_path("fixture")
@@ -78,7 +78,7 @@ def test_batched_verify_greedy_matches_alone_on_the_fixture(fixture_model, heldo
     spec = stats.speculative
     assert spec is not None and spec["verify_steps"] > 0 and spec["tokens_per_verify"] > 1.2
     assert stats.generation_tokens_total == sum(n for _, n in requests)
-    text = render("fixture", True, stats, (0.0, 0.0), Registry())
+    text = render("fixture", True, stats, (0.0, 0.0))
     assert "latentkv_speculative_tokens_per_verify" in text
     assert 'latentkv_speculative_acceptance{model_name="fixture",position="2"}' in text
 

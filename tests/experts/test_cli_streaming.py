@@ -51,10 +51,10 @@ SNAPSHOT = {  # an expert streamer's snapshot, as /metrics reads it
 
 def test_metrics_report_expert_streaming():
     from latentkv.engine.request import SchedulerStats
-    from latentkv.server.metrics import Registry, render
+    from latentkv.server.metrics import render
 
     stats = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts=SNAPSHOT)
-    text = render("m", True, stats, (0.0, 0.0), Registry())
+    text = render("m", True, stats, (0.0, 0.0))
     assert "latentkv_expert_hit_rate" in text and "latentkv_expert_cache_budget_bytes" in text
     lines = {
         line.split("{")[0].split(" ")[0]: line.rsplit(" ", 1)[1]
@@ -65,13 +65,13 @@ def test_metrics_report_expert_streaming():
         float(lines["latentkv_expert_hits_total"]) == 7
         and float(lines["latentkv_expert_read_bytes_total"]) == 12288
     )
-    plain = render("m", True, SchedulerStats(1, 0, 5, 6, 100, 1000, "f32"), (0.0, 0.0), Registry())
+    plain = render("m", True, SchedulerStats(1, 0, 5, 6, 100, 1000, "f32"), (0.0, 0.0))
     assert "latentkv_expert" not in plain
 
 
 def test_metrics_split_the_draft_layers_hit_rate():
     from latentkv.engine.request import SchedulerStats
-    from latentkv.server.metrics import Registry, render
+    from latentkv.server.metrics import render
 
     snapshot = {
         **SNAPSHOT,
@@ -83,10 +83,10 @@ def test_metrics_split_the_draft_layers_hit_rate():
     stats = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts=snapshot)
     values = {
         line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
-        for line in render("m", True, stats, (0.0, 0.0), Registry()).splitlines()
+        for line in render("m", True, stats, (0.0, 0.0)).splitlines()
         if line.startswith("latentkv_expert")
     }
     assert values["latentkv_expert_draft_hit_rate"] == 1.0 and values["latentkv_expert_main_hit_rate"] == 0.5
     assert values["latentkv_expert_draft_requests_total"] == 4
     plain = SchedulerStats(1, 0, 5, 6, 100, 1000, "f32", experts={**snapshot, "draft_asked": 0})
-    assert "latentkv_expert_draft" not in render("m", True, plain, (0.0, 0.0), Registry())
+    assert "latentkv_expert_draft" not in render("m", True, plain, (0.0, 0.0))

@@ -437,6 +437,43 @@ def test_metrics_count_tokens_and_report_kv_bytes(server, client):
     assert ok and after[ok[0]] >= 1
 
 
+def test_the_request_histograms_move(server):
+    from tests.server.test_metrics import _samples, _value
+
+    def scrape() -> dict:
+        return _samples(httpx.get(f"{server.url}/metrics").text)
+
+    before = scrape()
+    prompt = "histogram me"
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2}
+    with server.http() as http:
+        assert http.post("/v1/completions", json=body).status_code == 200
+        stream = {**body, "stream": True, "n": 1}
+        with http.stream("POST", "/v1/completions", json=stream) as response:
+            assert response.status_code == 200 and sum(1 for _ in response.iter_lines()) > 6
+    after = scrape()
+
+    def grew(name: str) -> float:
+        return _value(after, name) - _value(before, name)
+
+    sequences = 3
+    for name in (
+        "latentkv_time_to_first_token_seconds",
+        "latentkv_e2e_request_latency_seconds",
+        "latentkv_request_queue_time_seconds",
+        "latentkv_request_prefill_time_seconds",
+        "latentkv_request_decode_time_seconds",
+    ):
+        assert grew(f"{name}_count") == sequences, name
+    assert grew("latentkv_time_to_first_token_seconds_sum") > 0
+    assert grew("latentkv_e2e_request_latency_seconds_sum") > grew("latentkv_time_to_first_token_seconds_sum")
+    assert grew("latentkv_inter_token_latency_seconds_count") == sequences * 5
+    assert grew("latentkv_request_prompt_tokens_sum") == sequences * len(prompt.encode())
+    assert grew("latentkv_request_generation_tokens_sum") == sequences * 6
+    key = ("latentkv_request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))
+    assert after[key] - before.get(key, 0) == sequences
+
+
 def test_a_disconnected_stream_is_cancelled(server):
     before = _metric(_metrics(server), "latentkv_generation_tokens_total")
     body = {"prompt": "go", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -45,7 +45,7 @@ def test_health_is_503_with_retry_after_while_loading():
     response = _request(app, "POST", "/v1/completions", json={"prompt": "hi"})
     _assert_error_shape(response, 503)
     metrics = _request(app, "GET", "/metrics")
-    assert metrics.status_code == 200 and 'latentkv_model_loaded{model_name="tiny"} 0' in metrics.text
+    assert metrics.status_code == 200 and 'latentkv_model_loaded{model_name="tiny"} 0.0' in metrics.text
 
 
 def test_a_key_is_required_everywhere_but_health_and_metrics():

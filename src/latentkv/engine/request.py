@@ -46,6 +46,7 @@ class Finished:
     error: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    queued_seconds: float = 0.0  # from submission to admission (waiting for a slot or its session)
     # never run: "invalid" | "queue_full" | "closed" | "session" (the server's 400/429/503/409)
     refused: str | None = None
     # with reason "error", a failure of the machine rather than of the request (the server's 503):

@@ -113,6 +113,8 @@ class _Sequence:
     prompt_logprobs: list[dict | None] | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    submitted: float = 0.0  # time.monotonic() at submission
+    queued_seconds: float = 0.0  # from submission to admission
     finished: bool = False
     drafter: SpeculativeDecoder | None = None  # with --speculative mtp, after the first token
 
@@ -239,8 +241,15 @@ class Scheduler:
         for request in requests:
             self._validate(request)
         check_group_size(len(requests), self.max_num_seqs, self.max_queue)
+        now = time.monotonic()
         seqs = [
-            _Sequence(RequestHandle(r, self._cond, self._outbox), r.params, list(r.prompt), generated=[])
+            _Sequence(
+                RequestHandle(r, self._cond, self._outbox),
+                r.params,
+                list(r.prompt),
+                generated=[],
+                submitted=now,
+            )
             for r in requests
         ]
         with self._cond:
@@ -312,6 +321,7 @@ class Scheduler:
                 continue
             if name is not None:
                 self._busy_sessions.add(name)
+            seq.queued_seconds = time.monotonic() - seq.submitted
             taken.append(seq)
         self._waiting = kept
         return taken
@@ -562,6 +572,7 @@ class Scheduler:
                 error=error,
                 prefill_seconds=seq.prefill_seconds,
                 decode_seconds=seq.decode_seconds,
+                queued_seconds=seq.queued_seconds,
                 refused=refused,
                 code=code if error else None,
             )

@@ -1,7 +1,7 @@
 """The FastAPI application: routes, the API-key gate, request counting, startup and shutdown.
 
     GET  /health                 200 once the model serves; 503 + Retry-After while it loads
-    GET  /metrics                Prometheus text (server.metrics)
+    GET  /metrics                Prometheus exposition through prometheus_client (server.metrics)
     GET  /v1/models              the served model (and GET /v1/models/{id})
     POST /v1/completions         server.completions
     POST /v1/chat/completions    server.chat
@@ -20,7 +20,7 @@ import logging
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 
 from latentkv import version
 from latentkv.server import errors, openapi
@@ -28,7 +28,6 @@ from latentkv.server.chat import create_chat_completion
 from latentkv.server.completions import create_completion
 from latentkv.server.errors import APIError, bad_request
 from latentkv.server.generation import check_model
-from latentkv.server.metrics import render
 from latentkv.server.prompts import check_ids, encode
 from latentkv.server.protocol import (
     ChatCompletionRequest,
@@ -82,10 +81,9 @@ def create_app(state: ServerState) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
-        stats = state.ready.scheduler.stats() if state.ready is not None else None
-        text = render(served, stats is not None, stats, state.throughput.rates(), state.registry)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request):
+        body, content_type = state.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models(r: Serving):
@@ -245,7 +243,7 @@ class Gate:
                 return
             await self.app(scope, receive, counted)
         finally:
-            self.state.registry.count(route, status)
+            self.state.metrics.count_http(route, status)
 
     def _authorized(self, scope) -> bool:
         for name, value in scope.get("headers", ()):

@@ -46,7 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return sampling_params(body, ready, budget, choice, top, False)
 
     specs = specs_for([ids], body.n, params_for, session, body.stop_strings())
-    runs = submit_all(ready.scheduler, specs, ready.tokenizer, stop_ids_of(body, ready))
+    runs = submit_all(ready.scheduler, specs, ready.tokenizer, stop_ids_of(body, ready), ready.metrics)
     answer = _Answer(body, len(ids), ready, served)
     if body.stream:
         return stream(runs, answer.head(), answer.chunks, answer.tail)

@@ -54,16 +54,31 @@ class Piece:
 
 
 class ChoiceRun:
-    def __init__(self, spec: Spec, handle, tokenizer, stop_ids: frozenset[int]):
+    def __init__(self, spec: Spec, handle, tokenizer, stop_ids: frozenset[int], timer=None):
         self.spec = spec
         self.handle = handle
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
+        self.timer = timer  # metrics.RequestTimer, started at submission (None: not measured)
 
     def cancel(self) -> None:
         self.handle.cancel()
 
     async def pieces(self) -> AsyncIterator[Piece]:
+        """The choice's pieces; its timings reach the server's metrics as they come."""
+        last = None
+        try:
+            async for piece in self._pieces():
+                last = piece
+                yield piece
+        finally:
+            if self.timer is not None:  # the reader may have left early (a disconnect)
+                done = last is not None and last.finish_reason is not None
+                self.timer.finish(
+                    last.finished if done else None, last.finish_reason if done else "cancelled"
+                )
+
+    async def _pieces(self) -> AsyncIterator[Piece]:
         from latentkv.engine.request import Finished
 
         index = self.spec.index
@@ -82,6 +97,8 @@ class ChoiceRun:
                 continue  # events the worker produced before it saw the cancel
             consumed += 1
             pending.append(event)
+            if self.timer is not None:
+                self.timer.token()
             if event.token in self.stop_ids:
                 stopped, tail = True, _final_text(detok, stops)
             else:
@@ -110,11 +127,15 @@ def _final_text(detok: Detokenizer | None, stops: StopStrings) -> str:
     return text if hit else text + stops.flush()
 
 
-def submit_all(scheduler, specs: list[Spec], tokenizer, stop_ids: frozenset[int]) -> list[ChoiceRun]:
-    """Submit every choice, or none: a refusal cancels what was already submitted."""
+def submit_all(
+    scheduler, specs: list[Spec], tokenizer, stop_ids: frozenset[int], metrics=None
+) -> list[ChoiceRun]:
+    """Submit every choice, or none: a refusal cancels what was already submitted. With
+    `metrics` (server.metrics.Metrics) each choice's timings are observed into it."""
     from latentkv.engine.request import QueueFull, Request, SchedulerClosed
 
     requests = [Request(spec.prompt, spec.params, session=spec.session) for spec in specs]
+    timers = [metrics.timer() if metrics is not None else None for _ in specs]
     try:
         handles = scheduler.submit_all(requests)
     except QueueFull as exc:
@@ -123,7 +144,10 @@ def submit_all(scheduler, specs: list[Spec], tokenizer, stop_ids: frozenset[int]
         raise closed() from None
     except ValueError as exc:
         raise bad_request(str(exc), param="n" if "sequences (n x prompts)" in str(exc) else None) from None
-    return [ChoiceRun(spec, handle, tokenizer, stop_ids) for spec, handle in zip(specs, handles, strict=True)]
+    return [
+        ChoiceRun(spec, handle, tokenizer, stop_ids, timer)
+        for spec, handle, timer in zip(specs, handles, timers, strict=True)
+    ]
 
 
 def queue_full(message: str) -> APIError:

@@ -42,7 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request, ready, se
         return sampling_params(body, ready, budget, choice, body.logprobs, prompt_logprobs)
 
     specs = specs_for([p.ids for p in prompts], body.n, params_for, session, body.stop_strings())
-    runs = submit_all(ready.scheduler, specs, ready.tokenizer, stop_ids_of(body, ready))
+    runs = submit_all(ready.scheduler, specs, ready.tokenizer, stop_ids_of(body, ready), ready.metrics)
     answer = _Answer(body, prompts, ready, served)
     if body.stream:
         return stream(runs, answer.head(), answer.chunks, answer.tail)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from latentkv.config import ServerConfig
 from latentkv.errors import user_message
-from latentkv.server.metrics import Registry, Throughput
+from latentkv.server.metrics import Metrics, Snapshot, Throughput
 
 if TYPE_CHECKING:
     from latentkv.config import ModelConfig
@@ -44,6 +44,7 @@ class Ready:
     stop_ids: tuple[int, ...]  # the model's end-of-sequence ids
     chat: ChatRenderer
     created: int  # unix time the model came up (for /v1/models)
+    metrics: Metrics | None = None  # the server's (per-request timings are observed into it)
 
 
 class ServerState:
@@ -54,8 +55,10 @@ class ServerState:
         self.ready: Ready | None = None
         self.error: str | None = None
         self.started = time.monotonic()
-        self.registry = Registry()
         self.throughput = Throughput()
+        self.metrics = Metrics(
+            config.served_model_name, self.snapshot, max_model_len=config.max_model_len or 1 << 20
+        )
         self._on_failure = on_failure
         self._thread: threading.Thread | None = None
 
@@ -74,7 +77,7 @@ class ServerState:
 
     def _load(self) -> None:
         try:
-            self.ready = load(self.config)
+            self.ready = load(self.config, self.metrics)
             log.info("ready: serving %s as %r", self.config.model, self.config.served_model_name)
         except Exception as exc:  # noqa: BLE001 - reported, then the server shuts down
             self.error = user_message(exc)
@@ -86,13 +89,18 @@ class ServerState:
         if self.ready is not None:
             self.ready.scheduler.shutdown()
 
+    def snapshot(self) -> Snapshot:
+        """What /metrics reads of the engine at a scrape."""
+        stats = self.ready.scheduler.stats() if self.ready is not None else None
+        return Snapshot(stats is not None, stats, self.throughput.rates())
+
     def sample_throughput(self) -> None:
         if self.ready is not None:
             stats = self.ready.scheduler.stats()
             self.throughput.sample(stats.prompt_tokens_total, stats.generation_tokens_total)
 
 
-def load(config: ServerConfig) -> Ready:
+def load(config: ServerConfig, metrics: Metrics | None = None) -> Ready:
     """Load the tokenizer and start the scheduler: in the engine process (which loads the
     weights there, `latentkv.engine.remote`), or here on a worker thread."""
     from latentkv.config import ModelConfig
@@ -123,6 +131,7 @@ def load(config: ServerConfig) -> Ready:
         stop_ids=stop_ids(cfg, directory),
         chat=ChatRenderer.for_model(tokenizer, Path(directory)),
         created=int(time.time()),
+        metrics=metrics,
     )
 
 

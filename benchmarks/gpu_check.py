@@ -1,0 +1,437 @@
+"""The prepared GPU check: one command, JSON out, under 8 minutes on one H200.
+
+    python benchmarks/gpu_check.py [--out benchmarks/results/gpu-check.json]
+    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu-check.json   # on the CPU, small
+
+What it checks (each section runs on its own: an error is recorded in the JSON and the next
+section still runs; a section that would overrun the time budget is skipped and says so):
+
+- env: the device, its multiprocessors and memory, torch / triton versions.
+- copy: the device's measured copy bandwidth (a 1 GiB tensor copied device to device, bytes
+  read + written over the median time): the yardstick for the decode kernel.
+- kernels: every tier the Triton decode kernel serves, at GLM-5's widths (512 + 64, 64 heads,
+  4 ragged sequences, split-K, and the DSA gather on a few), against the torch consumers
+  (`latentkv.kv.attention`, run on CPU copies of the same bytes) and a float64
+  dequantize-then-attend reference, for float32 ("ieee") and bfloat16 operands.
+- bandwidth: the decode kernel at 4k, 32k and 128k tokens of context (one sequence, 64 heads):
+  stored bytes read per call over the median time (triton.testing.do_bench, L2 flushed between
+  calls), as GB/s and as a share of the copy bandwidth. Goal: fp8 and q4s >= 70% at 32k.
+- oracle: our engine on the device (f32 weights and cache) against transformers in float32 on
+  the CPU, on every oracle model and builtin:fixture: greedy tokens and teacher-forced argmax
+  equal, logits within 1e-4 (the fixture: 1e-3, as its own test).
+- decode: builtin:slice decode tok/s with bf16 and int4 weights, on the device and on the CPU.
+
+--dry-run runs every section on the CPU at small shapes (the kernels under triton's
+interpreter, builtin:tiny instead of builtin:slice), so the script is exercised by the test
+suite (tests/benchmarks/test_gpu_check.py) and is not broken when a GPU finally runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "gpu-check.json"
+BUDGET_S = 450  # stop starting sections past this (the whole check must end within 8 minutes)
+
+
+class Shapes:
+    """The sizes each section works at: an H200's, or the dry run's."""
+
+    def __init__(self, dry: bool):
+        self.dry = dry
+        self.n_c, self.n_r, self.heads = (64, 16, 5) if dry else (512, 64, 64)
+        self.lengths = (37, 1, 20) if dry else (3000, 1, 777, 2048)
+        self.contexts = (64,) if dry else (4096, 32768, 131072)
+        self.copy_bytes = (4 << 20) if dry else (1 << 30)
+        self.kernel_tiers = (
+            ("f32", "fp8", "q4s", "tq4-r8")
+            if dry
+            else (
+                "f32",
+                "bf16",
+                "fp8",
+                "q8_0",
+                "q4_0",
+                "q8s",
+                "q4s",
+                "q5s",
+                "q4_1",
+                "wq4",
+                "hq4_0",
+                "tq4",
+                "tq3",
+                "tq4-r8",
+            )
+        )
+        self.bandwidth_tiers = ("fp8",) if dry else ("f32", "bf16", "fp8", "q8s", "q4s", "tq4")
+        self.decode_model = "builtin:tiny" if dry else "builtin:slice"
+        self.decode_tokens = 2 if dry else 32
+        self.decode_context = 8 if dry else 1024
+
+
+def section(results: dict, name: str, budget_end: float, fn: Callable[[], object]) -> None:
+    """Run one section into results[name]; record its error or that the budget ran out."""
+    if time.monotonic() > budget_end:
+        results[name] = {"skipped": "time budget spent"}
+        return
+    start = time.monotonic()
+    try:
+        results[name] = {"result": fn()}
+    except Exception as exc:  # a broken section must not hide the others' results
+        results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    results[name]["seconds"] = round(time.monotonic() - start, 2)
+    print(f"[gpu_check] {name}: {'error' if 'error' in results[name] else 'done'} "
+          f"in {results[name]['seconds']} s", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def env(device) -> dict:
+    import torch
+
+    out = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out.update(
+            name=props.name,
+            capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+        )
+    else:
+        out.update(
+            name=platform.processor() or platform.machine(), interpreter=os.environ.get("TRITON_INTERPRET")
+        )
+    return out
+
+
+def timed(fn: Callable[[], object], device, repeats: int = 20) -> float:
+    """Median seconds of fn(): triton's do_bench on a GPU (L2 flushed between calls), else a
+    plain clock on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=max(25, repeats * 5), return_mode="median") / 1e3
+    times = []
+    for _ in range(min(repeats, 3)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.tensor(0)  # keep the signature symmetric: nothing to synchronise on the CPU
+    return sorted(times)[len(times) // 2]
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
+def copy_bandwidth(device, shapes: Shapes) -> dict:
+    import torch
+
+    src = torch.empty(shapes.copy_bytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device)
+    return {
+        "bytes": shapes.copy_bytes,
+        "seconds": seconds,
+        "gb_per_s": _sig(2 * shapes.copy_bytes / seconds / 1e9),
+    }
+
+
+def _case(tier: str, lengths, shapes: Shapes, device, seed: int):
+    """Random rows of every sequence encoded in `tier`, on the CPU and on the device."""
+    import torch
+
+    from latentkv.attention.triton.decode import SequenceRows
+    from latentkv.kv.codecs import TIERS, get_codec
+
+    t = TIERS[tier]
+    codec_c, codec_r = get_codec(t.c, shapes.n_c), get_codec(t.r, shapes.n_r)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(lengths), shapes.heads, shapes.n_c + shapes.n_r, generator=gen) * shapes.n_c**-0.5
+    encoded, stored = [], []
+    for T in lengths:
+        x = torch.randn(T, shapes.n_c + shapes.n_r, generator=gen)
+        c, r = codec_c.encode(x[:, : shapes.n_c]), codec_r.encode(x[:, shapes.n_c :])
+        encoded.append((c, r))
+        if tier == "f32":
+            rows = torch.cat([c.codes.view(torch.float32), r.codes.view(torch.float32)], 1).to(device)
+            stored.append(SequenceRows(rows[:, : shapes.n_c], None, rows[:, shapes.n_c :], None))
+        else:
+            stored.append(
+                SequenceRows(c.codes.to(device), c.scales.to(device), r.codes.to(device), r.scales.to(device))
+            )
+    return codec_c, codec_r, q, encoded, stored
+
+
+def _errors(codec_c, codec_r, q, encoded, out, picks=None) -> tuple[float, float]:
+    """Largest error of out [B, H, n_c] against the torch consumers and the float64 reference,
+    relative to max(1, the reference's largest value)."""
+    import torch
+
+    from latentkv.kv import attention as consumers
+
+    torch_err = f64_err = 0.0
+    for b, (c, r) in enumerate(encoded):
+        if picks is not None:
+            c, r = c.select(picks[b]), r.select(picks[b])
+        ref = consumers.attend(codec_c, codec_r, q[b].unsqueeze(1), c, r)[:, 0]
+        rows = torch.cat([codec_c.decode(c), codec_r.decode(r)], 1).double()
+        f64 = torch.softmax(q[b].double() @ rows.T, -1) @ rows[:, : codec_c.width]
+        got = out[b].double()
+        torch_err = max(torch_err, float((got - ref.double()).abs().max()) / max(1.0, float(ref.abs().max())))
+        f64_err = max(f64_err, float((got - f64).abs().max()) / max(1.0, float(f64.abs().max())))
+    return torch_err, f64_err
+
+
+TOLERANCE = {"ieee": 1e-4, "bf16": 5e-2}
+
+
+def kernels(device, shapes: Shapes) -> list[dict]:
+    import torch
+
+    from latentkv.attention.triton.decode import mla_decode
+
+    rows = []
+    for i, tier in enumerate(shapes.kernel_tiers):
+        codec_c, codec_r, q, encoded, stored = _case(tier, shapes.lengths, shapes, device, seed=i)
+        for precision in ("ieee", "bf16"):
+            out, _ = mla_decode(
+                q.to(device), codec_c, codec_r, stored, list(shapes.lengths), precision=precision
+            )
+            torch_err, f64_err = _errors(codec_c, codec_r, q, encoded, out.cpu())
+            rows.append(_row(tier, precision, "split-k", torch_err, f64_err))
+        if tier in ("f32", "fp8", "q4s", "tq4"):  # the DSA gather: a random half of each sequence
+            gen = torch.Generator().manual_seed(100 + i)
+            picks = [torch.randperm(T, generator=gen)[: max(1, T // 2)] for T in shapes.lengths]
+            index = torch.zeros(len(picks), max(len(p) for p in picks), dtype=torch.int32)
+            for b, p in enumerate(picks):
+                index[b, : len(p)] = p.to(torch.int32)
+            counts = [len(p) for p in picks]
+            out, _ = mla_decode(q.to(device), codec_c, codec_r, stored, counts, index.to(device))
+            torch_err, f64_err = _errors(codec_c, codec_r, q, encoded, out.cpu(), picks)
+            rows.append(_row(tier, "ieee", "gather", torch_err, f64_err))
+    return rows
+
+
+def _row(tier: str, precision: str, mode: str, torch_err: float, f64_err: float) -> dict:
+    ok = max(torch_err, f64_err) <= TOLERANCE[precision]
+    return {
+        "tier": tier,
+        "precision": precision,
+        "mode": mode,
+        "vs_torch": torch_err,
+        "vs_f64": f64_err,
+        "ok": ok,
+    }
+
+
+def bandwidth(device, shapes: Shapes, copy_gbps: float | None) -> list[dict]:
+    from latentkv.attention.triton.decode import mla_decode
+
+    rows = []
+    for tier in shapes.bandwidth_tiers:
+        precision = "ieee" if tier == "f32" else "bf16"
+        for context in shapes.contexts:
+            codec_c, codec_r, q, _, stored = _case(tier, (context,), shapes, device, seed=context)
+            qd = q.to(device)
+            nbytes = context * (codec_c.bytes_per_row + codec_r.bytes_per_row)
+
+            def call(
+                qd=qd, codec_c=codec_c, codec_r=codec_r, stored=stored, context=context, precision=precision
+            ):
+                return mla_decode(qd, codec_c, codec_r, stored, [context], precision=precision)
+
+            call()  # compile outside the timing
+            seconds = timed(call, device)
+            gbps = nbytes / seconds / 1e9
+            rows.append(
+                {
+                    "tier": tier,
+                    "precision": precision,
+                    "context": context,
+                    "bytes": nbytes,
+                    "seconds": seconds,
+                    "gb_per_s": _sig(gbps),
+                    "share_of_copy": _sig(gbps / copy_gbps) if copy_gbps else None,
+                }
+            )
+            del stored
+    return rows
+
+
+def _transformers_greedy(directory: Path, prompt: list[int], steps: int):
+    """transformers in float32 on the CPU: greedy tokens and teacher-forced logits [N, vocab]."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # the fixture's MTP layer: not a transformers weight
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        greedy = [int(out.logits[0, -1].argmax())]
+        while len(greedy) < steps:
+            out = model(torch.tensor([greedy[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            greedy.append(int(out.logits[0, -1].argmax()))
+        logits = model(torch.tensor([prompt + greedy])).logits[0].float()
+    return greedy, logits
+
+
+def _ours_greedy(directory: Path, prompt: list[int], steps: int, device):
+    """Our engine on `device` (f32 weights, f32 cache): greedy tokens and teacher-forced logits."""
+    import torch
+
+    from latentkv.models.weights import load_model
+
+    model = load_model(directory, "f32", device=str(device))
+    cache = model.make_cache()
+    logits = model.forward(torch.tensor(prompt, device=device), cache)[-1]
+    greedy = [int(logits.argmax())]
+    while len(greedy) < steps:
+        greedy.append(int(model.forward(torch.tensor(greedy[-1:], device=device), cache)[-1].argmax()))
+    tf = model.forward(torch.tensor(prompt + greedy, device=device), model.make_cache(), all_logits=True)
+    return greedy, tf.float().cpu()
+
+
+def oracle(device, shapes: Shapes) -> list[dict]:
+    from latentkv.eval import oracle as spec_oracle
+    from latentkv.models.registry import builtin_path
+
+    names = ["glm5-tiny"] if shapes.dry else list(spec_oracle.SPECS)  # glm5-tiny is bundled: nothing to build
+    models = [
+        (n, spec_oracle.ensure_built(n), spec_oracle.prompt_ids(spec_oracle.SPECS[n]), 1e-4) for n in names
+    ]
+    if not shapes.dry:
+        models.append(("builtin:fixture", builtin_path("fixture"), list(range(40, 52)), 1e-3))
+    rows = []
+    for name, directory, prompt, tolerance in models:
+        steps = spec_oracle.GREEDY_TOKENS
+        hf_greedy, hf_logits = _transformers_greedy(directory, prompt, steps)
+        greedy, logits = _ours_greedy(directory, prompt, steps, device)
+        tf_hits = int((logits.argmax(-1) == hf_logits.argmax(-1)).sum())
+        diff = float((logits - hf_logits).abs().max())
+        ok = greedy == hf_greedy and tf_hits == len(hf_logits) and diff <= tolerance
+        rows.append(
+            {
+                "model": name,
+                "greedy": f"{sum(a == b for a, b in zip(greedy, hf_greedy, strict=True))}/{steps}",
+                "tf": f"{tf_hits}/{len(hf_logits)}",
+                "max_abs_logit_diff": diff,
+                "tolerance": tolerance,
+                "ok": ok,
+            }
+        )
+    return rows
+
+
+def decode_speed(device, shapes: Shapes) -> list[dict]:
+    """Decode tok/s at `decode_context` tokens of context, per weight format, on the device and the CPU."""
+    import torch
+
+    from latentkv.models.registry import resolve
+    from latentkv.models.weights import load_model
+
+    directory = resolve(shapes.decode_model)
+    rows = []
+    places = [device, torch.device("cpu")] if device.type != "cpu" else [device]
+    for weights in ("bf16", "int4"):
+        for place in places:
+            model = load_model(directory, weights, device=str(place))
+            cache = model.make_cache()
+            vocab = model.cfg.vocab_size
+            prompt = torch.arange(shapes.decode_context, device=place) % (vocab - 2) + 2
+            logits = model.forward(prompt, cache)
+            token = logits[-1].argmax().reshape(1)
+            _sync(place)
+            start = time.perf_counter()
+            for _ in range(shapes.decode_tokens):
+                token = model.forward(token, cache)[-1].argmax().reshape(1)
+            _sync(place)
+            seconds = time.perf_counter() - start
+            rows.append(
+                {
+                    "model": shapes.decode_model,
+                    "weights": weights,
+                    "device": str(place),
+                    "context": shapes.decode_context,
+                    "tokens": shapes.decode_tokens,
+                    "tok_per_s": round(shapes.decode_tokens / seconds, 2),
+                }
+            )
+            del model, cache
+    return rows
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dry-run", action="store_true", help="the CPU at small shapes (kernels interpreted)"
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file (default: {DEFAULT_OUT})")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no section after this")
+    parser.add_argument(
+        "--only", default=None, help="comma list of sections (env,copy,kernels,bandwidth,oracle,decode)"
+    )
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+        from latentkv.attention.triton.interpreter import fix_bf16_dot
+
+        fix_bf16_dot()
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device; run with --dry-run on the CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    shapes = Shapes(args.dry_run)
+    wanted = None if args.only is None else set(args.only.split(","))
+    budget_end = time.monotonic() + args.budget_s
+    results: dict = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def run(name: str, fn: Callable[[], object]) -> None:
+        if wanted is None or name in wanted:
+            section(results, name, budget_end, fn)
+
+    run("env", lambda: env(device))
+    run("copy", lambda: copy_bandwidth(device, shapes))
+    copy_gbps = results.get("copy", {}).get("result", {}).get("gb_per_s")
+    run("kernels", lambda: kernels(device, shapes))
+    run("bandwidth", lambda: bandwidth(device, shapes, copy_gbps))
+    run("oracle", lambda: oracle(device, shapes))
+    run("decode", lambda: decode_speed(device, shapes))
+    results["ok"] = all(
+        row.get("ok", True)
+        for key in ("kernels", "oracle")
+        for row in (results.get(key, {}).get("result") or [])
+    ) and not any("error" in v for v in results.values() if isinstance(v, dict))  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"[gpu_check] wrote {args.out}; ok={results['ok']}", file=sys.stderr)
+    return 0 if results["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

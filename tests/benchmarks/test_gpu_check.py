@@ -1,0 +1,76 @@
+"""benchmarks/gpu_check.py runs on the CPU (--dry-run), so it is not broken when a GPU finally runs
+it: every section gives a result, the kernels and the oracle pass. The default suite runs the
+sections that need no model (about 10 s of CPU); the whole dry run (transformers and two model
+loads on top, about 30 s) is marked slow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import latentkv
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+SRC = str(Path(latentkv.__file__).resolve().parents[1])
+
+
+def run_check(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=tmp_path,
+    )
+
+
+def dry_run(tmp_path: Path, *args: str) -> dict:
+    pytest.importorskip("triton")
+    out = tmp_path / "gpu-check.json"
+    done = run_check("--dry-run", "--out", str(out), *args, tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["dry_run"] and result["ok"]
+    return result
+
+
+def test_dry_run_of_the_kernel_sections(tmp_path):
+    result = dry_run(tmp_path, "--only", "env,copy,kernels,bandwidth")
+    for name in ("env", "copy", "kernels", "bandwidth"):
+        assert "result" in result[name], (name, result[name])
+    assert "oracle" not in result and "decode" not in result
+    assert all(r["ok"] for r in result["kernels"]["result"])
+    assert all(r["gb_per_s"] > 0 and r["share_of_copy"] > 0 for r in result["bandwidth"]["result"])
+
+
+@pytest.mark.slow
+def test_dry_run_end_to_end(tmp_path):
+    result = dry_run(tmp_path)
+    for name in ("env", "copy", "kernels", "bandwidth", "oracle", "decode"):
+        assert "result" in result[name], (name, result[name])
+    assert {(r["precision"], r["mode"]) for r in result["kernels"]["result"]} == {
+        ("ieee", "split-k"),
+        ("bf16", "split-k"),
+        ("ieee", "gather"),
+    }
+    assert all(r["ok"] for r in result["kernels"]["result"] + result["oracle"]["result"])
+    assert all(r["gb_per_s"] > 0 and r["share_of_copy"] > 0 for r in result["bandwidth"]["result"])
+    assert {r["weights"] for r in result["decode"]["result"]} == {"bf16", "int4"}
+
+
+def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    done = run_check("--out", str(tmp_path / "x.json"), tmp_path=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "gpu_check: torch sees no CUDA device; run with --dry-run on the CPU"
+    ]
