@@ -117,7 +117,7 @@ def _file_in_path(path: str | Path) -> Path | None:
     return None
 
 
-def error(exc: OSError, path: str | Path, doing: str) -> DiskError:
+def error(exc: OSError | DiskError, path: str | Path, doing: str) -> DiskError:
     """`exc` as a DiskError (a DiskError passes through)."""
     if isinstance(exc, DiskError):
         return exc
@@ -542,19 +542,23 @@ class PublishDir:
         self.path = Path(path)
         self.doing = doing
         self.tmp = temp_name(self.path, "partial")
+        self._made: list[Path] = []  # parents it created (taken back on failure)
 
     def __enter__(self) -> Path:
+        self._made = missing_parents(self.path.parent)
         make_dirs(self.path.parent, self.doing)
         try:
             _check_fault("mkdir", self.tmp)
             os.mkdir(self.tmp, 0o755)
         except OSError as exc:
+            remove_empty(self._made)
             raise naming(error(exc, self.tmp, self.doing), self.tmp, self.path) from None
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             remove(self.tmp)
+            remove_empty(self._made)
             if isinstance(exc, OSError):
                 raise naming(error(exc, self.tmp, self.doing), self.tmp, self.path) from None
             if isinstance(exc, DiskError):  # name the folder asked for, not the temporary one
@@ -570,11 +574,13 @@ class PublishDir:
                         os.close(fd)
             sync_dir(self.tmp)
             rename(self.tmp, self.path, self.doing)  # replaces an empty folder, else ENOTEMPTY
-        except OSError as exc:
+        except (OSError, DiskError) as exc:
             remove(self.tmp)
+            remove_empty(self._made)
             raise naming(error(exc, self.tmp, self.doing), self.tmp, self.path) from None
         except BaseException:
             remove(self.tmp)
+            remove_empty(self._made)
             raise
 
 

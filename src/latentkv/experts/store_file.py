@@ -580,8 +580,9 @@ def _lock_folder(directory: Path) -> int | None:
     except BlockingIOError:
         os.close(fd)
         raise ExpertFileError(f"another process is writing an expert store in {directory}") from None
-    for stale in directory.glob(".layer-*.lkx.*.tmp"):
-        fs.remove(stale)
+    for pattern in (".layer-*.lkx.*.tmp", f".{MANIFEST}.*.tmp"):
+        for stale in directory.glob(pattern):
+            fs.remove(stale)
     return fd
 
 
