@@ -24,28 +24,26 @@ from pathlib import Path
 
 import torch
 
+from latentkv.experts.base import LocalStore
 from latentkv.experts.cache import POLICIES, ExpertCache
 from latentkv.models.registry import resolve
 from latentkv.models.weights import load_model
-from latentkv.streaming.attach import StreamedMoE, moe_layers
+from latentkv.streaming.attach import moe_layers
 from latentkv.tokenizer import Tokenizer
 
 Trace = list[dict[int, tuple[set[int], set[int] | None]]]  # per pass: layer -> (asked, predicted)
 
 
-class _Recorder:
-    """A resident store that records what each pass asks for."""
+class _Recorder(LocalStore):
+    """A resident store that records what each pass asks for (served one expert at a time, the
+    per-expert path, as when streaming)."""
 
     def __init__(self, layer: int, first: int, inner, trace: Trace):
         self.layer, self.first, self.inner, self.trace = layer, first, inner, trace
         self.num_experts = inner.num_experts
         self.predicted: set[int] | None = None
 
-    @property
-    def stacked(self):
-        return None  # the per-expert path, as when streaming
-
-    def get(self, ids):
+    def get(self, ids, first=True):
         if self.layer == self.first:
             self.trace.append({})
         self.trace[-1][self.layer] = (set(ids), self.predicted)
@@ -53,27 +51,31 @@ class _Recorder:
         return self.inner.get(ids)
 
     def prefetch(self, ids) -> None:
-        self.predicted = set(ids)
+        if self.layer != self.first:  # the next MoE layer's router only (not the dense layer's)
+            self.predicted = set(ids)
 
     @property
     def nbytes(self) -> int:
         return self.inner.nbytes
 
 
+class _Recording:
+    """The `ExpertSource` of the recording model: each MoE layer's resident experts behind a
+    `_Recorder`; each layer predicts the next (the model is built with the lookaheads)."""
+
+    predicts = True
+
+    def __init__(self, resident, trace: Trace):
+        self.layers = moe_layers(resident)
+        self.resident, self.trace = resident, trace
+
+    def store(self, layer: int) -> _Recorder:
+        return _Recorder(layer, self.layers[0], self.resident.blocks[layer].mlp.experts, self.trace)
+
+
 def record(directory: Path, tokens: list[int]) -> tuple[Trace, int]:
-    model = load_model(directory)
     trace: Trace = []
-    layers = moe_layers(model)
-    stores = {}
-    for i in layers:
-        mlp = model.blocks[i].mlp
-        stores[i] = _Recorder(i, layers[0], mlp.experts, trace)
-        model.blocks[i].mlp = StreamedMoE(mlp.router, stores[i], mlp.shared)
-    for here, nxt in zip(layers, layers[1:], strict=False):
-        norm, router, store = model.blocks[nxt].mlp_norm, model.blocks[nxt].mlp.router, stores[nxt]
-        model.blocks[here].mlp.lookahead = lambda h, n=norm, r=router, s=store: s.prefetch(
-            r(n(h))[0].reshape(-1).unique().tolist()
-        )
+    model = load_model(directory, experts=_Recording(load_model(directory), trace), load_mtp=False)
     cache = model.make_cache()
     with torch.inference_mode():
         for t in tokens:

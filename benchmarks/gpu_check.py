@@ -16,6 +16,9 @@ section still runs; a section that would overrun the time budget is skipped and 
 - bandwidth: the decode kernel at 4k, 32k and 128k tokens of context (one sequence, 64 heads):
   stored bytes read per call over the median time (triton.testing.do_bench, L2 flushed between
   calls), as GB/s and as a share of the copy bandwidth. Goal: fp8 and q4s >= 70% at 32k.
+- weights: bf16, int8 and int4 matrices built on the device from a file's pieces (int4 in the
+  CUDA op's own layout, converted at load): the same weight read back, and the product against
+  the dequantized matrix in float64 at 1 and 64 rows.
 - oracle: our engine on the device (f32 weights and cache) against transformers in float32 on
   the CPU, on every oracle model and builtin:fixture: greedy tokens and teacher-forced argmax
   equal, logits within 1e-4 (the fixture: 1e-3, as its own test).
@@ -275,6 +278,38 @@ def bandwidth(device, shapes: Shapes, copy_gbps: float | None) -> list[dict]:
     return rows
 
 
+def weights(device, shapes: Shapes) -> list[dict]:
+    """Each weight format built on the device from the file's (portable) pieces: its product
+    against its own dequantized matrix in float64 (bfloat16 activations), at 1 and 64 rows."""
+    import torch
+
+    from latentkv.weights.base import format_class, make_linear
+
+    out_f, in_f = (96, 128) if shapes.dry else (6144, 2048)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(out_f, in_f, generator=gen) * in_f**-0.5
+    rows = []
+    for fmt in ("bf16", "int8", "int4"):
+        cls = format_class(fmt)
+        cpu = make_linear(w, fmt)
+        if hasattr(cls, "quantize_state"):  # what a converted file holds, moved to the device
+            state = cls.quantize_state(w)
+            lin = cls.from_state({k: v.to(device) for k, v in state.items()}, in_f)
+        else:
+            lin = make_linear(w.to(device), fmt)
+        ref_w = cpu.dequantize().double()
+        same = bool(torch.equal(lin.dequantize().cpu(), cpu.dequantize()))
+        for m in (1, 64):
+            x = torch.randn(m, in_f, generator=gen)
+            ref = x.to(torch.bfloat16).double() @ ref_w.T
+            got = lin(x.to(device)).double().cpu()
+            err = float((got - ref).abs().max() / ref.abs().max())
+            rows.append(
+                {"format": fmt, "rows": m, "error": err, "same_weight": same, "ok": same and err <= 2e-2}
+            )
+    return rows
+
+
 def _transformers_greedy(directory: Path, prompt: list[int], steps: int):
     """transformers in float32 on the CPU: greedy tokens and teacher-forced logits [N, vocab]."""
     import torch
@@ -392,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file (default: {DEFAULT_OUT})")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no section after this")
     parser.add_argument(
-        "--only", default=None, help="comma list of sections (env,copy,kernels,bandwidth,oracle,decode)"
+        "--only",
+        default=None,
+        help="comma list of sections (env,copy,kernels,bandwidth,weights,oracle,decode)",
     )
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -420,11 +457,12 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = results.get("copy", {}).get("result", {}).get("gb_per_s")
     run("kernels", lambda: kernels(device, shapes))
     run("bandwidth", lambda: bandwidth(device, shapes, copy_gbps))
+    run("weights", lambda: weights(device, shapes))
     run("oracle", lambda: oracle(device, shapes))
     run("decode", lambda: decode_speed(device, shapes))
     results["ok"] = all(
         row.get("ok", True)
-        for key in ("kernels", "oracle")
+        for key in ("kernels", "weights", "oracle")
         for row in (results.get(key, {}).get("result") or [])
     ) and not any("error" in v for v in results.values() if isinstance(v, dict))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,27 @@
-"""latentkv vs llama.cpp on the same HF checkpoint, weight format by weight format.
+"""latentkv vs llama.cpp on the same HF checkpoint, weight format by weight format, each engine at
+its best.
 
     python benchmarks/vs_llamacpp.py MODEL [--threads 2] [--depths 0,4096] [-r 3] [--out FILE.json]
 
-MODEL is a checkpoint directory or builtin:NAME. Pairs: llama.cpp f16 / latentkv bf16, q8_0 /
-int8, q4_K_M / int4. For each: decode tok/s at each depth (llama-bench `-n GEN -d D`; latentkv
-`bench decode --context max(D, 1)`), prefill tok/s of 512 tokens (llama-bench `-p 512`;
-latentkv's prefill of a 512-token context), latentkv with every KV tier of --kv (llama.cpp's
-own KV stays f16, its default), and latentkv's resident memory after load against the bytes
-its weight format takes. One table with latentkv / llama.cpp ratios, a bar-by-bar note, JSON
-under benchmarks/results/.
+MODEL is a checkpoint directory or builtin:NAME. Pairs (--pairs): llama.cpp bf16 / latentkv bf16
+(the same format), f16 / bf16 as an extra row, q8_0 / int8, q4_K_M / int4. For each: decode tok/s
+at each depth (llama-bench `-n GEN -d D`; latentkv `bench decode --context max(D, 1)`), prefill
+tok/s of 512 tokens (llama-bench `-p 512`; latentkv's prefill of a 512-token context), latentkv
+with every KV tier of --kv (llama.cpp's own KV stays f16, its default), and latentkv's resident
+memory after load against the bytes its weight format takes.
+
+The same statistic for both engines: -r rounds (default 3), each running every llama.cpp format
+once (`llama-bench -r 1 -fa 1`, flash attention on: its fastest CPU path) and every latentkv format
+once (a fresh `latentkv bench decode --repeats 1`), interleaved, the engine that goes first
+alternating by round, so a change in the machine's load falls on both; every number is the median
+of the rounds' samples with their min-max (llama.cpp's own `samples_ts`, latentkv's tok/s per
+run). With --bytes, a child process also counts the bytes a decode step of each latentkv format
+reads (every weight matrix it multiplies by, each time it does, plus the KV cache's bytes) and
+measures the machine's read bandwidth (a torch sum over 1 GiB, the same threads), so each decode
+row gets its share of that bandwidth. The JSON holds every sample, the CPU model and flags, the
+threads, llama.cpp's build and latentkv's commit. One table with latentkv / llama.cpp ratios of
+the medians, a bar-by-bar note (issue 28's goals: int4 >= 1.3x q4_K_M, int8 >= 1.2x q8_0, bf16 >=
+1.0x at every decode depth; prefill >= 1.0x), JSON under benchmarks/results/.
 
 llama.cpp is never built here: the one build lives in ~/.cache/latentkv/llama.cpp, made by
 `benchmarks/llamacpp.py --build`, whose module this script uses for the tools and the GGUF
@@ -20,9 +33,10 @@ table says so. Run it on an idle machine: timings on a busy one say nothing.
 
     python benchmarks/vs_llamacpp.py --kernels OUT IN [THREADS]
 
-prints the prefill kernels side by side instead (int4 and int8: torch's op vs the dequantized
-tiles their Linear runs above its row threshold, beside bf16 and f32 matmuls), interleaved in
-one process, at 1..512 rows: where the int4 threshold (weights/int4.py) comes from.
+prints the prefill kernels side by side instead (int4 and int8: torch's op, latentkv's decode
+kernel and the dequantized tiles their Linear runs above its row threshold, beside bf16 and f32
+matmuls), interleaved in one process, at 1..512 rows: where the row thresholds (weights/int4.py,
+int8.py) come from.
 """
 
 from __future__ import annotations
@@ -30,6 +44,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -37,8 +53,12 @@ from pathlib import Path
 
 DEFAULT_LLAMA = Path.home() / ".cache" / "latentkv" / "llama.cpp"
 QUANTIZE_TYPE = {"q8_0": "Q8_0", "q4_K_M": "Q4_K_M"}
-GGUF_FORMATS = ("f16", *QUANTIZE_TYPE)
+FLOAT_GGUF = ("bf16", "f16")  # converted straight from the checkpoint
+GGUF_FORMATS = (*FLOAT_GGUF, *QUANTIZE_TYPE)
+DEFAULT_PAIRS = "bf16:bf16,f16:bf16,q8_0:int8,q4_K_M:int4"
 MEMORY_BAR = 0.05  # resident weights within 5% of the format's bytes
+# issue 28's goals: latentkv / llama.cpp decode at every depth, per latentkv format; prefill >= 1
+DECODE_BARS = {"int4": 1.3, "int8": 1.2, "bf16": 1.0}
 
 
 # llama.cpp's converter refuses a BPE tokenizer whose pre-tokenizer hash it does not know; ours
@@ -82,21 +102,23 @@ def tool(llama: Path, name: str) -> Path:
 
 
 def gguf(model: Path, fmt: str, work: Path, llama: Path) -> Path:
-    """MODEL as a GGUF of format fmt, converted (f16) and quantized once, cached in work."""
+    """MODEL as a GGUF of format fmt, converted (bf16, f16) or quantized from the f16 one once,
+    cached in work."""
     work.mkdir(parents=True, exist_ok=True)
-    f16 = work / f"{model.name}-f16.gguf"
+    base = fmt if fmt in FLOAT_GGUF else "f16"
+    f16 = work / f"{model.name}-{base}.gguf"
     if not f16.exists():
         part = f16.with_suffix(".part")
         shared = shared_module()
         if shared is not None:
-            shared.convert_to_gguf(model, part, "f16")  # splits fused experts, patches the tokenizer steps
+            shared.convert_to_gguf(model, part, base)  # splits fused experts, patches the tokenizer steps
         else:
             converter = find(llama, "convert_hf_to_gguf.py")
             source = str(per_expert(model, work))
             cmd = [sys.executable, "-c", CONVERT_AS_GLM4, str(converter), source]
-            run([*cmd, "--outtype", "f16", "--outfile", str(part)])
+            run([*cmd, "--outtype", base, "--outfile", str(part)])
         part.rename(f16)
-    if fmt == "f16":
+    if fmt in FLOAT_GGUF:
         return f16
     out = work / f"{model.name}-{fmt}.gguf"
     if not out.exists():
@@ -147,39 +169,65 @@ def run(cmd: list[str]) -> str:
     return done.stdout
 
 
-def llama_bench(llama: Path, model_gguf: Path, args: argparse.Namespace) -> dict:
-    """{"pp512": tok/s, "tg@D": tok/s} from one llama-bench run (JSON output)."""
-    cmd = [str(tool(llama, "llama-bench")), "-m", str(model_gguf), "-t", str(args.threads)]
+def llama_bench(llama: Path, model_gguf: Path, args: argparse.Namespace) -> tuple[dict, dict]:
+    """One llama-bench run (-r 1, flash attention on): ({"pp512": [tok/s], "tg@D": [tok/s]} from
+    its own per-repetition samples, what it says about its build and the CPU)."""
+    cmd = [str(tool(llama, "llama-bench")), "-m", str(model_gguf), "-t", str(args.threads), "-fa", "1"]
     cmd += ["-p", str(args.prefill), "-n", str(args.gen), "-d", ",".join(map(str, args.depths))]
-    cmd += ["-r", str(args.repetitions), "-o", "json"]
-    out = {}
+    cmd += ["-r", "1", "-o", "json"]
+    out: dict[str, list[float]] = {}
+    about = {}
     for r in json.loads(run(cmd)):
         depth = r.get("n_depth", 0)
+        samples = [float(v) for v in r.get("samples_ts") or [r["avg_ts"]]]
         if r["n_prompt"] and not r["n_gen"] and depth == 0:
-            out[f"pp{r['n_prompt']}"] = r["avg_ts"]
+            out.setdefault(f"pp{r['n_prompt']}", []).extend(samples)
         elif r["n_gen"] and not r["n_prompt"]:
-            out[f"tg@{depth}"] = r["avg_ts"]
-    return out
+            out.setdefault(f"tg@{depth}", []).extend(samples)
+        about = {
+            k: r[k] for k in ("build_commit", "build_number", "cpu_info", "type_k", "flash_attn") if k in r
+        }
+    return out, about
 
 
 def latentkv_bench(model: Path, dtype: str, args: argparse.Namespace) -> dict:
-    """{kv tier: {"pp512": tok/s, "tg@D": tok/s}} from one `latentkv bench decode` process."""
+    """{kv tier: {"pp512": [tok/s], "tg@D": [tok/s]}} from one fresh `latentkv bench decode
+    --repeats 1` (one sample per number)."""
     contexts = sorted({max(d, 1) for d in args.depths} | {args.prefill})
     cmd = [sys.executable, "-m", "latentkv", "bench", "decode", str(model), "--weight-dtype", dtype]
     cmd += ["--threads", str(args.threads), "--kv-cache-dtype", ",".join(args.kv)]
     cmd += ["--context", ",".join(map(str, contexts)), "--decode-tokens", str(args.gen)]
-    cmd += ["--repeats", str(args.repetitions), "--json"]
-    out: dict[str, dict] = {}
+    cmd += ["--repeats", "1", "--json"]
+    out: dict[str, dict[str, list[float]]] = {}
     for r in json.loads(run(cmd))["rows"]:
         if r["engine"] != "latentkv" or r.get("speculative"):
             continue
         tier = out.setdefault(r["kv_cache_dtype"], {})
         if r["context"] == args.prefill:
-            tier[f"pp{args.prefill}"] = r["prefill_tps"]
+            tier.setdefault(f"pp{args.prefill}", []).append(r["prefill_tps"])
         for d in args.depths:
             if r["context"] == max(d, 1):
-                tier[f"tg@{d}"] = r["decode_tps"]
+                tier.setdefault(f"tg@{d}", []).append(r["decode_tps"])
     return out
+
+
+def stat(samples: list[float]) -> dict:
+    """The statistic both engines are reported with: median of the samples, with min and max."""
+    return {
+        "median": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "samples": samples,
+    }
+
+
+def merge(into: dict, new: dict) -> None:
+    """Append the sample lists of `new` to those of `into` (nested dicts of lists)."""
+    for key, value in new.items():
+        if isinstance(value, dict):
+            merge(into.setdefault(key, {}), value)
+        else:
+            into.setdefault(key, []).extend(value)
 
 
 def rss_kib() -> dict[str, int]:
@@ -231,6 +279,80 @@ def latentkv_memory(model: Path, dtype: str) -> dict:
     return json.loads(run([sys.executable, __file__, "--measure-memory", str(model), dtype]))
 
 
+def measure_bytes(
+    model_dir: str, dtype: str, depths: list[int], tier: str, threads: int, mib: int = 1024
+) -> dict:
+    """Count the bytes one decode step reads at each depth (in this process, meant to be a fresh
+    child): every weight matrix's bytes each time the step multiplies by it (each `Linear` and
+    per-head product called, counted once per call however the format computes it inside), plus
+    the KV cache's bytes (latent rows and indexer keys: all of them, an upper bound where DSA
+    attends to a selection). The cache is filled with random rows (the bytes do not depend on
+    them). Also the read bandwidth: a float32 torch sum over `mib` MiB with the same threads."""
+    import torch
+
+    from latentkv.config import CacheConfig
+    from latentkv.eval.bench.common import fill_random, measured_index_bytes, predicted_kv_bytes
+    from latentkv.models.weights import load_model
+    from latentkv.weights.base import FORMATS
+    from latentkv.weights.heads import HeadLinears
+
+    torch.set_num_threads(threads)
+    model = load_model(Path(model_dir), dtype)
+    count, inside = [0], [0]
+
+    def counting(fn):
+        def call(self, *args, **kwargs):
+            if not inside[0]:  # the outermost call: a format's add_to may call its own __call__
+                count[0] += self.nbytes
+            inside[0] += 1
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                inside[0] -= 1
+
+        return call
+
+    for cls in {*FORMATS.values(), HeadLinears}:
+        for name in ("__call__", "add_to"):
+            if name in vars(cls):
+                setattr(cls, name, counting(vars(cls)[name]))
+    out = {"weights": dtype, "kv_tier": tier, "weight_bytes": {}, "kv_bytes": {}}
+    with torch.inference_mode():
+        for depth in depths:
+            cache = model.make_cache(CacheConfig(tier))
+            fill_random(cache, max(depth, 1))
+            model.forward(torch.tensor([5]), cache)  # warm-up step
+            count[0] = 0
+            model.forward(torch.tensor([6]), cache)
+            out["weight_bytes"][str(depth)] = count[0]
+            out["kv_bytes"][str(depth)] = predicted_kv_bytes(cache) + measured_index_bytes(cache)
+    buf = torch.rand(mib * 2**18)
+    buf.sum()
+    rates = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        buf.sum()
+        rates.append(buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    out["read_gb_s"] = rates
+    return out
+
+
+def latentkv_bytes(model: Path, dtype: str, args: argparse.Namespace) -> dict:
+    """measure_bytes in a fresh process (this script's --measure-bytes)."""
+    depths = ",".join(map(str, args.depths))
+    cmd = [
+        sys.executable,
+        __file__,
+        "--measure-bytes",
+        str(model),
+        dtype,
+        depths,
+        args.kv[0],
+        str(args.threads),
+    ]
+    return json.loads(run(cmd))
+
+
 def kernel_table(out_f: int, in_f: int, rows: list[int], repeats: int = 7) -> str:
     """int4 and int8 prefill kernels at M rows, interleaved in this process: the op, the tile path
     (what the Linear runs above its threshold), and plain bf16 / f32 F.linear on the float matrix;
@@ -238,13 +360,15 @@ def kernel_table(out_f: int, in_f: int, rows: list[int], repeats: int = 7) -> st
     import torch
     import torch.nn.functional as F
 
-    from latentkv.weights import make_linear
+    from latentkv.weights import int4, make_linear, native
 
     w = torch.randn(out_f, in_f)
     i4, i8, wb = make_linear(w, "int4"), make_linear(w, "int8"), w.to(torch.bfloat16)
+    op_packed = int4.pack_for_op(i4.nibbles()[0])  # the op's own layout (out % 16 == 0 here)
+    op_sz = i4.scale_zeros[:, :out_f].contiguous()
 
     def i4_op(x):
-        return i4._op(x.to(torch.bfloat16).contiguous(), i4.packed, i4.scale_zeros)
+        return i4._op(x.to(torch.bfloat16).contiguous(), op_packed, op_sz)
 
     def i8_op(x):
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), i8.q, i8.scale)
@@ -257,6 +381,10 @@ def kernel_table(out_f: int, in_f: int, rows: list[int], repeats: int = 7) -> st
         "bf16 F.linear": lambda x: F.linear(x.to(torch.bfloat16), wb),
         "f32 F.linear": lambda x: F.linear(x, w),
     }
+    own = native.kernels()
+    if own is not None:  # latentkv's decode kernels, at every row count
+        paths["int4 latentkv"] = lambda x: own.int4_mm(x, i4.packed, i4.scale_zeros, i4.group_size, out_f)
+        paths["int8 latentkv"] = lambda x: own.int8_mm(x, i8.q, i8.scale)
     lines = [f"{out_f}x{in_f}, {torch.get_num_threads()} threads: ms wall / ms CPU (fastest of {repeats})"]
     lines += ["| rows | " + " | ".join(paths) + " |", "|---:|" + "---:|" * len(paths)]
     for m in rows:
@@ -274,12 +402,23 @@ def kernel_table(out_f: int, in_f: int, rows: list[int], repeats: int = 7) -> st
     return "\n".join(lines)
 
 
+def _median(cell: dict | None) -> float | None:
+    return None if not cell else cell["median"]
+
+
 def _ratio(ours: float | None, theirs: float | None) -> float | None:
     return ours / theirs if ours and theirs else None
 
 
 def _fmt(x: float | None, suffix: str = "") -> str:
     return "-" if x is None else f"{x:.2f}{suffix}"
+
+
+def _spread(cell: dict | None) -> str:
+    """median (min-max) of one number's samples."""
+    if not cell:
+        return "-"
+    return f"{cell['median']:.2f} ({cell['min']:.2f}-{cell['max']:.2f})"
 
 
 def speed_table(results: list[dict], kv: list[str]) -> str:
@@ -291,27 +430,55 @@ def speed_table(results: list[dict], kv: list[str]) -> str:
             cells = ""
             for t in kv:
                 ours = r["latentkv"].get(t, {}).get(metric)
-                cells += f" {_fmt(ours)} | {_fmt(_ratio(ours, theirs), 'x')} |"
-            lines.append(f"| {r['gguf']} | {r['weights']} | {metric} | {theirs:.2f} |{cells}")
+                cells += f" {_spread(ours)} | {_fmt(_ratio(_median(ours), _median(theirs)), 'x')} |"
+            lines.append(f"| {r['gguf']} | {r['weights']} | {metric} | {_spread(theirs)} |{cells}")
+    return "\n".join(lines)
+
+
+def bandwidth_table(results: list[dict], traffic: dict[str, dict], kv: str) -> str:
+    """Per latentkv format and decode depth: the bytes a step reads, the rate that makes at the
+    median decode speed, and its share of the measured read bandwidth."""
+    lines = [
+        "| latentkv | metric | weight bytes / token | KV bytes / token | tok/s | GB/s | of read bandwidth |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    seen = set()
+    for r in results:
+        dtype, t = r["weights"], traffic.get(r["weights"])
+        if t is None or dtype in seen:
+            continue
+        seen.add(dtype)
+        read = statistics.median(t["read_gb_s"])
+        for depth, wbytes in t["weight_bytes"].items():
+            tps = _median(r["latentkv"].get(kv, {}).get(f"tg@{depth}"))
+            if tps is None:
+                continue
+            total = wbytes + t["kv_bytes"][depth]
+            gbs = total * tps / 1e9
+            lines.append(
+                f"| {dtype} | tg@{depth} | {wbytes / 1e9:.3f} GB | {t['kv_bytes'][depth] / 1e6:.1f} MB | "
+                f"{tps:.2f} | {gbs:.1f} | {100 * gbs / read:.0f}% of {read:.1f} GB/s |"
+            )
     return "\n".join(lines)
 
 
 def bars(results: list[dict], kv: list[str]) -> list[str]:
-    """One line per bar (pair x metric): met or missed by how much, at latentkv's best KV tier."""
+    """One line per bar (pair x metric): met or missed by how much, at the first KV tier of --kv
+    (the others' ratios follow). Decode bars: DECODE_BARS per latentkv format; prefill: 1.0x."""
     lines = []
     for r in results:
         for metric, theirs in r["llama.cpp"].items():
-            ratios = {t: _ratio(r["latentkv"].get(t, {}).get(metric), theirs) for t in kv}
+            ratios = {t: _ratio(_median(r["latentkv"].get(t, {}).get(metric)), _median(theirs)) for t in kv}
             ratios = {t: x for t, x in ratios.items() if x is not None}
             what = f"{r['weights']} vs {r['gguf']} {metric}"
-            if not ratios:
-                lines.append(f"{what}: no latentkv number")
+            if kv[0] not in ratios:
+                lines.append(f"{what}: no latentkv number at KV {kv[0]}")
                 continue
-            best = max(ratios, key=ratios.get)
-            x = ratios[best]
-            verdict = "met" if x >= 1 else f"missed by {100 * (1 - x):.0f}%"
+            goal = DECODE_BARS.get(r["weights"], 1.0) if metric.startswith("tg") else 1.0
+            x = ratios[kv[0]]
+            verdict = "met" if x >= goal else f"missed by {100 * (1 - x / goal):.0f}%"
             lines.append(
-                f"{what}: {verdict} ({x:.2f}x at KV {best}; "
+                f"{what}: {verdict} ({x:.2f}x at KV {kv[0]}, goal {goal:.1f}x; "
                 + ", ".join(f"{t} {v:.2f}x" for t, v in ratios.items())
                 + ")"
             )
@@ -359,10 +526,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("model", help="HF checkpoint directory (config.json + safetensors), or builtin:NAME")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--depths", default="0,4096", help="decode depths (default: 0,4096)")
-    p.add_argument("--pairs", default="f16:bf16,q8_0:int8,q4_K_M:int4", help="gguf:latentkv format pairs")
-    p.add_argument("--kv", default="f32,bf16,fp8", help="latentkv KV tiers (default: f32,bf16,fp8)")
     p.add_argument(
-        "-r", "--repetitions", type=int, default=3, help="runs per number, both engines (default: 3)"
+        "--pairs", default=DEFAULT_PAIRS, help=f"gguf:latentkv format pairs (default: {DEFAULT_PAIRS})"
+    )
+    p.add_argument(
+        "--kv", default="bf16", help="latentkv KV tiers; the bars are judged at the first (default: bf16)"
+    )
+    p.add_argument(
+        "-r",
+        "--repetitions",
+        type=int,
+        default=3,
+        help="interleaved rounds, one sample per number each (default: 3)",
+    )
+    p.add_argument(
+        "--bytes",
+        action="store_true",
+        help="count the bytes a decode step reads and measure the read bandwidth",
     )
     p.add_argument("--gen", type=int, default=64, help="decode tokens per run (default: 64)")
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens (default: 512)")
@@ -394,6 +574,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"bad --pairs: each is GGUF:LATENTKV with GGUF one of {', '.join(GGUF_FORMATS)}"
     if min(args.depths) < 0 or args.repetitions < 1 or args.gen < 2 or args.prefill < 1 or not args.kv:
         return "--depths must be >= 0, -r >= 1, --gen >= 2, --prefill >= 1, --kv not empty"
+    if len(set(args.pairs)) != len(args.pairs):
+        return "--pairs names a pair twice"
     return None
 
 
@@ -418,29 +600,93 @@ def kernels_main(argv: list[str]) -> int:
         print("error: --kernels OUT IN [THREADS]: OUT a multiple of 16, IN of 64", file=sys.stderr)
         return 2
     torch.set_num_threads(threads)
-    print(kernel_table(out_f, in_f, [1, 16, 32, 48, 64, 96, 128, 512]))
+    print(kernel_table(out_f, in_f, [1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 512]))
     return 0
 
 
-def run_pairs(model: Path, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """Both engines, pair by pair: (speed results, latentkv memory rows)."""
-    results, memory = [], []
+def run_pairs(model: Path, args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
+    """Both engines, round by round (every format once per round, interleaved, the first engine
+    alternating): (speed results per pair, latentkv memory rows, what llama-bench said about itself)."""
+    ggufs = list(dict.fromkeys(fmt for fmt, _ in args.pairs))
+    ours = list(dict.fromkeys(dtype for _, dtype in args.pairs))
+    files = {fmt: gguf(model, fmt, args.work, args.llama_cpp) for fmt in ggufs}
+    theirs: dict[str, dict] = {fmt: {} for fmt in ggufs}
+    mine: dict[str, dict] = {dtype: {} for dtype in ours}
+    about: dict = {}
+    for round_ in range(args.repetitions):
+        steps = [("llama.cpp", fmt) for fmt in ggufs] + [("latentkv", dtype) for dtype in ours]
+        # interleave the two engines, starting with the other one each round
+        a, b = steps[: len(ggufs)], steps[len(ggufs) :]
+        if round_ % 2:
+            a, b = b, a
+        order = [s for pair in zip(a, b, strict=False) for s in pair] + a[len(b) :] + b[len(a) :]
+        for engine, fmt in order:
+            t0 = time.time()
+            if engine == "llama.cpp":
+                samples, about = llama_bench(args.llama_cpp, files[fmt], args)
+                merge(theirs[fmt], samples)
+            else:
+                merge(mine[fmt], latentkv_bench(model, fmt, args))
+            print(
+                f"round {round_ + 1}: {engine} {fmt} in {time.time() - t0:.0f} s", file=sys.stderr, flush=True
+            )
+    results = []
     for fmt, dtype in args.pairs:
-        t0 = time.time()
-        theirs = llama_bench(args.llama_cpp, gguf(model, fmt, args.work, args.llama_cpp), args)
-        ours = latentkv_bench(model, dtype, args)
-        memory.append(latentkv_memory(model, dtype))
-        seconds = time.time() - t0
         results.append(
-            {"gguf": fmt, "weights": dtype, "llama.cpp": theirs, "latentkv": ours, "seconds": seconds}
+            {
+                "gguf": fmt,
+                "weights": dtype,
+                "llama.cpp": {m: stat(v) for m, v in theirs[fmt].items()},
+                "latentkv": {t: {m: stat(v) for m, v in ms.items()} for t, ms in mine[dtype].items()},
+            }
         )
-    return results, memory
+    memory = [latentkv_memory(model, dtype) for dtype in ours]
+    return results, memory, about
+
+
+def machine(llama_about: dict) -> dict:
+    """The CPU model and flags, the threads and both engines' versions, for the JSON."""
+    import torch
+
+    flags, cpu = [], platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() == "flags":
+                flags = value.split()
+                break
+    except OSError:
+        pass
+    shared = shared_module()
+    root = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "src"], capture_output=True, text=True
+    )
+    from latentkv.weights import describe
+
+    return {
+        "cpu": cpu,
+        "cpu_flags": [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "bmi"))],
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "latentkv_commit": commit.stdout.strip() + (" (src modified)" if dirty.stdout.strip() else ""),
+        "latentkv_kernels": {fmt: describe(fmt) for fmt in ("bf16", "int8", "int4")},
+        "llama.cpp": {"version": shared.version() if shared else "unknown", **llama_about},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--measure-memory"]:
         print(json.dumps(measure_memory(argv[1], argv[2])))
+        return 0
+    if argv[:1] == ["--measure-bytes"]:
+        depths = [int(d) for d in argv[3].split(",")]
+        print(json.dumps(measure_bytes(argv[1], argv[2], depths, argv[4], *map(int, argv[5:7]))))
         return 0
     if argv[:1] == ["--kernels"]:
         return kernels_main(argv[1:])
@@ -455,18 +701,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     requested = args.depths
     args.depths, notes = fit_depths(model, args.depths, args.gen)
-    results, memory = run_pairs(model, args)
+    results, memory, about = run_pairs(model, args)
+    traffic = {}
+    if args.bytes:
+        traffic = {
+            dtype: latentkv_bytes(model, dtype, args) for dtype in dict.fromkeys(d for _, d in args.pairs)
+        }
     verdicts = bars(results, args.kv)
-    print(speed_table(results, args.kv) + "\n\n" + memory_table(memory) + "\n")
+    text = speed_table(results, args.kv) + "\n\n"
+    if traffic:
+        text += bandwidth_table(results, traffic, args.kv[0]) + "\n\n"
+    print(text + memory_table(memory) + "\n")
     print("\n".join(notes + verdicts))
     name = args.model.removeprefix("builtin:").rstrip("/").split("/")[-1]
     out = args.out or Path(__file__).parent / "results" / f"vs-llamacpp-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"threads": args.threads, "depths": args.depths, "depths_requested": requested}
-    settings |= {"repetitions": args.repetitions, "gen": args.gen, "prefill": args.prefill}
-    settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "cpu_count": os.cpu_count()}
-    payload = {"model": str(model), **settings, "notes": notes, "bars": verdicts}
-    out.write_text(json.dumps({**payload, "results": results, "memory": memory}, indent=1) + "\n")
+    settings |= {"rounds": args.repetitions, "gen": args.gen, "prefill": args.prefill}
+    settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "flash_attn": 1}
+    settings |= {"statistic": "median of the rounds' samples, with min and max"}
+    payload = {"model": str(model), **settings, "machine": machine(about), "notes": notes, "bars": verdicts}
+    payload |= {"results": results, "memory": memory, "bytes": traffic}
+    out.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -131,3 +131,26 @@ def helpers():
         dequantize_reference64 = staticmethod(dequantize_reference64)
 
     return Helpers
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """Weight formats built under this fixture decode with torch's int8/int4 ops, as where
+    latentkv's own kernels cannot be built (no C++ compiler): the fallback path, and the op's
+    packed layout for int4."""
+    from latentkv.weights import native
+
+    monkeypatch.setattr(native, "kernels", lambda: None)
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_kernels(request):
+    """Run the test with latentkv's kernels (where they build here) and with torch's ops."""
+    if request.param == "torch":
+        request.getfixturevalue("torch_ops")
+    else:
+        from latentkv.weights import native
+
+        if native.kernels() is None:
+            pytest.skip(f"latentkv's kernels are not built here: {native.unavailable()}")
+    return request.param

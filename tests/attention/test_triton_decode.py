@@ -171,6 +171,26 @@ def test_narrow_and_uneven_widths(tier, kernel_device):
         close(out[b], case.f64_reference(b)[0], IEEE_TOL)
 
 
+@pytest.mark.parametrize("tier", ["q8_0", "q4s", "q4_1", "wq4"])
+def test_block_rows_at_odd_addresses_are_read_byte_by_byte(tier, kernel_device):
+    """Rows 2-byte aligned are read as 16-bit words; rows that are not (a view one byte into a
+    wider buffer: odd address, odd stride) take the byte path, with the same result."""
+    case = Case(tier, lengths=(19, 6), seed=450, device=kernel_device)
+    odd = []
+    for seq in case.stored:
+        wide = torch.zeros(
+            seq.c_codes.shape[0], seq.c_codes.shape[1] + 1, dtype=torch.uint8, device=kernel_device
+        )
+        wide[:, 1:] = seq.c_codes
+        odd.append(SequenceRows(wide[:, 1:], seq.c_scales, seq.r_codes, seq.r_scales))
+    even, _ = case.run(splits=2)
+    case.stored = odd
+    out, _ = case.run(splits=2)
+    for b in range(2):
+        close(out[b], case.f64_reference(b)[0], IEEE_TOL)
+    close(out, even, IEEE_TOL)
+
+
 def test_f32_rows_read_in_place_are_not_copied(kernel_device):
     """The kernel reads the cache's own tensors: change a row after building the inputs and the
     result follows it (a copy taken at launch would not)."""

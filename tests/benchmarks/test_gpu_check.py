@@ -41,18 +41,22 @@ def dry_run(tmp_path: Path, *args: str) -> dict:
 
 
 def test_dry_run_of_the_kernel_sections(tmp_path):
-    result = dry_run(tmp_path, "--only", "env,copy,kernels,bandwidth")
-    for name in ("env", "copy", "kernels", "bandwidth"):
+    result = dry_run(tmp_path, "--only", "env,copy,kernels,bandwidth,weights")
+    for name in ("env", "copy", "kernels", "bandwidth", "weights"):
         assert "result" in result[name], (name, result[name])
     assert "oracle" not in result and "decode" not in result
     assert all(r["ok"] for r in result["kernels"]["result"])
     assert all(r["gb_per_s"] > 0 and r["share_of_copy"] > 0 for r in result["bandwidth"]["result"])
+    assert {(r["format"], r["rows"]) for r in result["weights"]["result"]} == {
+        (f, m) for f in ("bf16", "int8", "int4") for m in (1, 64)
+    }
+    assert all(r["ok"] for r in result["weights"]["result"])
 
 
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     result = dry_run(tmp_path)
-    for name in ("env", "copy", "kernels", "bandwidth", "oracle", "decode"):
+    for name in ("env", "copy", "kernels", "bandwidth", "weights", "oracle", "decode"):
         assert "result" in result[name], (name, result[name])
     assert {(r["precision"], r["mode"]) for r in result["kernels"]["result"]} == {
         ("ieee", "split-k"),

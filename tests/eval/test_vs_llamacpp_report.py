@@ -1,10 +1,13 @@
 """benchmarks/vs_llamacpp.py's own logic, without llama.cpp: arguments, depth fitting, the
-bar lines, the memory table and the memory measurement (on builtin:tiny, in a child process)."""
+statistic, the bar lines, the memory table, the memory measurement and the bytes a decode step
+reads (on builtin:tiny)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,20 +24,47 @@ def vs():
     return module
 
 
+def test_the_statistic_is_the_median_with_its_range(vs):
+    assert vs.stat([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "samples": [3.0, 1.0, 2.0]}
+    into = {"bf16": {"tg@0": [1.0]}}
+    vs.merge(into, {"bf16": {"tg@0": [2.0], "pp512": [5.0]}, "f32": {"tg@0": [3.0]}})
+    assert into == {"bf16": {"tg@0": [1.0, 2.0], "pp512": [5.0]}, "f32": {"tg@0": [3.0]}}
+
+
 def test_bar_lines_say_met_or_by_how_much(vs):
     results = [
         {
             "gguf": "q8_0",
             "weights": "int8",
-            "llama.cpp": {"pp512": 100.0, "tg@0": 10.0},
-            "latentkv": {"f32": {"pp512": 150.0, "tg@0": 6.0}, "bf16": {"pp512": 120.0, "tg@0": 8.0}},
+            "llama.cpp": {"pp512": vs.stat([100.0, 90.0, 110.0]), "tg@0": vs.stat([10.0, 10.0, 12.0])},
+            "latentkv": {
+                "bf16": {"pp512": vs.stat([150.0]), "tg@0": vs.stat([11.0, 13.0, 12.0])},
+                "f32": {"pp512": vs.stat([120.0]), "tg@0": vs.stat([14.0])},
+            },
         }
     ]
-    lines = vs.bars(results, ["f32", "bf16"])
-    assert lines[0].startswith("int8 vs q8_0 pp512: met (1.50x at KV f32")
-    assert lines[1].startswith("int8 vs q8_0 tg@0: missed by 20% (0.80x at KV bf16")
-    table = vs.speed_table(results, ["f32", "bf16"])
-    assert "| q8_0 | int8 | tg@0 | 10.00 | 6.00 | 0.60x | 8.00 | 0.80x |" in table
+    lines = vs.bars(results, ["bf16", "f32"])
+    # judged at the first tier, against issue 28's goal for int8 decode (1.2x), prefill 1.0x
+    assert lines[0].startswith("int8 vs q8_0 pp512: met (1.50x at KV bf16, goal 1.0x")
+    assert lines[1].startswith("int8 vs q8_0 tg@0: met (1.20x at KV bf16, goal 1.2x; bf16 1.20x, f32 1.40x")
+    results[0]["latentkv"]["bf16"]["tg@0"] = vs.stat([11.0])
+    assert vs.bars(results, ["bf16"])[1].startswith("int8 vs q8_0 tg@0: missed by 8% (1.10x")
+    table = vs.speed_table(results, ["bf16"])
+    assert "| q8_0 | int8 | tg@0 | 10.00 (10.00-12.00) | 11.00 (11.00-11.00) | 1.10x |" in table
+
+
+def test_bandwidth_table_uses_the_counted_bytes(vs):
+    results = [
+        {
+            "gguf": "q4_K_M",
+            "weights": "int4",
+            "llama.cpp": {},
+            "latentkv": {"bf16": {"tg@0": vs.stat([20.0])}},
+        }
+    ]
+    traffic = {"int4": {"weight_bytes": {"0": 10**9}, "kv_bytes": {"0": 0}, "read_gb_s": [25.0, 24.0, 26.0]}}
+    line = vs.bandwidth_table(results, traffic, "bf16").splitlines()[-1]
+    assert line == "| int4 | tg@0 | 1.000 GB | 0.0 MB | 20.00 | 20.0 | 80% of 25.0 GB/s |"
 
 
 def test_depths_are_lowered_to_what_the_model_holds(vs, tmp_path):
@@ -58,7 +88,15 @@ def test_memory_table_judges_the_5_percent_bar(vs):
     assert [line.rsplit("|", 2)[1].strip() for line in lines] == ["yes", "after trim", "no"]
 
 
-@pytest.mark.parametrize("argv", [["m", "--pairs", "q5:int8"], ["m", "--depths", "x"], ["m", "-r", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["m", "--pairs", "q5:int8"],
+        ["m", "--depths", "x"],
+        ["m", "-r", "0"],
+        ["m", "--pairs", "bf16:bf16,bf16:bf16"],
+    ],
+)
 def test_bad_options_are_one_line_exit_2(vs, argv, capsys):
     assert vs.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -77,3 +115,22 @@ def test_memory_measure_reports_the_format_and_the_parameters(vs, tiny_dir):
     assert m["weights"] == "int4" and m["parameters"] == params
     assert m["format_bytes"] == load_model(tiny_dir, "int4").weight_bytes() < 4 * params
     assert {"anon_bytes_after_load", "anon_bytes_after_trim", "rss_bytes_after_load"} <= m.keys()
+
+
+def test_bytes_per_decode_step_are_counted(tiny_dir):
+    """In a child process (the count wraps the formats' classes): every matrix a step multiplies
+    by is counted (past index_topk cached tokens, DSA's indexer runs too: more matrices); the KV
+    grows with the depth; int8 reads about a quarter of f32's bytes."""
+    counted = {}
+    for fmt in ("f32", "int8"):
+        cmd = [sys.executable, str(SCRIPT), "--measure-bytes", str(tiny_dir), fmt, "0,64", "bf16", "1", "16"]
+        counted[fmt] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    from latentkv.models.weights import load_model
+
+    f32 = counted["f32"]
+    assert 0 < f32["weight_bytes"]["0"] < f32["weight_bytes"]["64"]
+    assert f32["kv_bytes"]["64"] > f32["kv_bytes"]["0"]
+    # at most the model's matrices (the embedding's rows and the MTP layer are not read by a step)
+    assert f32["weight_bytes"]["0"] <= load_model(tiny_dir, "f32").weight_bytes()
+    assert 3 < f32["weight_bytes"]["0"] / counted["int8"]["weight_bytes"]["0"] < 4.1
+    assert len(f32["read_gb_s"]) == 7 and min(f32["read_gb_s"]) > 0

@@ -1,6 +1,6 @@
-"""int4 experts are stored in the layout of the CPU's int4 op (so a read expert is used as read),
-with that layout named in the extent's params; a CPU whose op lays bytes out differently repacks
-them when reading. Checked on fresh random weights against the portable nibbles and against the
+"""int4 experts are stored in the packed layout of the writing process (latentkv's kernel's, or the
+CPU's int4 op's; so a read expert is used as read), with that layout named in the extent's
+params; a process that packs differently repacks them when reading. Checked on fresh random weights against the portable nibbles and against the
 Linear the store was written from (its product on the same input, exactly)."""
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ def _layouts() -> list[int4.Layout]:
         (8, torch.tensor([0, 2, 4, 6]), torch.tensor([1, 3, 5, 7])),
         (32, perm[:16], perm[16:]),
     ]
-    if int4.tile_layout() is not None:
-        found.append(int4.tile_layout())
+    for own in (int4.layout(), int4.op_layout()):
+        if own is not None:
+            found.append(own)
     return found
 
 
@@ -41,7 +42,7 @@ def test_pack_with_and_unpack_with_are_inverse(layout):
 
 
 def test_this_cpus_layout_is_the_ops_layout():
-    layout = int4.tile_layout()
+    layout = int4.op_layout()
     if layout is None:
         pytest.skip("this CPU's int4 layout is not understood: stores keep portable nibbles")
     q = torch.randint(0, 16, (2 * layout[0], 128), dtype=torch.uint8)
@@ -64,10 +65,10 @@ def _linear(out_f: int, in_f: int, bias: bool) -> Int4Linear:
 
 
 @pytest.mark.parametrize(("out_f", "in_f", "bias"), [(128, 64, False), (72, 80, True)])
-def test_raw_tensors_rebuild_the_same_linear_without_a_copy(out_f, in_f, bias):
+def test_raw_tensors_rebuild_the_same_linear_without_a_copy(out_f, in_f, bias, decode_kernels):
     lin = _linear(out_f, in_f, bias)
     params, raw = extent_mod._int4_to_raw(lin)
-    if int4.tile_layout() is None or lin._out_padded % int4.tile_layout()[0]:
+    if lin.layout is None or lin._out_padded % lin.layout[0]:
         assert "nibbles" in raw  # the portable form
     else:
         assert set(raw) - {"bias"} == {"packed", "scale_zeros"} and "layout" in params
@@ -79,7 +80,7 @@ def test_raw_tensors_rebuild_the_same_linear_without_a_copy(out_f, in_f, bias):
 
 
 @pytest.mark.parametrize("layout", _layouts()[:3], ids=["halves", "interleaved", "scrambled"])
-def test_a_store_from_a_cpu_with_another_layout_is_repacked(layout):
+def test_a_store_from_a_cpu_with_another_layout_is_repacked(layout, decode_kernels):
     """Bytes packed in a foreign layout (as an extent written on another CPU holds them) give
     this CPU's Linear: the same product as the Linear they were packed from."""
     lin = _linear(256, 64, bias=True)
@@ -112,9 +113,9 @@ def test_portable_pieces_from_either_form(packed, monkeypatch):
     and zeros, whichever form the extent holds."""
     lin = _linear(120, 64, bias=False)  # 120 rows: padded to 128 in the packed form
     if not packed:
-        monkeypatch.setattr(int4, "tile_layout", lambda: None)
+        monkeypatch.setattr(lin, "layout", None)
     params, raw = extent_mod._int4_to_raw(lin)
-    assert ("packed" in raw) == packed or int4.tile_layout() is None
+    assert ("packed" in raw) == packed or int4.layout() is None
     nibbles, scale, zero = extent_mod.int4_portable(params, raw)
     want = lin.nibbles()
     for got, ref in zip((nibbles, scale, zero), want, strict=True):

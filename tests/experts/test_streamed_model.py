@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from latentkv.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig
-from latentkv.experts.base import Expert
+from latentkv.experts.base import Expert, LocalStore
 from latentkv.experts.store_file import read_manifest
 from latentkv.experts.streamed import StreamConfig
 from latentkv.models.loader import Checkpoint
 from latentkv.models.registry import resolve
 from latentkv.models.weights import load_model
-from latentkv.streaming.attach import StreamedMoE, moe_layers, stream_model
+from latentkv.streaming.attach import load_streamed, moe_layers
 from latentkv.streaming.convert import _ExpertSource, convert_experts
 
 FAST_TIERS = ("f32", "fp8", "tq4-r8")
@@ -29,7 +29,7 @@ PROMPT = [5, 17, 99, 3, 42, 7]
 STEPS = 6
 
 
-class ResidentDict:
+class ResidentDict(LocalStore):
     """Every expert held in memory, served through the same store contract."""
 
     def __init__(self, experts: dict[int, Expert]):
@@ -37,18 +37,9 @@ class ResidentDict:
         self.num_experts = len(experts)
         self.asked: list[list[int]] = []
 
-    @property
-    def stacked(self):
-        return None
-
-    bounded = False
-
     def get(self, ids: Sequence[int], first: bool = True) -> dict[int, Expert]:
         self.asked.append(list(ids))
         return {e: self._experts[e] for e in ids}
-
-    def prefetch(self, ids: Sequence[int]) -> None:
-        pass
 
     @property
     def nbytes(self) -> int:
@@ -63,26 +54,31 @@ def converted(request, tmp_path_factory):
     return model_dir, store
 
 
+class ResidentSource:
+    """Every layer's experts as the converter builds them, held in memory (`ResidentDict`)."""
+
+    predicts = False
+
+    def __init__(self, model_dir):
+        self.cfg = ModelConfig.from_hf(model_dir)
+        self.experts = _ExpertSource(self.cfg, Checkpoint(model_dir), None)
+
+    def store(self, layer: int) -> ResidentDict:
+        n = self.cfg.n_routed_experts
+        return ResidentDict({e: self.experts.expert(layer, e, "f32", {}) for e in range(n)})
+
+
 def _resident(model_dir):
-    model = load_model(model_dir)
-    cfg = ModelConfig.from_hf(model_dir)
-    source = _ExpertSource(cfg, Checkpoint(model_dir), None)
-    for i in moe_layers(model):
-        mlp = model.blocks[i].mlp
-        experts = {e: source.expert(i, e, "f32", {}) for e in range(cfg.n_routed_experts)}
-        model.blocks[i].mlp = StreamedMoE(mlp.router, ResidentDict(experts), mlp.shared)
-    return model
+    return load_model(model_dir, experts=ResidentSource(model_dir), load_mtp=False)
 
 
-def _streamed(model_dir, store, experts_per_layer: int, **kw):
-    model = load_model(model_dir)
+def _streamed(model_dir, store, experts_per_layer: int, prefetch: bool = True, **kw):
     m = read_manifest(store)
     stride = max(e.layout.stride for e in m.layers.values())
     budget = experts_per_layer * len(m.layers) * stride
-    streamer = stream_model(
-        model, store, StreamConfig(budget=budget, history=False, **kw), Checkpoint(model_dir).fingerprint()
+    return load_streamed(
+        model_dir, store, StreamConfig(budget=budget, history=False, **kw), prefetch=prefetch
     )
-    return model, streamer
 
 
 def _greedy(model, tier: str) -> tuple[list[int], list[torch.Tensor]]:
@@ -187,18 +183,14 @@ def test_prefetch_recall_is_measured(converted):
         _greedy(model, "f32")
         assert 0 < streamer.snapshot()["predicted"] < t["predicted"]
         streamer.close()
-    model, streamer = _streamed(model_dir, store, 1)
-    for block in model.blocks:
-        if hasattr(block.mlp, "lookahead"):
-            block.mlp.lookahead = None
+    model, streamer = _streamed(model_dir, store, 1, prefetch=False)
+    assert not [b for b in model.blocks if getattr(b.mlp, "lookahead", None) is not None]
     _greedy(model, "f32")
     assert streamer.snapshot()["predicted"] == 0
     streamer.close()
 
 
 def test_load_streamed_never_reads_an_expert_tensor(converted, monkeypatch):
-    from latentkv.streaming.attach import load_streamed
-
     model_dir, store = converted
     ref = _greedy(_resident(model_dir), "f32")
     read = []
@@ -212,7 +204,6 @@ def test_load_streamed_never_reads_an_expert_tensor(converted, monkeypatch):
 
 def test_a_store_of_another_model_is_refused(converted, tmp_path):
     from latentkv.experts.store_file import ExpertFileError
-    from latentkv.streaming.attach import load_streamed
 
     model_dir, store = converted
     other = resolve("builtin:fixture" if "tiny" in str(model_dir) else "builtin:tiny")
@@ -222,8 +213,6 @@ def test_a_store_of_another_model_is_refused(converted, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_packed_experts_stream_identically_to_resident_packed(tmp_path, fmt):
-    from latentkv.streaming.attach import load_streamed
-
     model_dir = resolve("builtin:fixture")
     store = tmp_path / "experts"
     convert_experts(model_dir, store, fmt)

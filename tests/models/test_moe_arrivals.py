@@ -10,32 +10,30 @@ import random
 import pytest
 import torch
 
+from latentkv.experts.base import LocalStore
 from latentkv.models.moe import MoE
 from latentkv.models.registry import resolve
 from latentkv.models.weights import load_model
 
 
-class Store:
+class Store(LocalStore):
     """Experts resident, asked through the store contract; `shuffle` hands `arrivals` over in a
-    random order (as reads finishing out of order would), and `bounded` as a store from disk."""
+    random order (as reads finishing out of order would), k at a time as a store from disk."""
 
-    def __init__(self, experts: dict, shuffle: bool, seed: int = 0):
-        self._experts, self.num_experts, self.stacked = experts, len(experts), None
-        self.bounded = shuffle
+    def __init__(self, experts: dict, shuffle: bool, seed: int = 0, k: int = 6):
+        self._experts, self.num_experts = experts, len(experts)
+        self.at_once = k if shuffle else None
         self._rng = random.Random(seed) if shuffle else None
-        if shuffle:
-            self.arrivals = self._arrivals
 
     def get(self, ids, first=True):
         return {e: self._experts[e] for e in ids}
 
-    def _arrivals(self, ids, first=True):
+    def arrivals(self, ids, first=True):
+        if self._rng is None:
+            return super().arrivals(ids, first)
         order = list(ids)
         self._rng.shuffle(order)
         return iter([(e, self._experts[e]) for e in order])
-
-    def prefetch(self, ids):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +80,9 @@ def test_the_check_can_fail_adding_in_arrival_order_changes_bits(moe_layer, monk
     """Control: with the outputs added as they arrive (no reordering) some case differs."""
     from latentkv.models import moe as moe_mod
 
-    def unordered(ids, arriving, run, add):
-        for e, expert in arriving:
-            add(e, run(e, expert))
+    def unordered(ids, results, add):
+        for e, y in results:
+            add(e, y)
 
     mlp, experts = moe_layer
     x = torch.randn(40, experts[0].gate_up.in_features, generator=torch.Generator().manual_seed(7))

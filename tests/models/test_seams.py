@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from latentkv.attention import BACKENDS, REFERENCE, backend_for, register_backend
 from latentkv.attention import base as attention_base
-from latentkv.experts import Expert
+from latentkv.experts import Expert, LocalStore
 from latentkv.weights import FORMATS, Linear
 
 
@@ -73,16 +73,15 @@ def test_a_format_without_a_plain_tensor_runs_every_path(name, checkpoint, ours,
         caches[f32][0].trim(caches[f32][0].length - 1)
 
 
-class LazyStore:
+class LazyStore(LocalStore):
     """Loads each expert on request as fresh copies and invalidates the previous request's
     experts: the lifetime the ExpertStore contract allows."""
 
-    def __init__(self, resident):
-        self.resident, self.num_experts, self.stacked = resident, resident.num_experts, None
+    def __init__(self, resident, at_once: int):
+        self.resident, self.num_experts = resident, resident.num_experts
         self.live: dict[int, Expert] = {}
         self.calls, self.hints = 0, []
-
-    bounded = True  # asked for k experts at a time: the chunks' lifetimes are tested too
+        self.at_once = at_once  # asked for k experts at a time: the chunks' lifetimes are tested too
 
     def get(self, ids, first=True):
         for expert in self.live.values():  # evicted: any later use would fail loudly
@@ -108,7 +107,7 @@ def test_a_lazy_evicting_expert_store_gives_the_resident_results(ours, rows, dec
     from latentkv.models.moe import MoE
 
     layer = ours("dsv3-tiny").blocks[-1].mlp
-    lazy = MoE(layer.router, LazyStore(layer.experts), layer.shared)
+    lazy = MoE(layer.router, LazyStore(layer.experts, layer.router.top_k), layer.shared)
     x = torch.randn(rows, layer.router.w.weight.in_features, generator=torch.Generator().manual_seed(rows))
     expected = torch.cat([layer(x[i : i + 1]) for i in range(rows)])  # one token at a time, resident
     assert _relative(lazy(x, decode=decode), expected) < 1e-5

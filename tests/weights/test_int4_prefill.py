@@ -1,13 +1,14 @@
-"""int4 prefill: more than PREFILL_MIN_ROWS rows run on bfloat16 tiles dequantized from the op's
-packed layout. Both paths (tiles and the op) are checked against the dequantize-then-compute
-reference in float64 on fresh random inputs, on shapes with whole row blocks, a partial last
-block, padded columns and a bias."""
+"""int4 prefill: many rows run on tiles dequantized from the packed layout (latentkv's kernel's,
+or torch's op's where the kernels are not built: then above PREFILL_MIN_ROWS rows, bfloat16).
+Tiles, the op and the kernel are checked against the dequantize-then-compute reference in
+float64 on fresh random inputs, on shapes with whole row blocks, a partial last block, padded
+columns and a bias."""
 
 import pytest
 import torch
 
 from latentkv.weights import int4
-from latentkv.weights.int4 import Int4Linear, tile_layout
+from latentkv.weights.int4 import Int4Linear, op_layout
 
 # bf16 rounding of x and of the dequantized matrix: ~2^-9 per element; measured ~0.003
 REL_TOL = 0.01
@@ -34,32 +35,42 @@ def _padded_bf16(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
 
 def test_this_cpu_layout_is_understood():
     """The op's layout on the CPUs we build for (AVX-512 and AVX2 vector paths) is blocked."""
-    layout = tile_layout()
+    layout = op_layout()
     assert layout is not None and int4.TILE_ROWS % layout[0] == 0
 
 
 @pytest.mark.parametrize(("out_f", "in_f", "group"), SHAPES)
-def test_tiles_and_op_match_the_reference(out_f, in_f, group):
+def test_tiles_and_decode_match_the_reference(out_f, in_f, group, decode_kernels):
     lin, x, want = _case(out_f, in_f, group, rows=70, seed=out_f + in_f)
     xb = _padded_bf16(lin, x)
     tiled = lin._tiled(xb)[:, :out_f]
-    op = lin._op(xb, lin.packed, lin.scale_zeros)[:, :out_f]
-    assert _rel(tiled, want) < REL_TOL and _rel(op, want) < REL_TOL, (_rel(tiled, want), _rel(op, want))
-    assert tiled.shape == op.shape == want.shape
+    if decode_kernels == "torch":
+        decode = lin._op(xb, lin.packed, lin.scale_zeros)[:, :out_f]
+    else:
+        decode = lin(x[:8])
+        want = want[:8]
+        tiled = tiled[:8]
+    assert _rel(tiled, want) < REL_TOL and _rel(decode, want) < REL_TOL, (
+        _rel(tiled, want),
+        _rel(decode, want),
+    )
+    assert tiled.shape == decode.shape == want.shape
 
 
-def test_the_tile_is_the_dequantized_matrix():
-    """One tile, unpacked from the op's layout, is the reference matrix rounded to bf16."""
+def test_the_tile_is_the_dequantized_matrix(decode_kernels):
+    """One tile, unpacked from the packed layout, is the reference matrix rounded to bf16."""
     lin, _, _ = _case(1024 + 128, 192, 64, rows=1, seed=3)
     ref = lin.dequantize()
-    block = tile_layout()[0]
+    block = lin.layout[0]
     for r0, r1 in ((0, 1024), (1024, 1024 + block)):
         tile = lin._dequantized_tile(r0, r1)  # [in, rows]
         assert torch.allclose(tile.float().T, ref[r0:r1], rtol=2**-8, atol=1e-6)
+    exact = lin._dequantized_tile(0, 1024, torch.float32)  # the float32 tiles (AVX2 machines)
+    assert torch.allclose(exact.T, ref[:1024], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, int4.PREFILL_MIN_ROWS, int4.PREFILL_MIN_ROWS + 1, 300])
-def test_call_picks_by_rows_and_stays_right(rows, monkeypatch):
+@pytest.mark.parametrize("rows", [1, int4.KERNEL_MAX_ROWS + 1, int4.PREFILL_MIN_ROWS + 1, 300])
+def test_call_picks_by_rows_and_stays_right(rows, monkeypatch, decode_kernels):
     lin, x, want = _case(272, 160, 32, rows=rows, seed=rows, bias=True)
     used = []
     monkeypatch.setattr(
@@ -67,7 +78,10 @@ def test_call_picks_by_rows_and_stays_right(rows, monkeypatch):
     )
     y = lin(x.view(1, rows, 160))
     assert y.shape == (1, rows, 272) and _rel(y[0], want) < REL_TOL
-    assert bool(used) == (rows > int4.PREFILL_MIN_ROWS and int4.prefill_tiles())
+    if decode_kernels == "native":
+        assert bool(used) == (rows > int4.KERNEL_MAX_ROWS)
+    else:
+        assert bool(used) == (rows > int4.PREFILL_MIN_ROWS and int4.prefill_tiles())
 
 
 def test_tiles_hold_no_dequantized_copy():

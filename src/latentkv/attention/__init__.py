@@ -2,5 +2,15 @@
 
 from latentkv.attention.base import BACKENDS, AttentionBackend, backend_for, register_backend
 from latentkv.attention.reference import REFERENCE, TorchReference
+from latentkv.attention.triton.backend import TRITON, TritonDecode
 
-__all__ = ["BACKENDS", "REFERENCE", "AttentionBackend", "TorchReference", "backend_for", "register_backend"]
+__all__ = [
+    "BACKENDS",
+    "REFERENCE",
+    "TRITON",
+    "AttentionBackend",
+    "TorchReference",
+    "TritonDecode",
+    "backend_for",
+    "register_backend",
+]

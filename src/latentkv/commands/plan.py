@@ -1,5 +1,6 @@
 """`latentkv plan MODEL`: how a RAM budget splits between dense weights, the KV pool,
-activations and the expert cache, and what that means for reads per token. With `--nodes N`:
+activations and the expert cache, and what that means for reads per token. With `--vram-gb V`:
+the same for one GPU (streaming/gpu_plan.py), VRAM and host RAM each with their share. With `--nodes N`:
 the same for a cluster of N ranks (docs/distributed.md), each rank's share of the experts, and
 the placement (`--placement-out FILE`) that `experts convert --rank` and the cluster's ranks use."""
 
@@ -32,7 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "with --nodes one budget for every rank or one per rank (G0,G1,...; rank 0 is the head)",
     )
     p.add_argument(
-        "--weight-dtype", default="f32", help="weight format of the dense weights and experts (default: f32)"
+        "--vram-gb",
+        type=float,
+        default=None,
+        metavar="V",
+        help="plan for one GPU with V GiB of memory: dense weights, KV pool and activations in VRAM, "
+        "the routed experts in VRAM when they fit, else pinned in host RAM (--ram-gb) or streamed from "
+        "disk, with the hottest cached in VRAM",
+    )
+    p.add_argument(
+        "--weight-dtype",
+        default=None,
+        help="weight format of the dense weights and experts (default: f32; bf16 with --vram-gb)",
     )
     add_cache_arguments(p)
     p.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
@@ -77,6 +89,16 @@ def run(args: argparse.Namespace) -> int:
     check_tokens("--max-model-len", args.max_model_len)
     check_number("--max-num-seqs", args.max_num_seqs, 1, MAX_SEQS, integer=True)
     cluster = args.nodes is not None
+    if args.vram_gb is not None and (cluster or not args.vram_gb > 0):
+        raise UserError(
+            "--vram-gb plans one GPU: drop --nodes"
+            if cluster
+            else f"--vram-gb must be positive (got {args.vram_gb:g})"
+        )
+    if args.weight_dtype is None:
+        from latentkv.streaming.gpu_plan import GPU_WEIGHT_DTYPE
+
+        args.weight_dtype = GPU_WEIGHT_DTYPE if args.vram_gb is not None else "f32"
     if not cluster and (args.disk_gbps or args.no_head_experts or args.placement_out):
         raise UserError("--disk-gbps, --no-head-experts and --placement-out plan a cluster: add --nodes N")
     if cluster and not 1 <= args.nodes <= MAX_NODES:
@@ -90,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         cache = cache_config(args)
         if cluster:
             return _cluster(args, cfg, model_dir, rams, cache, draft_tokens)
+        if args.vram_gb is not None:
+            return _gpu(args, cfg, model_dir, rams, cache, draft_tokens)
         from latentkv.streaming.planner import format_plan, make_plan
 
         ram = None if rams is None else int(rams[0] * (1 << 30))
@@ -106,6 +130,24 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFound, ConfigError, CheckpointError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+def _gpu(args, cfg, model_dir: Path, rams, cache, draft_tokens: int) -> int:
+    from latentkv.streaming.gpu_plan import format_gpu_plan, make_gpu_plan
+
+    plan = make_gpu_plan(
+        cfg,
+        model_dir,
+        int(args.vram_gb * (1 << 30)),
+        None if rams is None else int(rams[0] * (1 << 30)),
+        args.weight_dtype,
+        cache,
+        args.max_model_len,
+        args.max_num_seqs,
+        draft_tokens=draft_tokens,
+    )
+    print(json.dumps(plan.as_dict(), indent=1) if args.json else format_gpu_plan(plan))
     return 0 if plan.fits else 1
 
 

@@ -1,24 +1,30 @@
-"""The expert seam: a MoE layer asks its `ExpertStore` for the experts a batch routed to.
+"""The expert seam: a MoE layer hands its `ExpertStore` the rows routed to each expert.
 
-    experts = store.get([3, 17, 40])      # {id: Expert}, valid until the next `get` on this store
-    y = experts[17](x)                    # SwiGLU: down(silu(gate(x)) * up(x)), each a `Linear`
+    jobs = [Job(3, rows3), Job(17, rows17)]   # rows of x [N, D] routed to each expert
+    results = store.run(x, jobs)          # every job started (reads issued, rows sent) ...
+    shared = shared_expert(x)             # ... so the layer computes meanwhile
+    for e, y in results: ...              # (id, expert(x[rows])) as each is ready, any order
     store.prefetch([5, 9])                # a hint: these will be asked for soon (may be ignored)
 
 Contract (what a store may rely on, and what the MoE layer promises):
-  - One store per MoE layer. `get(ids)` returns every requested expert (ids are distinct,
-    0 <= id < num_experts); the Expert objects stay valid until the next `get` on the same
-    store, and not longer: a store that loads experts lazily may evict or reuse their memory
-    after that. The layer therefore asks once per forward pass for every expert it needs
-    (at most min(num_experts, tokens * k) of them) and drops the mapping before the next pass.
+  - One store per MoE layer, built with the layer (`ExpertSource.store`). A forward pass calls
+    `run` once per layer, with a job for every expert it needs (distinct ids, 0 <= id <
+    num_experts); it weights the outputs by the router and adds them in its own fixed order, so
+    the sum is bit-identical whatever order they arrive in. Where the
+    experts are computed is the store's business: in this process (`LocalStore`, over
+    `get`/`arrivals`), or where they live (another rank's share, issue 23).
+  - A `LocalStore`'s `get(ids)` returns Expert objects valid until its next `get`, and not
+    longer: a store that loads experts lazily may evict or reuse their memory after that.
+    `at_once` bounds how many it is asked for at a time (a store from disk: one token's k).
   - `prefetch(ids)` is advice (e.g. the next layer's router run early); it returns at once.
   - `stacked` is the whole layer as two stacked tensors when the store keeps them resident in
     a plain dtype (f32, bf16): the MoE layer's fast paths (every expert at once, gathered
-    experts) read it. A store without it (streamed, or packed formats) is served through `get`.
+    experts) read it. A store without it (streamed, or packed formats) is served through `run`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,25 +72,104 @@ class StackedExperts:
         return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
 
 
+@dataclass(frozen=True)
+class Job:
+    """The rows of a MoE input routed to one expert."""
+
+    expert: int
+    rows: torch.Tensor | None  # [n] int64 indices into the input's rows; None: every row
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The job's rows of x [N, D] -> [n, D] (a lone token's x as it is)."""
+        return x if self.rows is None else x.index_select(0, self.rows)
+
+    def apply(self, expert: Expert, x: torch.Tensor) -> torch.Tensor:
+        """expert(the job's rows of x) -> [n, D], unweighted: what a store hands back."""
+        return expert(self.inputs(x))
+
+
 class ExpertStore(Protocol):
-    """The routed experts of one MoE layer."""
+    """The routed experts of one MoE layer: everything the MoE layer asks of them."""
 
     num_experts: int
     stacked: StackedExperts | None  # the whole layer stacked, when resident in a plain dtype
-    # True for a store that reads experts from disk beside a bounded cache: a pass asks it for at
-    # most one token's k experts per `get` (never a long prompt's whole layer at once)
-    bounded: bool
 
-    def get(self, ids: Sequence[int], first: bool = True) -> Mapping[int, Expert]:
-        """The experts `ids`, valid until the next `get` on this store. `first`: False for a
-        further `get` of the same pass (a store counting passes counts it once)."""
+    def run(self, x: torch.Tensor, jobs: Sequence[Job]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(job.expert, expert(job's rows of x)) for every job (distinct experts), in any order:
+        each as soon as it is ready. Every job has started (reads issued, rows sent) when this
+        returns, so the caller computes meanwhile and then iterates; closing the iterator before
+        its end releases what the pass holds."""
         ...
 
     def prefetch(self, ids: Sequence[int]) -> None:
-        """Advice: these experts will be asked for soon."""
+        """Advice: these experts will be asked for soon. Returns at once."""
         ...
 
     @property
     def nbytes(self) -> int:
         """Bytes this store holds resident now."""
+        ...
+
+
+class LocalStore:
+    """Base of the stores whose experts are computed in this process: `run` is built on
+    `arrivals`, which is built on `get` (a subclass implements `get`, and `arrivals` when it
+    can hand experts over as each becomes ready)."""
+
+    num_experts: int
+    stacked: StackedExperts | None = None
+    # Ask for at most this many experts at once (None: all of a pass's): a store reading from
+    # disk beside a bounded cache must not hold a long prompt's whole layer at once.
+    at_once: int | None = None
+
+    def get(self, ids: Sequence[int], first: bool = True) -> Mapping[int, Expert]:
+        """The experts `ids`, valid until the next `get` or `arrivals` on this store. `first`:
+        False for a further ask of the same pass (a store counting passes counts it once)."""
+        raise NotImplementedError
+
+    def arrivals(self, ids: Sequence[int], first: bool = True) -> Iterator[tuple[int, Expert]]:
+        """What `get` returns, as (id, expert) pairs, each as it becomes ready; every read has
+        started when this returns. By default `get`'s, in order."""
+        return iter(self.get(ids, first).items())
+
+    def run(self, x: torch.Tensor, jobs: Sequence[Job]) -> Iterator[tuple[int, torch.Tensor]]:
+        """`ExpertStore.run`: each job's expert applied as it arrives, `at_once` experts at a
+        time. The first chunk is asked for now; later ones as the caller iterates."""
+        if not jobs:
+            return iter(())
+        step = self.at_once or len(jobs)
+        chunks = [jobs[i : i + step] for i in range(0, len(jobs), step)]
+        first = self.arrivals([j.expert for j in chunks[0]], True)
+        return self._computed(x, chunks, first)
+
+    def _computed(
+        self, x: torch.Tensor, chunks: list[Sequence[Job]], arriving: Iterator[tuple[int, Expert]]
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        for i, chunk in enumerate(chunks):
+            if i:
+                arriving = self.arrivals([j.expert for j in chunk], False)
+            by_id = {j.expert: j for j in chunk}
+            try:
+                for e, expert in arriving:
+                    yield e, by_id[e].apply(expert, x)
+            finally:
+                close = getattr(arriving, "close", None)
+                if close is not None:
+                    close()
+
+    def prefetch(self, ids: Sequence[int]) -> None:
+        """Advice only; a store with nothing to read ahead ignores it."""
+
+
+class ExpertSource(Protocol):
+    """Where a model's routed experts live when the loader does not read them from the
+    checkpoint (streamed from disk, other machines): the loader builds every MoE layer with
+    its store (`latentkv.models.weights.load_model(..., experts=source)`)."""
+
+    # Each MoE layer predicts the next MoE layer's experts from its hidden state and calls that
+    # store's `prefetch` (worth it when a store reads ahead: the router runs twice per layer).
+    predicts: bool
+
+    def store(self, layer: int) -> ExpertStore:
+        """The store of MoE layer `layer` (the checkpoint's layer index)."""
         ...

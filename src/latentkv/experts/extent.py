@@ -2,9 +2,10 @@
 
 An extent holds an expert's two Linear objects, gate_up [2I, D] and down [D, I], each as its
 format's raw tensors: `weight` (f32, bf16), `q` + `scale` (int8), and for int4 `packed` +
-`scale_zeros` in the layout of the CPU's int4 op, which the params name (a CPU with that layout
-uses the bytes as read, so a read expert needs no packing; another CPU repacks them), or the
-portable `nibbles` + `scale` + `zero` where the writing CPU's layout was not understood.
+`scale_zeros` in the packed layout of the writing process (`int4.layout()`: latentkv's kernel's,
+or the CPU's int4 op's), which the params name (a process with that layout uses the bytes as
+read, so a read expert needs no packing; another repacks them), or the portable `nibbles` +
+`scale` + `zero` where the writer's layout was not understood.
 The layout's meta records each Linear's format and parameters, so the reader rebuilds exactly
 the objects the converter wrote: plain and int8 tensors are views of the read buffer (no copy).
 
@@ -86,10 +87,10 @@ def _int8_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> 
 
 
 def _int4_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:
-    # The op's packed layout of this CPU, named in params so that a CPU with another layout
-    # repacks it when read (and this one uses the bytes as they are); where this CPU's layout
-    # is not understood, the portable nibbles.
-    layout = int4.tile_layout()
+    # The Linear's packed layout, named in params so that a process with another layout repacks
+    # it when read (and one with this layout uses the bytes as they are); where the layout is
+    # not understood, the portable nibbles.
+    layout = lin.layout
     if layout is None or lin._out_padded % layout[0]:
         nibbles, scale, zero = lin.nibbles()
         return {"in_features": lin.in_features}, _with_bias(
@@ -105,20 +106,21 @@ def _int4_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> 
     cls = format_class(fmt)
     if "packed" not in t:
         return cls(t["nibbles"], t["scale"], t["zero"], params["in_features"], t.get("bias"))
-    packed = t["packed"]
-    stored, native = _int4_layout(json.dumps(params["layout"], sort_keys=True))
-    if not native:  # written on a CPU whose op lays the bytes out differently
-        packed = int4.pack_for_op(int4.unpack_with(packed, stored))
-    return cls.from_packed(
-        packed, t["scale_zeros"], params["in_features"], params["out_features"], t.get("bias")
-    )
+    out_f = params["out_features"]
+    _stored, native = _int4_layout(json.dumps(params["layout"], sort_keys=True))
+    if native and t["packed"].shape[0] == -(-out_f // int4.row_multiple()) * int4.row_multiple():
+        return cls.from_packed(t["packed"], t["scale_zeros"], params["in_features"], out_f, t.get("bias"))
+    # written by a process that packs differently (another CPU's op, or the other of op and kernel)
+    nibbles, scale, zero = int4_portable(params, t)
+    return cls(nibbles, scale, zero, params["in_features"], t.get("bias"))
 
 
 @functools.lru_cache(maxsize=16)
 def _int4_layout(spec: str) -> tuple[int4.Layout, bool]:
-    """A stored layout (its JSON) and whether it is this CPU's: parsed once per store, not per read."""
+    """A stored layout (its JSON) and whether it is this process's: parsed once per store, not
+    per read."""
     layout = int4.layout_from_spec(json.loads(spec))
-    return layout, int4.same_layout(layout, int4.tile_layout())
+    return layout, int4.same_layout(layout, int4.layout())
 
 
 def int4_portable(

@@ -6,11 +6,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from latentkv.experts.base import Expert, StackedExperts
+from latentkv.experts.base import Expert, LocalStore, StackedExperts
 from latentkv.weights.base import format_class
 
 
-class ResidentExperts:
+class ResidentExperts(LocalStore):
     """All E experts held in memory. In a plain dtype (f32, bf16) they are views of two stacked
     tensors, which the MoE fast paths read directly; a packed format holds one Linear pair per
     expert and no stacked form."""
@@ -40,13 +40,8 @@ class ResidentExperts:
     def __len__(self) -> int:
         return self.num_experts
 
-    bounded = False
-
     def get(self, ids: Sequence[int], first: bool = True) -> Mapping[int, Expert]:
         return {e: self.experts[e] for e in ids}
-
-    def prefetch(self, ids: Sequence[int]) -> None:
-        """Everything is resident: nothing to do."""
 
     @property
     def nbytes(self) -> int:

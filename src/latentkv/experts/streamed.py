@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from latentkv import fs
-from latentkv.experts.base import Expert, StackedExperts
+from latentkv.experts.base import Expert, LocalStore
 from latentkv.experts.cache import ExpertCache
 from latentkv.experts.extent import expert_from_extent
 from latentkv.experts.health import StoreHealth
@@ -163,8 +163,10 @@ class ExpertStreamer:
         if config.history:
             self._load_history()
 
-    def layer(self, layer: int) -> StreamedExperts:
-        return StreamedExperts(self, layer)
+    def layer(self, layer: int, at_once: int | None = None) -> StreamedExperts:
+        """Layer `layer`'s store, asked for at most `at_once` experts at a time (a MoE layer's
+        k: a long prompt's pass must not hold most of a layer beside the cache)."""
+        return StreamedExperts(self, layer, at_once)
 
     # --- the hot set ------------------------------------------------------------------------
 
@@ -374,19 +376,15 @@ class ExpertStreamer:
         self.save_history()
 
 
-class StreamedExperts:
-    """One MoE layer's experts, streamed (the `ExpertStore` contract of `latentkv.experts.base`)."""
+class StreamedExperts(LocalStore):
+    """One MoE layer's experts, streamed (the `ExpertStore` contract of `latentkv.experts.base`;
+    `stacked` is None: never all resident, so the MoE layer asks `run`)."""
 
-    def __init__(self, streamer: ExpertStreamer, layer: int):
+    def __init__(self, streamer: ExpertStreamer, layer: int, at_once: int | None = None):
         self.streamer = streamer
         self.layer = layer
         self.num_experts = streamer.reader.entry(layer).n_experts
-
-    @property
-    def stacked(self) -> StackedExperts | None:
-        return None  # never all resident: the MoE layer takes its per-expert path
-
-    bounded = True
+        self.at_once = at_once
 
     def get(self, ids: Sequence[int], first: bool = True) -> Mapping[int, Expert]:
         return self.streamer.get(self.layer, ids, first)

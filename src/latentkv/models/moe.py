@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.config import ModelConfig
-from latentkv.experts import Expert, ExpertStore, StackedExperts
+from latentkv.experts import Expert, ExpertStore, Job, StackedExperts
 from latentkv.weights.base import Linear, dense_format
 
 
@@ -87,11 +87,33 @@ EVERY_EXPERT_MIN_PICKS = 0.5
 GATHER_BATCH_MAX_BYTES = 64 * 1024 * 1024
 
 
+class Lookahead:
+    """Predicts the experts the next MoE layer will ask for from a hidden state (its router run
+    early, through its MLP norm) and tells that layer's store to read them ahead. Advice only:
+    what is computed never depends on it."""
+
+    def __init__(self, norm: Callable[[torch.Tensor], torch.Tensor], router: Router, store: ExpertStore):
+        self.norm, self.router, self.store = norm, router, store
+
+    def __call__(self, hidden: torch.Tensor) -> None:
+        idx, _ = self.router(self.norm(hidden))
+        self.store.prefetch(idx.reshape(-1).unique().tolist())
+
+
 class MoE:
-    def __init__(self, router: Router, experts: ExpertStore, shared: Expert | None):
+    """The routed experts (from `experts`, the layer's store), the shared expert, and, for a
+    store that reads ahead, the `lookahead` that predicts the next MoE layer's experts: before
+    this layer's experts (from the hidden state after its attention, so the reads overlap this
+    layer's compute) and again from its output (the next block's input, closer to what the
+    next router will see)."""
+
+    def __init__(
+        self, router: Router, experts: ExpertStore, shared: Expert | None, lookahead: Lookahead | None = None
+    ):
         self.router = router
         self.experts = experts
         self.shared = shared
+        self.lookahead = lookahead
         stacked = experts.stacked
         self._every = None if stacked is None else _every_expert_weights(stacked, shared)
         self._gather = stacked is not None and stacked.expert_bytes <= GATHER_MAX_BYTES
@@ -99,8 +121,18 @@ class MoE:
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
     ) -> torch.Tensor:
-        """x [N, D] -> [N, D] (plus `residual` [N, D] if given). `decode`: the N rows are one new
-        token of each of N sequences (batched decode), which picks among the decode paths."""
+        """x [N, D] (the MLP-normed hidden state) -> [N, D] (plus `residual` [N, D] if given: the
+        hidden state after this layer's attention). `decode`: the N rows are one new token of each
+        of N sequences (batched decode), which picks among the decode paths."""
+        if self.lookahead is None:
+            return self._experts(x, residual, decode)
+        self.lookahead(residual if residual is not None else x)
+        out = self._experts(x, residual, decode)
+        if residual is not None:
+            self.lookahead(out)  # again from this block's output: the next block's input
+        return out
+
+    def _experts(self, x: torch.Tensor, residual: torch.Tensor | None, decode: bool) -> torch.Tensor:
         idx, weights = self.router(x)
         N = x.shape[0]
         if decode:
@@ -163,26 +195,20 @@ class MoE:
         self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token x [1, D] through its k experts idx [k], mixed by weights [k]: (out, the
-        shared expert's output when it ran while the experts were read, else None)."""
+        shared expert's output, computed while the store works)."""
         out = torch.zeros_like(x)
         ids = idx.tolist()
         w = dict(zip(ids, weights.tolist(), strict=True))
-        arriving = self._fetch(ids)
+        results = self.experts.run(x, [Job(e, None) for e in ids])
         shared = self._meanwhile(x)
-
-        def add(e: int, y: torch.Tensor) -> None:
-            out.add_(y)
-
-        _in_order(ids, arriving, lambda e, expert: expert(x) * w[e], add)
+        _in_order(ids, results, lambda e, y: out.add_(y * w[e]))
         return out, shared
 
     def _grouped(
         self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Group the N*k (token, expert) pairs by expert; one matmul per hit expert. A store of
-        experts from disk is asked for k experts at a time: a long prompt routes to most of a
-        layer's experts, which must not all be held at once beside the expert cache
-        (`ExpertStore.bounded`). Returns (out, shared) as `_one_by_one` does."""
+        """Group the N*k (token, expert) pairs by expert; one job (one matmul) per hit expert.
+        Returns (out, shared) as `_one_by_one` does."""
         out = torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
@@ -193,60 +219,40 @@ class MoE:
         starts = dict(zip(hit, itertools.accumulate((counts[e] for e in hit), initial=0), strict=False))
         rows = {e: tokens[starts[e] : starts[e] + counts[e]] for e in hit}
 
-        def run(e: int, expert: Expert) -> torch.Tensor:
-            start, n = starts[e], counts[e]
-            return expert(x.index_select(0, rows[e])) * pair_weights[start : start + n, None]
-
         def add(e: int, y: torch.Tensor) -> None:
-            out.index_add_(0, rows[e], y)
+            start, n = starts[e], counts[e]
+            out.index_add_(0, rows[e], y * pair_weights[start : start + n, None])
 
-        step = idx.shape[1] if self.experts.bounded else len(hit)
-        shared = None
-        for i in range(0, len(hit), step):
-            chunk = hit[i : i + step]
-            arriving = self._fetch(chunk, first=i == 0)
-            if i == 0:
-                shared = self._meanwhile(x)
-            _in_order(chunk, arriving, run, add)
+        results = self.experts.run(x, [Job(e, rows[e]) for e in hit])
+        shared = self._meanwhile(x)
+        _in_order(hit, results, add)
         return out, shared
 
-    def _fetch(self, ids: list[int], first: bool = True) -> Iterator[tuple[int, Expert]]:
-        """The experts `ids` as they become ready (a store reading from disk has started every
-        read when this returns), else in order."""
-        arrivals = getattr(self.experts, "arrivals", None)
-        if arrivals is not None:
-            return arrivals(ids, first)
-        return iter(self.experts.get(ids, first).items())
-
     def _meanwhile(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The shared expert's output, computed now while a store from disk reads the routed
-        experts (None otherwise: it runs at the end, as always)."""
-        if self.shared is None or not self.experts.bounded:
-            return None
-        return self.shared(x)
+        """The shared expert's output, computed while the store reads or computes the routed
+        experts (the sum is the same whenever it runs: `_finish` adds it last)."""
+        return None if self.shared is None else self.shared(x)
 
 
 def _in_order(
     ids: list[int],
-    arriving: Iterator[tuple[int, Expert]],
-    run: Callable[[int, Expert], torch.Tensor],
-    add: Callable[[int, torch.Tensor], None],
+    results: Iterator[tuple[int, torch.Tensor]],
+    add: Callable[[int, torch.Tensor], object],
 ) -> None:
-    """Run each expert as it arrives (in whatever order the store delivers them) and `add` the
-    outputs in `ids` order, each as soon as every earlier one has been added: the sum is the
-    same, bit for bit, whatever the arrival order (and in-order arrivals wait for nothing). The
-    store's iterator is closed at the end, on an error too (a store from disk then releases the
-    pass's experts)."""
+    """`add` the experts' outputs in `ids` order, each as soon as every earlier one has been
+    added, whatever order the store delivers them in: the sum is the same, bit for bit (and
+    in-order arrivals wait for nothing). The store's iterator is closed at the end, on an error
+    too (a store from disk then releases the pass's experts)."""
     waiting: dict[int, torch.Tensor] = {}
     nxt = 0
     try:
-        for e, expert in arriving:
-            waiting[e] = run(e, expert)
+        for e, y in results:
+            waiting[e] = y
             while nxt < len(ids) and ids[nxt] in waiting:
                 add(ids[nxt], waiting.pop(ids[nxt]))
                 nxt += 1
     finally:
-        close = getattr(arriving, "close", None)
+        close = getattr(results, "close", None)
         if close is not None:
             close()
     if nxt != len(ids):
@@ -321,3 +327,23 @@ def _every_expert_weights(
     fmt = dense_format(stacked.gate_up.dtype)
     down_t = torch.cat(downs, dim=1).T.contiguous()  # [U*I, D]: add_to multiplies by this
     return fmt(torch.cat(units).contiguous()), fmt(down_t.T), mix
+
+
+class PrefetchingMLP:
+    """A dense MLP (the block before the first MoE layer) that, once done, starts the reads of
+    the experts the next layer's router predicts from its output (the next block's input): they
+    overlap that block's attention. (Predicted before this MLP instead, the first MoE layer of
+    the experts benchmark was recalled at chance, 10%: a dense MLP moves the residual stream too
+    far.)"""
+
+    def __init__(self, mlp: Expert, lookahead: Lookahead):
+        self.mlp = mlp
+        self.lookahead: Lookahead | None = lookahead
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
+    ) -> torch.Tensor:
+        out = self.mlp(x, residual, decode)
+        if self.lookahead is not None and residual is not None:
+            self.lookahead(out)  # from this block's output, the next block's input
+        return out

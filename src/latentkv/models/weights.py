@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from latentkv.config import ModelConfig
-from latentkv.experts import ResidentExperts
+from latentkv.experts import ExpertSource, ExpertStore, ResidentExperts
 from latentkv.experts.base import Expert
 from latentkv.models.convert import read_manifest
 from latentkv.models.indexer import Indexer, IndexerWeights
@@ -30,7 +29,7 @@ from latentkv.models.layers import RMSNorm, SwiGLU, softmax_scale
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.models.mla import MLA, MLAWeights
 from latentkv.models.model import Block, Model
-from latentkv.models.moe import MoE, Router, RouterWeights
+from latentkv.models.moe import Lookahead, MoE, PrefetchingMLP, Router, RouterWeights
 from latentkv.models.mtp import MTPLayer, checkpoint_prefix
 from latentkv.weights import FORMATS, Linear, make_linear
 from latentkv.weights.base import DenseLinear, format_class
@@ -39,8 +38,6 @@ from latentkv.weights.heads import HeadLinears
 # The table a token id reads (the embedding) in each format: bfloat16 under int8 and int4 (a
 # gather reads one row per token, so 16 bits suffice there); float32 for other formats.
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
-# (layer index, router, shared expert or None) -> the layer's MoE, for experts kept elsewhere
-MoEFactory = Callable[[int, Router, SwiGLU | None], object]
 # transformers builds the q-LoRA and kv-a norms without the config's eps: they use 1e-6.
 LORA_NORM_EPS = 1e-6
 TABLE_DTYPES = {**DTYPES, "int8": torch.bfloat16, "int4": torch.bfloat16}
@@ -114,7 +111,7 @@ class _Reader:
             keys = [f"{name}.{fmt}.{piece}" for name in names]
             self.used.update(keys)
             parts = [self.ckpt.get(k) for k in keys]
-            state[piece] = torch.cat(parts) if len(parts) > 1 else parts[0]
+            state[piece] = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(self.device)
         return cls.from_state(state, entries[0]["shape"][1])
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -130,13 +127,13 @@ def load_model(
     weight_dtype: str = "f32",
     progress: bool = False,
     device: str = "cpu",
-    moe_factory: MoEFactory | None = None,
+    experts: ExpertSource | None = None,
     expert_dtype: str | None = None,
     load_mtp: bool = True,
 ) -> Model:
     """The model in `directory`, its matrices in `weight_dtype` and its routed experts in
     `expert_dtype` (default: the same), every tensor on `device` (the one device the model, its
-    caches and its passes then use). `moe_factory`, `load_mtp`: see `build_model`."""
+    caches and its passes then use). `experts`, `load_mtp`: see `build_model`."""
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
@@ -153,7 +150,7 @@ def load_model(
         tuple(block) if block else None,
         progress,
         device,
-        moe_factory,
+        experts,
         expert_dtype,
         packed,
         load_mtp,
@@ -192,18 +189,21 @@ def build_model(
     block_size: tuple[int, int] | None = None,
     progress: bool = False,
     device: str = "cpu",
-    moe_factory: MoEFactory | None = None,
+    experts: ExpertSource | None = None,
     expert_dtype: str | None = None,
     packed: dict | None = None,
     load_mtp: bool = True,
 ) -> Model:
-    """`moe_factory(layer, router, shared)`, when given, builds each MoE layer instead of the
-    resident experts: their tensors are then never read (experts streamed from disk); the MTP
-    layer's goes by layer `num_hidden_layers`. `load_mtp=False` leaves the MTP layer out."""
+    """With `experts`, every MoE layer is built with `experts.store(layer)` (the MTP layer's
+    as layer `num_hidden_layers`) and the routed experts' tensors are never read (streamed from
+    disk, held elsewhere); when the source `predicts`, each MoE layer and the dense layer
+    before the first one are built with the `Lookahead` of the next MoE layer. Without it the
+    experts are read into `ResidentExperts`. `load_mtp=False` leaves the MTP layer out."""
     for name in (weight_dtype, expert_dtype or weight_dtype):
         if name not in FORMATS:
             raise ValueError(f"weight dtype {name!r} not in {sorted(FORMATS)}")
     rd = _Reader(ckpt, weight_dtype, block_size, device, expert_dtype, packed)
+    routed = _Routed(cfg, rd, experts)
     D, V = cfg.hidden_size, cfg.vocab_size
     embed = rd.table("model.embed_tokens.weight", (V, D))
     layers = range(cfg.num_layers)
@@ -211,21 +211,21 @@ def build_model(
         from latentkv.progress import progress as show_progress
 
         layers = show_progress(layers, "loading layers", "layer", leave=False)
-    blocks = [_block(cfg, rd, i, moe_factory) for i in layers]
+    blocks = [_block(cfg, rd, i, routed) for i in layers]
     norm = RMSNorm(rd.vector("model.norm.weight", (D,)), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings or not rd.has("lm_head.weight"):
         lm_head = rd.linear(embed)  # tied: f32 and bf16 share the embedding's tensor
     else:
         lm_head = rd.matrix("lm_head.weight", (V, D))
-    mtp = _mtp(cfg, rd, moe_factory) if load_mtp else None
+    mtp = _mtp(cfg, rd, routed) if load_mtp else None
     return Model(cfg, embed, blocks, norm, lm_head, mtp)
 
 
-def _mtp(cfg: ModelConfig, rd: _Reader, moe_factory: MoEFactory | None = None) -> MTPLayer | None:
+def _mtp(cfg: ModelConfig, rd: _Reader, routed: _Routed) -> MTPLayer | None:
     """The first MTP layer, if config and checkpoint have one: the config restricted to one
     layer whose MLP kind the checkpoint says (DeepSeek-V3 and GLM-5: MoE) and which runs its own
     DSA indexer when the model has one; its embedding and head are the main model's. Its MoE
-    comes from `moe_factory` as layer `num_hidden_layers` when one is given."""
+    goes by layer `num_hidden_layers` (the expert store's key for it)."""
     p = checkpoint_prefix(cfg)
     if cfg.num_mtp_layers < 1 or not rd.has(p + "eh_proj.weight"):
         return None
@@ -240,22 +240,21 @@ def _mtp(cfg: ModelConfig, rd: _Reader, moe_factory: MoEFactory | None = None) -
         enorm=RMSNorm(rd.vector(p + "enorm.weight", (D,)), cfg.rms_norm_eps),
         hnorm=RMSNorm(rd.vector(p + "hnorm.weight", (D,)), cfg.rms_norm_eps),
         eh_proj=rd.matrix(p + "eh_proj.weight", (D, 2 * D)),
-        block=_block(one, rd, 0, _as_layer(moe_factory, cfg.num_layers), prefix=p),
+        block=_block(one, rd, 0, routed.mtp(one), prefix=p, layer=cfg.num_layers),
         head_norm=RMSNorm(rd.vector(p + "shared_head.norm.weight", (D,)), cfg.rms_norm_eps),
     )
 
 
-def _as_layer(moe_factory: MoEFactory | None, layer: int) -> MoEFactory | None:
-    """`moe_factory` for a block built from a one-layer config: its MoE goes by `layer`."""
-    if moe_factory is None:
-        return None
-    return lambda _i, router, shared: moe_factory(layer, router, shared)
-
-
 def _block(
-    cfg: ModelConfig, rd: _Reader, i: int, moe_factory: MoEFactory | None = None, prefix: str | None = None
+    cfg: ModelConfig,
+    rd: _Reader,
+    i: int,
+    routed: _Routed,
+    prefix: str | None = None,
+    layer: int | None = None,
 ) -> Block:
-    """Layer i of `cfg`, read from the tensors named `prefix` (default `model.layers.{i}.`)."""
+    """Layer i of `cfg`, read from the tensors named `prefix` (default `model.layers.{i}.`);
+    its routed experts go by `layer` (default i)."""
     p = prefix or f"model.layers.{i}."
     a = p + "self_attn."
     D, H = cfg.hidden_size, cfg.num_heads
@@ -282,17 +281,20 @@ def _block(
         if not cfg.q_lora_rank:  # q comes straight from the fused projection: fold the softmax scale here
             mats[0] = mats[0] * softmax_scale(cfg.rope, cfg.qk_head_dim)
         w_in = rd.linear(torch.cat(mats), b_in)
+    layer = i if layer is None else layer
     if cfg.mlp_layer_types[i] == "sparse":
-        mlp: SwiGLU | MoE = _moe(cfg, rd, p + "mlp.", i, moe_factory)
+        mlp: SwiGLU | MoE | PrefetchingMLP = routed.moe(p, layer)
     else:
         mlp = _swiglu(rd, p + "mlp.", D, cfg.intermediate_size)
+        if (ahead := routed.lookahead_after(layer)) is not None:
+            mlp = PrefetchingMLP(mlp, ahead)
     return Block(
         attn_norm=RMSNorm(rd.vector(p + "input_layernorm.weight", (D,)), cfg.rms_norm_eps),
         w_in=w_in,
         split=tuple(rows for _, rows in parts),
         attn=MLA(cfg, _mla_weights(cfg, rd, a)),
         indexer=indexer,
-        mlp_norm=RMSNorm(rd.vector(p + "post_attention_layernorm.weight", (D,)), cfg.rms_norm_eps),
+        mlp_norm=routed.norm(p),
         mlp=mlp,
     )
 
@@ -349,9 +351,70 @@ def _swiglu(rd: _Reader, p: str, D: int, inter: int) -> SwiGLU:
     return SwiGLU(rd.linear(gate_up), rd.matrix(p + "down_proj.weight", (D, inter)))
 
 
-def _moe(cfg: ModelConfig, rd: _Reader, p: str, layer: int = 0, moe_factory: MoEFactory | None = None) -> MoE:
-    D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-    router = Router(
+class _Routed:
+    """How the loader builds the MoE layers: with resident experts read from the checkpoint, or
+    with the stores of an `ExpertSource` (and, when it predicts, each MoE layer's `Lookahead`
+    over the next MoE layer). A lookahead needs the next layer's MLP norm and router before that
+    layer is built: they are read once, early, and the layer is then built with the same ones."""
+
+    def __init__(self, cfg: ModelConfig, rd: _Reader, source: ExpertSource | None, main: bool = True):
+        self.cfg, self.rd, self.source = cfg, rd, source
+        self._stores: dict[int, ExpertStore] = {}
+        self._norms: dict[str, RMSNorm] = {}
+        self._routers: dict[str, Router] = {}
+        sparse = [i for i, kind in enumerate(cfg.mlp_layer_types) if kind == "sparse"]
+        self._next: dict[int, int] = {}  # layer -> the next MoE layer, which it predicts
+        if main and source is not None and source.predicts:
+            self._next = dict(zip(sparse, sparse[1:], strict=False))
+            if sparse and sparse[0] > 0:
+                self._next[sparse[0] - 1] = sparse[0]  # the dense layer before the first MoE layer
+
+    def mtp(self, one: ModelConfig) -> _Routed:
+        """The MTP layer's (one layer, predicting nothing: its input needs the token the main
+        model has just produced)."""
+        return _Routed(one, self.rd, self.source, main=False)
+
+    def norm(self, p: str) -> RMSNorm:
+        if p not in self._norms:
+            weight = self.rd.vector(p + "post_attention_layernorm.weight", (self.cfg.hidden_size,))
+            self._norms[p] = RMSNorm(weight, self.cfg.rms_norm_eps)
+        return self._norms[p]
+
+    def router(self, p: str) -> Router:
+        if p not in self._routers:
+            self._routers[p] = _router(self.cfg, self.rd, p)
+        return self._routers[p]
+
+    def store(self, layer: int) -> ExpertStore:
+        assert self.source is not None
+        if layer not in self._stores:
+            self._stores[layer] = self.source.store(layer)
+        return self._stores[layer]
+
+    def lookahead_after(self, layer: int) -> Lookahead | None:
+        """The lookahead layer `layer` runs for the next MoE layer, if it predicts."""
+        nxt = self._next.get(layer)
+        if nxt is None:
+            return None
+        p = f"model.layers.{nxt}."
+        return Lookahead(self.norm(p), self.router(p + "mlp."), self.store(nxt))
+
+    def moe(self, p: str, layer: int) -> MoE:
+        """The MoE layer read from the tensors named `p` (`model.layers.{i}.`)."""
+        cfg, rd = self.cfg, self.rd
+        router = self.router(p + "mlp.")
+        shared = None
+        if cfg.n_shared_experts:
+            width = cfg.moe_intermediate_size * cfg.n_shared_experts
+            shared = _swiglu(rd, p + "mlp.shared_experts.", cfg.hidden_size, width)
+        if self.source is not None:  # experts served from elsewhere (streamed): never read here
+            return MoE(router, self.store(layer), shared, self.lookahead_after(layer))
+        return MoE(router, _resident(cfg, rd, p + "mlp."), shared)
+
+
+def _router(cfg: ModelConfig, rd: _Reader, p: str) -> Router:
+    D, E = cfg.hidden_size, cfg.n_routed_experts
+    return Router(
         cfg,
         RouterWeights(
             weight=make_linear(rd.vector(p + "gate.weight", (E, D)), "f32"),
@@ -362,18 +425,18 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str, layer: int = 0, moe_factory: MoE
             ),
         ),
     )
-    shared = None
-    if cfg.n_shared_experts:
-        shared = _swiglu(rd, p + "shared_experts.", D, I * cfg.n_shared_experts)
-    if moe_factory is not None:  # experts served from elsewhere (streamed): never read here
-        return moe_factory(layer, router, shared)
+
+
+def _resident(cfg: ModelConfig, rd: _Reader, p: str) -> ResidentExperts:
+    """The layer's routed experts read from the checkpoint, in the experts' format."""
+    D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     if rd.has(p + "experts.gate_up_proj"):  # transformers' fused in-memory layout
         gate_up = rd.raw(p + "experts.gate_up_proj", (E, 2 * I, D))
         down = rd.raw(p + "experts.down_proj", (E, D, I))
-        return MoE(router, ResidentExperts.from_float(gate_up, down, rd.expert_fmt), shared)
+        return ResidentExperts.from_float(gate_up, down, rd.expert_fmt)
     if not issubclass(format_class(rd.expert_fmt), DenseLinear):
         # a packed format: each expert straight into it, one at a time (never the layer in float)
-        return MoE(router, ResidentExperts([_expert(rd, f"{p}experts.{e}.", D, I) for e in range(E)]), shared)
+        return ResidentExperts([_expert(rd, f"{p}experts.{e}.", D, I) for e in range(E)])
     # per-expert tensors, as checkpoints ship them: stacked here (the one copy)
     dtype = DTYPES[rd.expert_fmt]
     gate_up = torch.empty(E, 2 * I, D, dtype=dtype, device=rd.device)
@@ -383,7 +446,7 @@ def _moe(cfg: ModelConfig, rd: _Reader, p: str, layer: int = 0, moe_factory: MoE
         gate_up[e, :I] = rd.raw(q + "gate_proj.weight", (I, D))
         gate_up[e, I:] = rd.raw(q + "up_proj.weight", (I, D))
         down[e] = rd.raw(q + "down_proj.weight", (D, I))
-    return MoE(router, ResidentExperts.from_float(gate_up, down, rd.expert_fmt), shared)
+    return ResidentExperts.from_float(gate_up, down, rd.expert_fmt)
 
 
 def _expert(rd: _Reader, q: str, D: int, I: int) -> Expert:

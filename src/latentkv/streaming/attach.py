@@ -1,17 +1,19 @@
-"""A model's MoE layers served by an `ExpertStreamer`: the streamed MoE layer and its prefetch.
+"""A model whose MoE layers are served by an `ExpertStreamer`, built with its streamed stores.
 
-    streamer = stream_model(model, "MODEL/experts", StreamConfig(budget=...))
+    model, streamer = load_streamed(MODEL, "MODEL/experts", StreamConfig(budget=...))
 
-Each MoE layer becomes a `StreamedMoE`: the same router, shared expert and computation
-(`models.moe.MoE`), its routed experts asked from the streamed store once per pass (the batch's
-union, so batched decode reads each expert once). Before its own experts, layer L runs the next MoE layer's
+The loader builds each MoE layer over the streamed store of its layer (`StreamedSource`): the
+same router, shared expert and computation (`models.moe.MoE`), its routed experts asked from
+the store once per pass (the batch's union, so batched decode reads each expert once; k at a
+time, so a long prompt never holds a layer's worth beside the cache). Each MoE layer is built
+with the `Lookahead` of the next one: before its own experts, layer L runs the next MoE layer's
 router on the current hidden state (the residual stream after L's attention, through the next
-layer's MLP norm) and starts reading the experts it predicts: the reads overlap layer L's
-compute. Once L is done it predicts again from its output (the next block's input, closer to
+layer's MLP norm) and starts reading the experts it predicts, so the reads overlap layer L's
+compute; once L is done it predicts again from its output (the next block's input, closer to
 what the next router will see), so the reads overlap the next block's attention too. The dense
 layer just before the first MoE layer does the latter for it (`PrefetchingMLP`), so every MoE
-layer of a token is predicted. Prediction is advice only; what
-is computed never depends on it, and the reader serves a pass's own reads before predictions.
+layer of a token is predicted. Prediction is advice only; what is computed never depends on
+it, and the reader serves a pass's own reads before predictions.
 
 The MTP draft layer's MoE (layer `num_hidden_layers`) streams from the same store and cache
 when the store holds its experts (stores converted before it did load without the draft
@@ -21,94 +23,31 @@ just produced, so its experts are read on demand (and, drafting every step, most
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from latentkv.experts.base import Expert
-from latentkv.experts.streamed import ExpertStreamer, StreamConfig
-from latentkv.models.moe import MoE, Router
-
-Lookahead = Callable[[torch.Tensor], None]
+from latentkv.experts.streamed import ExpertStreamer, StreamConfig, StreamedExperts
+from latentkv.models.moe import MoE
 
 
-class StreamedMoE(MoE):
-    """The MoE layer over a streamed store (its `stacked` is None, so every pass asks the store
-    once for the experts it needs), plus the lookahead that prefetches the next layer's."""
+@dataclass
+class StreamedSource:
+    """The `ExpertSource` of a model whose routed experts stream through `streamer`."""
 
-    def __init__(self, router: Router, store, shared: Expert | None, lookahead: Lookahead | None = None):
-        super().__init__(router, store, shared)
-        self.lookahead = lookahead
+    streamer: ExpertStreamer
+    at_once: int  # experts asked for at a time: the model's k (one token's)
+    predicts: bool = True
 
-    def __call__(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
-    ) -> torch.Tensor:
-        """x [N, D] (the MLP-normed hidden state) -> [N, D] (+ residual [N, D], the hidden state
-        after this layer's attention, which the lookahead reads)."""
-        if self.lookahead is not None:
-            self.lookahead(residual if residual is not None else x)
-        out = super().__call__(x, residual, decode)
-        if self.lookahead is not None and residual is not None:
-            self.lookahead(out)  # again from this block's output: the next block's input
-        return out
-
-
-class PrefetchingMLP:
-    """A dense MLP (the block before the first MoE layer) that, once done, starts the reads of
-    the experts the next layer's router predicts from its output (the next block's input): they
-    overlap that block's attention. (Predicted before this MLP instead, the first MoE layer of
-    the experts benchmark was recalled at chance, 10%: a dense MLP moves the residual stream too
-    far.)"""
-
-    def __init__(self, mlp: Expert, lookahead: Lookahead | None):
-        self.mlp = mlp
-        self.lookahead = lookahead
-
-    def __call__(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
-    ) -> torch.Tensor:
-        out = self.mlp(x, residual, decode)
-        if self.lookahead is not None and residual is not None:
-            self.lookahead(out)  # from this block's output, the next block's input
-        return out
-
-
-def _prefetcher(streamer: ExpertStreamer, layer: int, norm, router) -> Lookahead:
-    def lookahead(hidden: torch.Tensor) -> None:
-        idx, _ = router(norm(hidden))
-        streamer.prefetch(layer, idx.reshape(-1).unique().tolist())
-
-    return lookahead
+    def store(self, layer: int) -> StreamedExperts:
+        streamer = self.streamer
+        if layer not in streamer.manifest.layers:
+            raise ValueError(f"the expert store at {streamer.directory} has no experts for MoE layer {layer}")
+        return streamer.layer(layer, self.at_once)
 
 
 def moe_layers(model) -> list[int]:
     """Indices of the blocks whose MLP is a mixture of experts."""
     return [i for i, b in enumerate(model.blocks) if isinstance(b.mlp, MoE)]
-
-
-def stream_model(
-    model, directory: str | Path, config: StreamConfig, fingerprint: str | None = None, prefetch: bool = True
-) -> ExpertStreamer:
-    """Serve every MoE layer of an already loaded `model` from the expert store at `directory`
-    (its resident experts are dropped); the streamer. `load_streamed` never loads them at all."""
-    streamer = ExpertStreamer(directory, fingerprint, config)
-    try:
-        for i in moe_layers(model):
-            mlp = model.blocks[i].mlp
-            model.blocks[i].mlp = StreamedMoE(mlp.router, _layer_store(streamer, i), mlp.shared)
-        mtp = model.mtp
-        layer = model.cfg.num_layers if mtp is not None and isinstance(mtp.block.mlp, MoE) else None
-        if not _keeps_mtp(streamer, layer):
-            model.mtp = None
-        elif layer is not None:
-            mlp = mtp.block.mlp
-            mtp.block.mlp = StreamedMoE(mlp.router, streamer.layer(layer), mlp.shared)
-    except BaseException:
-        streamer.close()
-        raise
-    _wire(model, streamer, prefetch)
-    return streamer
 
 
 def load_streamed(
@@ -127,19 +66,20 @@ def load_streamed(
     from latentkv.models.weights import load_model
 
     ckpt = Checkpoint(model_dir)
+    cfg = ModelConfig.from_hf(model_dir)
     streamer = ExpertStreamer(store_dir, ckpt.fingerprint(), config)
     try:
         model = load_model(
             model_dir,
             weight_dtype,
             progress,
-            moe_factory=lambda i, router, shared: StreamedMoE(router, _layer_store(streamer, i), shared),
-            load_mtp=_keeps_mtp(streamer, routed_layer(ModelConfig.from_hf(model_dir), ckpt)),
+            experts=StreamedSource(streamer, cfg.num_experts_per_tok, prefetch),
+            load_mtp=_keeps_mtp(streamer, routed_layer(cfg, ckpt)),
         )
     except BaseException:
         streamer.close()
         raise
-    _wire(model, streamer, prefetch)
+    _own_and_pin(model, streamer)
     return model, streamer
 
 
@@ -185,34 +125,13 @@ def mtp_store_problem(model_dir: str | Path, store: str | Path) -> str | None:
     return None if layer in manifest.layers else missing_mtp_message(store, layer)
 
 
-def _layer_store(streamer: ExpertStreamer, layer: int):
-    if layer not in streamer.manifest.layers:
-        raise ValueError(f"the expert store at {streamer.directory} has no experts for MoE layer {layer}")
-    return streamer.layer(layer)
-
-
-def _wire(model, streamer: ExpertStreamer, prefetch: bool) -> None:
+def _own_and_pin(model, streamer: ExpertStreamer) -> None:
     """Own the dense weights' pages (the expert cache's neighbours at the memory limit; see
-    `own_pages`), wire the prefetch, pin the hot set."""
+    `own_pages`) and pin the hot set."""
     from latentkv.models.loader import own_pages
 
     own_pages(model.weight_tensors())
-    if prefetch:
-        _wire_prefetch(model, streamer)
     streamer.pin_hot_set()
-
-
-def _wire_prefetch(model, streamer: ExpertStreamer) -> None:
-    """Each MoE layer predicts the next one's experts; the dense layer before the first MoE
-    layer predicts that one's."""
-    layers = moe_layers(model)
-    for here, nxt in zip(layers, layers[1:], strict=False):
-        nb = model.blocks[nxt]
-        model.blocks[here].mlp.lookahead = _prefetcher(streamer, nxt, nb.mlp_norm, nb.mlp.router)
-    first = layers[0] if layers else 0
-    if first > 0 and not isinstance(model.blocks[first - 1].mlp, (MoE, PrefetchingMLP)):
-        nb, before = model.blocks[first], model.blocks[first - 1]
-        before.mlp = PrefetchingMLP(before.mlp, _prefetcher(streamer, first, nb.mlp_norm, nb.mlp.router))
 
 
 def default_store_dir(model_dir: str | Path, weight_format: str) -> Path:

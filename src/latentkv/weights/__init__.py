@@ -9,7 +9,7 @@ A new format is one file here: a `Linear` subclass decorated with `@register` (s
 
 import torch
 
-from latentkv.weights import bf16, f32, int4, int8  # noqa: F401  (register the built-in formats)
+from latentkv.weights import bf16, f32, int4, int8, native  # noqa: F401  (register the built-in formats)
 from latentkv.weights.base import FORMATS, Linear, make_linear, register
 from latentkv.weights.kernels import cpu_features, matmul_dtype
 
@@ -22,14 +22,26 @@ def describe(fmt: str) -> str:
     extras = [name for name in ("vnni", "avx512_bf16", "amx") if f[name]]
     cpu = str(f["capability"]) + (f" + {', '.join(extras)}" if extras else "")
     tile = "bf16" if matmul_dtype() == torch.bfloat16 else "f32"
-    int4_prefill = "prefill via dequantized bf16 tiles" if int4.prefill_tiles() else "prefill via the same op"
     gemm = "oneDNN bf16 GEMM" + (" (AMX)" if f["amx"] and f["mkldnn_bf16"] else "")
+    own = native.kernels()
+    if own is not None:
+        acts = "int16" if own.isa == 3 else "f32"
+        decode = {fmt: f"latentkv's {own.name} kernel ({acts} activations)" for fmt in ("int8", "int4")}
+        int4_prefill = f"dequantized {tile} tiles"
+    else:
+        why = native.unavailable()
+        note = f" (latentkv's kernels unavailable: {why})" if why else ""
+        decode = {
+            "int8": "torch's _weight_int8pack_mm" + note,
+            "int4": "torch's _weight_int4pack_mm_for_cpu" + note,
+        }
+        int4_prefill = "dequantized bf16 tiles" if int4.prefill_tiles() else "the same op"
     kernels = {
         "bf16": ("one row via torch.mv (bf16 GEMV, f32 accumulation), more rows via " + gemm)
         if bf16.gemv_one_row()
         else "torch matmul",
-        "int8": "decode via _weight_int8pack_mm, prefill via dequantized " + tile + " tiles",
-        "int4": "decode via _weight_int4pack_mm_for_cpu, " + int4_prefill,
+        "int8": f"decode via {decode['int8']}, prefill via dequantized {tile} tiles",
+        "int4": f"decode via {decode['int4']}, prefill via {int4_prefill}",
     }
     how = kernels.get(fmt, "torch matmul")
     return f"weights: {fmt} {how} ({cpu})"

@@ -8,15 +8,20 @@ For each output row o and group g of `group_size` consecutive input columns (32,
     W~[o, i]    = (q[o, i] - 8) * scale + zero  = q * scale + min: the matrix computed with
 
 which is the convention of torch's CPU int4 op `_weight_int4pack_mm_for_cpu` (`qScaleAndZeros`
-[in / G, out, 2]). The op takes scales and zeros in the activations' dtype and its bfloat16 path
-is the fast one (docs/weights.md), so scale and zero are bfloat16 (the scale rounded up, so the
-range still spans the group) and x is cast to bfloat16 for the product. The op wants its own packed layout, made by
-`_convert_weight_to_int4pack_for_cpu`; that layout depends on the CPU's vector width, so it is
-built at load and never written to disk: files hold the portable nibbles (`pack_nibbles`: byte j
-of a row holds columns 2j in its low and 2j+1 in its high nibble).
+[in / G, out, 2]). Scale and zero are bfloat16 (the scale rounded up, so the range still spans
+the group): the op takes them in the activations' dtype and its bfloat16 path is its fast one.
 
-The op needs out % 16 == 0 and in % group_size == 0: other shapes are padded with zero rows
-(sliced off the output) and zero columns (x is padded to match).
+Decode and short prompts (up to `KERNEL_MAX_ROWS` rows) runs latentkv's own kernel (`weights/native`) where it
+builds: it reads the matrix packed in `KERNEL_LAYOUT` (blocks of 64 output rows, column by
+column; the layout torch's op uses on AVX-512 for whole blocks), with float32 activations (int16
+on AVX-512 VNNI) and the residual add folded in. Elsewhere decode runs torch's op on bfloat16 x,
+on the matrix packed in the op's own layout, which depends on the CPU's vector width
+(`op_layout`). Either way the packed form is made at load and a file holds the portable nibbles
+(`pack_nibbles`: byte j of a row holds columns 2j in its low and 2j+1 in its high nibble), or
+the packed bytes with their layout named (an expert store). Prefill runs dequantized tiles.
+
+Shapes: out is padded with zero rows to a multiple of 64 (the kernel's block; 16 for the op) and
+in with zero columns to a multiple of group_size (x is padded to match where the op needs it).
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from latentkv.weights import native
 from latentkv.weights.base import Linear, register
-from latentkv.weights.int8 import bf16_at_least
+from latentkv.weights.int4_cuda import matmul_cuda, pack_cuda, portable_cuda
+from latentkv.weights.int8 import _fits, _rows, bf16_at_least
 from latentkv.weights.kernels import matmul_dtype
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -38,6 +45,9 @@ OUT_MULTIPLE = 16  # the packing op's requirement on the output dimension
 # ~100 rows (GLM-5's 6144 x 2048: even near 96 rows, tiles 1.2x at 128, 3.3x at 512; measured
 # with `benchmarks/vs_llamacpp.py --kernels`, docs/weights.md).
 PREFILL_MIN_ROWS = 96
+# With latentkv's kernel: up to this many rows run it, more run tiles (unpacking a tile costs
+# what the kernel spends on ~250 rows of GLM-5's 6144 x 2048: `vs_llamacpp.py --kernels`).
+KERNEL_MAX_ROWS = 256
 # Output rows dequantized at a time on the tile path: bounds the temporary to TILE_ROWS x in
 # bfloat16 (a multiple of the op's row block).
 TILE_ROWS = 1024
@@ -75,7 +85,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 Rows = slice | torch.Tensor
-Layout = tuple[int, Rows, Rows]  # (block, low rows, high rows): see `tile_layout`
+Layout = tuple[int, Rows, Rows]  # (block, low rows, high rows): see `op_layout`
 
 
 def _padded(n: int, multiple: int) -> int:
@@ -104,13 +114,15 @@ class Int4Linear(Linear):
                 f"int4 weight needs uint8 nibbles [out, in/2] and scale/zero [out, groups]; got "
                 f"{nibbles.dtype} {tuple(nibbles.shape)}, {tuple(scale.shape)}, {tuple(zero.shape)}"
             )
-        pad_rows = _padded(out_f, OUT_MULTIPLE) - out_f
+        pad_rows = _padded(out_f, row_multiple()) - out_f
         sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
         if pad_rows:
             nibbles = F.pad(nibbles, (0, 0, 0, pad_rows), value=0x88)  # (8 - 8) * 1 + 0 = 0
             sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
-        # the op's layout; scale_zeros [groups, out_padded, 2]
-        self._adopt(pack_for_op(nibbles), sz.transpose(0, 1).contiguous(), in_features, out_f, bias)
+        # this process's layout (on a CUDA device, the CUDA op's); scale_zeros [groups, out_padded, 2]
+        packed = pack_cuda(nibbles) if nibbles.is_cuda else pack(nibbles, layout())
+        shape = (nibbles.shape[0], 2 * half)
+        self._adopt(packed, sz.transpose(0, 1).contiguous(), in_features, out_f, bias, shape)
 
     def _adopt(
         self,
@@ -119,16 +131,22 @@ class Int4Linear(Linear):
         in_features: int,
         out_features: int,
         bias: torch.Tensor | None,
+        shape: tuple[int, int] | None = None,
     ) -> None:
-        """Take a weight in the op's layout as this Linear's state (no copy)."""
-        half, groups = packed.shape[1], scale_zeros.shape[0]
+        """Take a weight in the op's layout as this Linear's state (no copy). `shape`: (out_padded,
+        in_padded) of a layout that does not show it (the CUDA op's int32 tiles)."""
+        out_padded, in_padded = shape or (packed.shape[0], 2 * packed.shape[1])
+        half, groups = in_padded // 2, scale_zeros.shape[0]
         self.group_size = 2 * half // groups
         if self.group_size not in GROUP_SIZES or groups * self.group_size != 2 * half:
             raise ValueError(f"int4 group size {2 * half}/{groups} is not one of {GROUP_SIZES}")
         self.out_features, self.in_features = out_features, in_features
-        self._in_padded, self._out_padded = 2 * half, packed.shape[0]
+        self._in_padded, self._out_padded = in_padded, out_padded
         self.packed, self.scale_zeros = packed, scale_zeros
         self._bias = None if bias is None else bias.float().contiguous()
+        cuda = packed.is_cuda  # torch's CUDA op, on its own layout (weights/int4_cuda.py)
+        self._kernel = None if cuda else native.kernels()  # None: torch's op, on its own layout
+        self.layout = None if cuda else layout()  # how `packed` holds the codes (None: the op's)
 
     @classmethod
     def from_packed(
@@ -139,16 +157,16 @@ class Int4Linear(Linear):
         out_features: int,
         bias: torch.Tensor | None = None,
     ) -> Int4Linear:
-        """A weight already in this CPU's op layout (`packed` [out_padded, in_padded / 2] uint8,
-        `scale_zeros` [groups, out_padded, 2] bfloat16: this object's own `packed` and
-        `scale_zeros`), used as given: no copy. An expert store keeps experts this way, so a
-        read expert needs no packing."""
+        """A weight already in this process's layout (`layout()`; `packed` [out_padded,
+        in_padded / 2] uint8, `scale_zeros` [groups, out_padded, 2] bfloat16: this object's own
+        `packed` and `scale_zeros`), used as given: no copy. An expert store keeps experts this
+        way, so a read expert needs no packing."""
         out_padded, half = packed.shape
         if (
             packed.dtype != torch.uint8
             or scale_zeros.dtype != torch.bfloat16
             or tuple(scale_zeros.shape[1:]) != (out_padded, 2)
-            or out_padded != _padded(out_features, OUT_MULTIPLE)
+            or out_padded != _padded(out_features, row_multiple())
             or not 0 < in_features <= 2 * half
         ):
             raise ValueError(
@@ -190,65 +208,101 @@ class Int4Linear(Linear):
         return self._bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
-        if self._in_padded != self.in_features:
-            x2 = F.pad(x2, (0, self._in_padded - self.in_features))
-        x2 = x2.contiguous()
-        tiled = x2.shape[0] > PREFILL_MIN_ROWS and prefill_tiles()
-        y = self._tiled(x2) if tiled else self._op(x2, self.packed, self.scale_zeros)
-        if self._out_padded != self.out_features:
-            y = y[:, : self.out_features]
+        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        if self._kernel is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
+            y = self._kernel.int4_mm(
+                _rows(x2), self.packed, self.scale_zeros, self.group_size, self.out_features
+            )
+        else:
+            y = self._prefill(x2)
         if self._bias is not None:
             y = y + self._bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def add_to(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        fused = self._kernel is not None and self._bias is None and residual is not None
+        if fused and x.shape[0] <= KERNEL_MAX_ROWS and _fits(residual, x.shape[0], self.out_features):
+            sz = self.scale_zeros
+            return self._kernel.int4_mm(
+                _rows(x), self.packed, sz, self.group_size, self.out_features, residual
+            )
+        return super().add_to(residual, x)
+
+    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> float32 [M, out]: dequantized tiles, or torch's op (see the module)."""
+        dtype = torch.bfloat16 if self._kernel is None else matmul_dtype()
+        xd = x.to(dtype)
+        if self._in_padded != self.in_features:
+            xd = F.pad(xd, (0, self._in_padded - self.in_features))
+        xd = xd.contiguous()
+        tiled = not xd.is_cuda and (
+            self._kernel is not None or (x.shape[0] > PREFILL_MIN_ROWS and prefill_tiles())
+        )
+        y = self._tiled(xd) if tiled else self._op(xd, self.packed, self.scale_zeros)
+        return y[:, : self.out_features] if self._out_padded != self.out_features else y
+
     def _op(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
         """x bfloat16 [M, in_padded] -> float32 [M, rows of packed] through torch's int4 op."""
+        if packed.is_cuda:
+            return matmul_cuda(x, packed, self.group_size, scale_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scale_zeros).float()
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
-        """x bfloat16 [M, in_padded] -> float32 [M, out_padded]: TILE_ROWS output rows at a time
-        dequantized to bfloat16 from the op's layout and multiplied by torch's matmul; rows past
-        the last full block of the layout (a partial block, packed apart) go through the op."""
-        block = tile_layout()[0]
+        """x [M, in_padded] (bfloat16, or the matmul dtype with the kernel) -> float32 [M,
+        out_padded]: TILE_ROWS output rows at a time dequantized to x's dtype from the packed
+        layout and multiplied by torch's matmul; rows past the last full block of the op's layout
+        (a partial block, packed apart) go through the op."""
+        block = self.layout[0]
         full = self._out_padded // block * block
         out = torch.empty(x.shape[0], self._out_padded)
         for r0 in range(0, full, TILE_ROWS):
             r1 = min(r0 + TILE_ROWS, full)
-            out[:, r0:r1] = x @ self._dequantized_tile(r0, r1)
+            out[:, r0:r1] = x @ self._dequantized_tile(r0, r1, x.dtype)
         if full < self._out_padded:
             tail = self.packed.view(-1)[full * self._in_padded // 2 :].view(self._out_padded - full, -1)
             out[:, full:] = self._op(x, tail, self.scale_zeros[:, full:].contiguous())
         return out
 
-    def _dequantized_tile(self, r0: int, r1: int) -> torch.Tensor:
-        """W~^T [in_padded, r1 - r0] bfloat16 for output rows r0..r1 (whole blocks of the op's
+    def _dequantized_tile(self, r0: int, r1: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """W~^T [in_padded, r1 - r0] in `dtype` for output rows r0..r1 (whole blocks of the
         layout): q - 8 unpacked as signed nibbles, then scale * (q - 8) + zero per group."""
-        block, low, high = tile_layout()
+        block, low, high = self.layout
         k, n = self._in_padded, r1 - r0
         raw = self.packed.view(-1)[r0 * k // 2 : r1 * k // 2].view(n // block, k, block // 2)
         flipped = raw ^ 0x88  # each nibble q ^ 8: q - 8 as a signed 4-bit number
-        tile = torch.empty(k, n // block, block, dtype=torch.bfloat16)
+        tile = torch.empty(k, n // block, block, dtype=dtype)
         rows = tile.permute(1, 0, 2)  # [blocks, in, block]: the layout's order
         _put(rows, low, (flipped << 4).view(torch.int8) >> 4)  # low nibbles, sign-extended
         _put(rows, high, flipped.view(torch.int8) >> 4)
         tile = tile.view(k // self.group_size, self.group_size, n)
         sz = self.scale_zeros[:, r0:r1]  # [groups, n, 2]
-        torch.addcmul(sz[:, None, :, 1], tile, sz[:, None, :, 0], out=tile)
+        torch.addcmul(sz[:, None, :, 1].to(dtype), tile, sz[:, None, :, 0].to(dtype), out=tile)
         return tile.view(k, n)
 
     def nibbles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(nibbles [out, in_padded / 2], scale, zero [out, groups]): the portable form a file
-        stores, read back from the op's layout."""
-        return portable(self.packed, self.scale_zeros, self.out_features, tile_layout())
+        stores, read back from the op's layout (on the CPU for a weight on a CUDA device)."""
+        if self.packed.is_cuda:
+            nibbles = portable_cuda(self.packed, self._out_padded, self._in_padded)[: self.out_features]
+            sz = self.scale_zeros[:, : self.out_features].transpose(0, 1).cpu()  # [out, groups, 2]
+            return nibbles, sz[..., 0].contiguous(), sz[..., 1].contiguous()
+        return portable(self.packed, self.scale_zeros, self.out_features, self.layout)
 
     def dequantize(self) -> torch.Tensor:
         nib, scale, zero = self.nibbles()
-        return dequantize_int4(unpack_nibbles(nib), scale, zero)[:, : self.in_features]
+        w = dequantize_int4(unpack_nibbles(nib), scale, zero)[:, : self.in_features]
+        return w.to(self.packed.device)
+
+    @property
+    def kernel(self) -> str:
+        """What runs decode: latentkv's kernel and its vector path, or torch's op."""
+        if self.packed.is_cuda:
+            return "_weight_int4pack_mm (CUDA)"
+        return f"latentkv {self._kernel.name}" if self._kernel is not None else "_weight_int4pack_mm_for_cpu"
 
     @property
     def nbytes(self) -> int:
-        n = self.packed.numel() + self.scale_zeros.numel() * 2
+        n = self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * 2
         return n if self._bias is None else n + self._bias.numel() * 4
 
 
@@ -281,21 +335,24 @@ def _op_positions(out_f: int, in_f: int) -> torch.Tensor:
     return where
 
 
-def pack_for_op(nibbles: torch.Tensor) -> torch.Tensor:
-    """Portable nibbles uint8 [N, K / 2] (`pack_nibbles`: value 2m low, 2m + 1 high) -> the op's
-    packed layout, the bytes `_convert_weight_to_int4pack_for_cpu` makes of the unpacked codes:
-    moved there with whole-tensor byte ops, never unpacked, where this CPU's layout is understood
-    (`tile_layout`), else through the op. (The op's own conversion, through int32 codes, took
-    ~170 ms for a 4096 x 6144 matrix; this ~35 ms.)"""
-    layout = tile_layout()
+def pack(nibbles: torch.Tensor, layout: Layout | None) -> torch.Tensor:
+    """Portable nibbles uint8 [N, K / 2] (`pack_nibbles`: value 2m low, 2m + 1 high) -> packed in
+    `layout`, moved there with whole-tensor byte ops, never unpacked; `layout` None (or rows not
+    in whole blocks of it): the bytes the op's own `_convert_weight_to_int4pack_for_cpu` makes.
+    (The op's conversion, through int32 codes, took ~170 ms for a 4096 x 6144 matrix; this ~35.)"""
     if layout is None or nibbles.shape[0] % layout[0]:
         codes = unpack_nibbles(nibbles).to(torch.int32)
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     return pack_with(nibbles, layout)
 
 
+def pack_for_op(nibbles: torch.Tensor) -> torch.Tensor:
+    """Portable nibbles -> the op's packed layout on this CPU (`op_layout`)."""
+    return pack(nibbles, op_layout())
+
+
 def pack_with(nibbles: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Portable nibbles [N, K / 2] -> the packed layout `layout` (see `tile_layout`) describes;
+    """Portable nibbles [N, K / 2] -> the packed layout `layout` (see `op_layout`) describes;
     N a multiple of its block."""
     block, low, high = layout
     n, half_k = nibbles.shape
@@ -367,13 +424,32 @@ def _nibbles_flat(packed: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_tiles() -> bool:
-    """Whether int4 prefill runs dequantized bfloat16 tiles on this CPU: where bfloat16 matmuls
-    are native (elsewhere unmeasured: the op stays) and the op's layout is understood."""
-    return matmul_dtype() == torch.bfloat16 and tile_layout() is not None
+    """Whether int4 prefill runs dequantized tiles on this CPU: always with latentkv's kernel
+    (in the matmul dtype); on the op's layout where bfloat16 matmuls are native (elsewhere
+    unmeasured: the op stays) and the layout is understood."""
+    if native.kernels() is not None:
+        return True
+    return matmul_dtype() == torch.bfloat16 and op_layout() is not None
+
+
+# The layout latentkv's kernel reads (weights/native/decode.cpp): blocks of 64 output rows, row
+# j of a block in the low nibbles and row 32 + j in the high ones.
+KERNEL_LAYOUT: Layout = (64, slice(0, 32), slice(32, 64))
+
+
+def layout() -> Layout | None:
+    """The packed layout int4 matrices take in this process: the kernel's where latentkv's
+    kernels are loaded, else the op's (None: the op's, where it is not understood)."""
+    return KERNEL_LAYOUT if native.kernels() is not None else op_layout()
+
+
+def row_multiple() -> int:
+    """Output rows are padded to a multiple of this: the kernel's block, else the op's 16."""
+    return KERNEL_LAYOUT[0] if native.kernels() is not None else OUT_MULTIPLE
 
 
 @functools.cache
-def tile_layout() -> Layout | None:
+def op_layout() -> Layout | None:
     """How this CPU's op layout holds a full block of output rows, for the tile path: (block,
     low, high) such that, for a block starting at row b, the bytes of its K columns viewed
     [K, block / 2] hold at [k, j] W[b + low[j], k] in the low nibble and W[b + high[j], k] in the

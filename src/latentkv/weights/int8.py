@@ -7,8 +7,10 @@
 The scale is stored in bfloat16 (rounded up, so no weight clips): torch's op takes the scale
 in the activations' dtype, and its bfloat16 path is the fast one (docs/weights.md).
 
-Decode (a few rows) runs torch's `_weight_int8pack_mm` on bfloat16 activations (x @ q^T * scale,
-reading int8 from memory: the step is bandwidth-bound, so a quarter of the bytes is the point).
+Decode (a few rows) is bandwidth-bound, so a quarter of the bytes is the point. It runs latentkv's
+own kernel (`weights/native`: float32 activations, or int16 ones on AVX-512 VNNI, streaming q
+once, the residual add folded in) where it builds, else torch's `_weight_int8pack_mm` on bfloat16
+activations (x @ q^T * scale).
 Prefill (many rows) is compute-bound, and there the op is several times slower than a
 dequantized tile: the scale is per output row so it factors out, `x @ W~^T = (x @ q^T) * scale`,
 and q is exact in bfloat16, so a tile of q cast to the CPU's matmul dtype feeds one `F.linear`
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from latentkv.weights import native
 from latentkv.weights.base import Linear, register
 from latentkv.weights.kernels import matmul_dtype
 
@@ -27,8 +30,11 @@ QMAX = 127
 # torch 2.13's bfloat16 `_weight_int8pack_mm` reads past the end of x when in % 16 != 0 and
 # there is more than one row (a segfault): such matrices get zero columns up to a multiple of 16.
 IN_MULTIPLE = 16
-# Products with more rows than this take the dequantized-tile path (docs/weights.md).
+# Products with more rows than this take the dequantized-tile path (docs/weights.md): with torch's
+# op, and with latentkv's kernel (which stays ahead of the tiles up to ~32-48 rows of GLM-5's
+# 6144 x 2048: `benchmarks/vs_llamacpp.py --kernels 6144 2048`).
 PREFILL_MIN_ROWS = 16
+KERNEL_MAX_ROWS = 32
 # Output rows dequantized at a time on the tile path: bounds the temporary to TILE_ROWS x in.
 TILE_ROWS = 1024
 
@@ -67,6 +73,7 @@ class Int8Linear(Linear):
         self.scale = scale.contiguous()  # [out] bfloat16, the op's
         self._scale_f32 = scale.float()  # [out], for the tile path
         self._bias = None if bias is None else bias.float().contiguous()
+        self._kernel = native.kernels()  # None: torch's op
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **params) -> Int8Linear:
@@ -95,7 +102,9 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if x2.shape[0] > PREFILL_MIN_ROWS:
+        if self._kernel is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
+            y = self._kernel.int8_mm(_rows(x2), self.q, self.scale)
+        elif x2.shape[0] > PREFILL_MIN_ROWS:
             y = self._tiled(x2)
         else:
             xb = x2.to(torch.bfloat16)
@@ -104,6 +113,12 @@ class Int8Linear(Linear):
         if self._bias is not None:
             y = y + self._bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def add_to(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        fused = self._kernel is not None and self._bias is None and residual is not None
+        if fused and x.shape[0] <= KERNEL_MAX_ROWS and _fits(residual, x.shape[0], self.out_features):
+            return self._kernel.int8_mm(_rows(x), self.q, self.scale, residual)
+        return super().add_to(residual, x)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] float32 -> [M, out]: (x @ q_tile^T) * scale_tile, tile by tile of output rows."""
@@ -121,6 +136,26 @@ class Int8Linear(Linear):
         return self.q[:, : self.in_features].float() * self._scale_f32[:, None]
 
     @property
+    def kernel(self) -> str:
+        """What runs decode: latentkv's kernel and its vector path, or torch's op."""
+        return f"latentkv {self._kernel.name}" if self._kernel is not None else "_weight_int8pack_mm"
+
+    @property
     def nbytes(self) -> int:
         n = self.q.numel() + self.scale.numel() * 2
         return n if self._bias is None else n + self._bias.numel() * 4
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the native kernels take it: float32 with unit column stride."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _fits(residual: torch.Tensor, rows: int, out_features: int) -> bool:
+    """Whether the kernels can add `residual` in place of a separate add: float32 [rows, out]."""
+    return (
+        residual.dtype == torch.float32
+        and tuple(residual.shape) == (rows, out_features)
+        and residual.stride(-1) == 1
+    )

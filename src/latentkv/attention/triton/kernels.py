@@ -61,29 +61,84 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _block_values(base, stride, rows, ok, table, F: tl.constexpr, BLOCK_T: tl.constexpr):
-    """ggml-shaped blocks (fp16 d first) of rows [BLOCK_T] -> float32 [BLOCK_T, PADDED], d applied."""
+def _block_values(base, stride, rows, ok, table, F: tl.constexpr, ALIGN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """ggml-shaped blocks (fp16 d first) of rows [BLOCK_T] -> float32 [BLOCK_T, PADDED], d applied.
+
+    8- and 4-bit blocks on 2-byte aligned rows (ALIGN even) are read as 16-bit words, each giving
+    2 or 4 values (a quarter of the load instructions of reading bytes); q5's blocks and rows at
+    odd addresses byte by byte."""
     WIDTH: tl.constexpr = F[1]
     PADDED: tl.constexpr = F[2]
     BITS: tl.constexpr = F[3]
     BLOCK: tl.constexpr = F[4]
     NB: tl.constexpr = F[5]
-    BLOCK_BYTES: tl.constexpr = F[6]
-    HEADER: tl.constexpr = F[7]
-    HIGH: tl.constexpr = F[8]
     OFFSET: tl.constexpr = F[9]
     AFFINE: tl.constexpr = F[10]
     TABLE: tl.constexpr = F[11]
     blk = tl.arange(0, NB)  # [NB]
+    bmask = ok[:, None] & (blk[None, :] < WIDTH // BLOCK)  # [T, NB]
+    if ALIGN % 2 == 0 and BITS != 5:
+        code, d, m = _block_words(base, stride, rows, blk, bmask, F, BLOCK_T)
+    else:
+        code, d, m = _block_bytes(base, stride, rows, blk, bmask, F, BLOCK_T)
+    if TABLE:  # noqa: SIM108  (a constexpr branch, compiled alone)
+        level = tl.load(table + code)
+    else:
+        level = (code - OFFSET).to(tl.float32)
+    values = level * d[:, :, None]
+    if AFFINE:  # q4_1: + m
+        values += m[:, :, None]
+    return tl.reshape(values, (BLOCK_T, PADDED))
+
+
+@triton.jit
+def _block_words(base, stride, rows, blk, bmask, F: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(codes int32 [T, NB, BLOCK] in value order, d and m float32 [T, NB]) from 16-bit words."""
+    BITS: tl.constexpr = F[3]
+    BLOCK: tl.constexpr = F[4]
+    NB: tl.constexpr = F[5]
+    BLOCK_BYTES: tl.constexpr = F[6]
+    HEADER: tl.constexpr = F[7]
+    words = base.to(tl.pointer_type(tl.uint16))
+    row = words + rows[:, None] * (stride // 2) + blk[None, :] * (BLOCK_BYTES // 2)  # [T, NB]
+    d = tl.load(row, mask=bmask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    m = d * 0.0
+    if HEADER == 4:  # q4_1's minimum, the word after d
+        m = tl.load(row + 1, mask=bmask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    vmask = bmask[:, :, None]
+    if BITS == 8:  # word w: values 2w (low byte) and 2w + 1 (high byte), int8
+        w = tl.arange(0, BLOCK // 2)
+        word = tl.load(row[:, :, None] + HEADER // 2 + w[None, None, :], mask=vmask, other=0).to(tl.int32)
+        pair = tl.join(word & 255, word >> 8)  # [T, NB, BLOCK/2, 2]
+        code = (tl.reshape(pair, (BLOCK_T, NB, BLOCK)) ^ 128) - 128  # signed bytes
+    else:  # 4 bits: bytes 2w, 2w+1 hold values 2w | 2w+H and 2w+1 | 2w+1+H (H = BLOCK/2)
+        w = tl.arange(0, BLOCK // 4)
+        word = tl.load(row[:, :, None] + HEADER // 2 + w[None, None, :], mask=vmask, other=0).to(tl.int32)
+        low = tl.reshape(tl.join(word & 15, (word >> 8) & 15), (BLOCK_T, NB, BLOCK // 2))  # values 0..H-1
+        high = tl.reshape(tl.join((word >> 4) & 15, word >> 12), (BLOCK_T, NB, BLOCK // 2))  # H..BLOCK-1
+        code = tl.reshape(tl.permute(tl.join(low, high), (0, 1, 3, 2)), (BLOCK_T, NB, BLOCK))
+    return code, d, m
+
+
+@triton.jit
+def _block_bytes(base, stride, rows, blk, bmask, F: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(codes int32 [T, NB, BLOCK] in value order, d and m float32 [T, NB]) byte by byte."""
+    BITS: tl.constexpr = F[3]
+    BLOCK: tl.constexpr = F[4]
+    BLOCK_BYTES: tl.constexpr = F[6]
+    HEADER: tl.constexpr = F[7]
+    HIGH: tl.constexpr = F[8]
     i = tl.arange(0, BLOCK)  # [BLOCK] value within its block
     row = base + rows[:, None] * stride + blk[None, :] * BLOCK_BYTES  # [T, NB] block starts
-    bmask = ok[:, None] & (blk[None, :] < WIDTH // BLOCK)
     d = _fp16(tl.load(row, mask=bmask, other=0), tl.load(row + 1, mask=bmask, other=0))  # [T, NB]
+    m = d * 0.0
+    if HEADER == 4:  # q4_1's minimum, the fp16 after d
+        m = _fp16(tl.load(row + 2, mask=bmask, other=0), tl.load(row + 3, mask=bmask, other=0))
     at = row[:, :, None]  # [T, NB, 1]
     vmask = bmask[:, :, None]
     if BITS == 8:
-        code = tl.load(at + HEADER + i[None, None, :], mask=vmask, other=0)  # [T, NB, BLOCK]
-        level = code.to(tl.int8, bitcast=True).to(tl.float32)
+        byte = tl.load(at + HEADER + i[None, None, :], mask=vmask, other=0)  # [T, NB, BLOCK]
+        code = byte.to(tl.int8, bitcast=True).to(tl.int32)
     else:
         HALF: tl.constexpr = BLOCK // 2
         byte = tl.load(at + HEADER + HIGH + (i % HALF)[None, None, :], mask=vmask, other=0).to(tl.int32)
@@ -91,16 +146,7 @@ def _block_values(base, stride, rows, ok, table, F: tl.constexpr, BLOCK_T: tl.co
         if BITS == 5:  # the fifth bits: bit i of the little-endian field
             field = tl.load(at + HEADER + (i // 8)[None, None, :], mask=vmask, other=0).to(tl.int32)
             code = code | (((field >> (i % 8)[None, None, :]) & 1) << 4)
-        if TABLE:  # noqa: SIM108  (a constexpr branch, compiled alone)
-            level = tl.load(table + code)
-        else:
-            level = (code - OFFSET).to(tl.float32)
-    values = level * d[:, :, None]
-    if AFFINE:  # q4_1: + m, the fp16 after d
-        values += _fp16(tl.load(row + 2, mask=bmask, other=0), tl.load(row + 3, mask=bmask, other=0))[
-            :, :, None
-        ]
-    return tl.reshape(values, (BLOCK_T, PADDED))
+    return code, d, m
 
 
 @triton.jit
@@ -144,7 +190,15 @@ def _load_part(
         base = tl.multiple_of(code_addr.to(tl.pointer_type(tl.uint8)), ALIGN)
         values = _e4m3(tl.load(base + rows[:, None] * stride + j[None, :], mask=mask, other=0))
     elif KIND == _BLOCK:
-        values = _block_values(code_addr.to(tl.pointer_type(tl.uint8)), stride, rows, ok, table, F, BLOCK_T)
+        values = _block_values(
+            code_addr.to(tl.pointer_type(tl.uint8)), stride, rows, ok, table, F, ALIGN, BLOCK_T
+        )
+    elif BITS == 4 and ALIGN % 4 == 0 and WIDTH == PADDED:  # TQ, 4 bits: 32-bit words of 8 codes
+        base = tl.multiple_of(code_addr.to(tl.pointer_type(tl.uint32)), ALIGN)
+        k = tl.arange(0, PADDED // 8)
+        word = tl.load(base + rows[:, None] * (stride // 4) + k[None, :], mask=ok[:, None], other=0)
+        code = tl.reshape(_nibbles_in_order(word), (BLOCK_T, PADDED))  # value 8k + i: nibble i
+        values = tl.where(mask, tl.load(table + code), 0.0)
     else:  # TQ: BITS-bit codes, value j at bit j * BITS of the row, LSB first
         base = tl.multiple_of(code_addr.to(tl.pointer_type(tl.uint8)), ALIGN) + rows[:, None] * stride
         bit = j * BITS
@@ -163,6 +217,19 @@ def _load_part(
         g = tl.load(scale_ptr + rows[:, None] * scale_stride + (j // GROUP)[None, :], mask=mask, other=0.0)
         values = values * (g * gain)
     return values, factor
+
+
+@triton.jit
+def _nibbles_in_order(word):
+    """uint32 words [T, K] -> int32 [T, K, 8]: nibble i of word k (LSB first) at [.., k, i]. Each
+    join appends an axis, so the nibbles are joined in bit-reversed order to land in place."""
+    w = word.to(tl.int32)
+    v0, v1, v2, v3 = w & 15, (w >> 4) & 15, (w >> 8) & 15, (w >> 12) & 15
+    v4, v5, v6, v7 = (w >> 16) & 15, (w >> 20) & 15, (w >> 24) & 15, (w >> 28) & 15
+    return tl.reshape(
+        tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7))),
+        (w.shape[0], w.shape[1], 8),
+    )
 
 
 @triton.jit

@@ -1,0 +1,188 @@
+"""latentkv's own CPU decode kernels for int8 and int4 weights (decode.cpp), built on first use.
+
+    k = native.kernels()        # None where they cannot be built here (then torch's ops serve)
+    y = k.int8_mm(x, q, scale)                                   # x f32 [M, K] -> f32 [M, N]
+    y = k.int4_mm(x, packed, scale_zeros, group, out, residual)  # residual + x @ W~^T
+
+A decode step multiplies one row (or a batch's few) by every matrix: it is bound by the bytes
+it reads. torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read int8 and int4 at
+well under the machine's memory bandwidth (docs/weights.md); these kernels stream each matrix
+once, widen every weight to float32 in registers and multiply it by every row of x (float32
+activations, float32 sums), with the residual add folded in.
+
+Built once per machine: the C++ source is compiled with the system's C++ compiler against the
+installed torch (no ninja, no network) into the cache directory (`config.cache_root()/kernels`,
+keyed by a hash of the source, flags, compiler and torch version), then loaded as torch ops
+(`torch.ops.latentkv.*`). Where no compiler is found or the build fails, `kernels()` is None,
+`unavailable()` says why, and the formats use torch's ops as before.
+
+The vector path (AVX-512, AVX2 or plain C++) is chosen once per process from torch's own CPU
+capability (`torch.backends.cpu.get_cpu_capability()`, which honours ATEN_CPU_CAPABILITY), so a
+run capped to AVX2 or to plain code by torch runs these kernels the same way.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from latentkv.config import cache_root
+
+SOURCE = Path(__file__).with_name("decode.cpp")
+# torch's capability -> the kernels' best path there (a CPU without AVX512-VNNI and VBMI runs 2)
+ISA = {"AVX512": 3, "AVX2": 1, "DEFAULT": 0}
+ISA_NAMES = {3: "AVX-512 VNNI", 2: "AVX-512", 1: "AVX2", 0: "plain C++"}
+COMPILERS = ("g++", "c++", "clang++")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded kernels and the vector path this process runs them with."""
+
+    isa: int
+
+    @property
+    def name(self) -> str:
+        return ISA_NAMES[self.isa]
+
+    def int8_mm(
+        self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x f32 [M, K] (K <= q's columns), q int8 [N, ldq], scale bf16 [N] -> [M, N] f32:
+        (x @ q[:, :K]^T) * scale (+ residual [M, N])."""
+        return torch.ops.latentkv.int8_mm(x, q, scale, residual, self.isa)
+
+    def int4_mm(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scale_zeros: torch.Tensor,
+        group_size: int,
+        out_features: int,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x f32 [M, K] (K <= Kp), packed uint8 [Np, Kp / 2] in `int4.KERNEL_LAYOUT`,
+        scale_zeros bf16 [Kp / G, Np, 2] -> [M, out_features] f32 (+ residual)."""
+        return torch.ops.latentkv.int4_mm(
+            x, packed, scale_zeros, group_size, out_features, residual, self.isa
+        )
+
+
+def isa_for(capability: str) -> int:
+    """The kernels' vector path for one of torch's CPU capabilities (unknown: plain C++)."""
+    return ISA.get(capability.upper(), 0)
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The kernels with this process's vector path, building them on first use; None where they
+    cannot be built or loaded here (see `unavailable`)."""
+    if _load() is not None:
+        return None
+    isa = isa_for(torch.backends.cpu.get_cpu_capability())
+    while isa > 0 and not torch.ops.latentkv.has_isa(isa):  # torch's capability, but not the CPU's
+        isa -= 1
+    return Kernels(isa)
+
+
+def unavailable() -> str | None:
+    """Why `kernels()` is None (one line), or None when they are loaded."""
+    return _load()
+
+
+def with_isa(isa: int) -> Kernels | None:
+    """The kernels on a given vector path, where this CPU runs it (tests compare the paths)."""
+    if _load() is not None or not torch.ops.latentkv.has_isa(isa):
+        return None
+    return Kernels(isa)
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build (once per machine) and load the library; the reason it failed, or None."""
+    try:
+        path = _build()
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+    _register_fakes()
+    return None
+
+
+def _compiler() -> str:
+    for name in COMPILERS:
+        if path := shutil.which(name):
+            return path
+    raise OSError(f"no C++ compiler ({', '.join(COMPILERS)}) on PATH")
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [
+        cxx,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",
+        "-ffp-contract=off",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    ]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd += [str(SOURCE), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-o", str(out)]
+    return cmd
+
+
+def _build() -> Path:
+    """The library's path in the cache, compiled there first if it is not (one process at a time)."""
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(_command(cxx, Path("OUT"))).encode(), version.encode()):
+        key.update(part)
+    key.update(torch.__version__.encode())
+    folder = cache_root() / "kernels"
+    out = folder / f"latentkv_decode-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
+        if out.exists():
+            return out
+        print(
+            "building latentkv's int8/int4 decode kernels (once per machine)...", file=sys.stderr, flush=True
+        )
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            part = Path(tmp) / out.name
+            done = subprocess.run(_command(cxx, part), capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                raise OSError(f"{Path(cxx).name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+            os.replace(part, out)
+    return out
+
+
+def _register_fakes() -> None:
+    """Shapes for tracing (torch.compile sees the ops as opaque calls with these outputs)."""
+
+    @torch.library.register_fake("latentkv::int8_mm")
+    def _int8(x, q, scale, residual, isa):
+        return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("latentkv::int4_mm")
+    def _int4(x, packed, scale_zeros, group_size, out_features, residual, isa):
+        return x.new_empty(x.shape[0], out_features)

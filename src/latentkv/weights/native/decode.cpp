@@ -1,0 +1,698 @@
+// latentkv's decode kernels: a few rows of float32 activations times an int8 or int4 matrix,
+// reading the packed matrix once, straight from memory (a decode step is bound by the bytes it
+// reads, not by arithmetic).
+//
+//   latentkv::int8_mm(x f32 [M, K], q int8 [N, ldq], scale bf16 [N], residual?, isa) -> [M, N]
+//       y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]                 (+ residual[m, n])
+//   latentkv::int4_mm(x f32 [M, K], packed uint8 [Np, Kp / 2], scale_zeros bf16 [Kp / G, Np, 2],
+//                     G, N, residual?, isa) -> [M, N]
+//       y[m, n] = sum_g s[g, n] * sum_{k in g} x[m, k] * q[n, k]
+//               + (z[g, n] - 8 s[g, n]) * sum_{k in g} x[m, k]     (+ residual[m, n])
+//       i.e. x @ W~^T with W~ = (q - 8) * s + z, the int4 format's matrix (weights/int4.py).
+//
+// int4 layout (BLOCK = 64 output rows): block b holds, for each column k, 32 bytes; byte j holds
+// q[64 b + j, k] in its low nibble and q[64 b + 32 + j, k] in its high nibble. (The layout torch's
+// AVX-512 `_convert_weight_to_int4pack_for_cpu` makes for whole blocks of 64 rows.) Np % 64 == 0.
+//
+// Each weight is read once and widened in registers, and multiplied by every row of x. `isa` picks
+// the vector path (Python picks it once per process from torch's CPU capability,
+// weights/native/__init__.py):
+//   3  AVX-512 VNNI (+ VBMI): x quantized to int16 per group of columns, exact integer dot
+//      products (vpdpwssd), one float32 scale per group (see the section below);
+//   2  AVX-512 (F, BW, VL, DQ), 1 AVX2 + FMA, 0 plain C++ (the compiler's baseline ISA): float32 x,
+//      weights widened to float32, float32 sums.
+// Output rows are split over torch's intra-op threads (at::parallel_for). Built with
+// -ffp-contract=off: a residual is added after the product, as a separate add would.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LKV_X86 1
+#else
+#define LKV_X86 0
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 64;  // int4 rows per block
+constexpr int64_t HALF = BLOCK / 2;
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct Int8Args {
+  const float* x;
+  int64_t M, K, ldx;
+  const int8_t* q;
+  int64_t ldq;
+  const uint16_t* scale;
+  float* y;
+  int64_t ldy;
+  const float* res;  // nullptr: no residual
+  int64_t ldr;
+};
+
+struct Int4Args {
+  const float* x;
+  int64_t M, K, ldx;
+  const uint8_t* packed;  // [Np / 64][Kp][32]
+  int64_t Kp;
+  const uint16_t* sz;  // [groups][Np][2]
+  int64_t Np, G, N;
+  const float* xsum;  // [M][groups]: sum of x over each group (as the path rounds x)
+  int64_t groups;
+  float* y;
+  int64_t ldy;
+  const float* res;
+  int64_t ldr;
+};
+
+// x quantized to int16 per group of columns (the VNNI path; see there)
+constexpr int64_t XGROUP8 = 256;  // int8: columns per x scale (bounds the int32 sums)
+
+struct X16 {
+  std::vector<int16_t> q;  // [M][Kpad], zero past K
+  std::vector<float> scale, sum;  // [M][groups]: the step, and the sum of the quantized x
+  int64_t Kpad, groups;
+};
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even (finite values)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+inline void store_row(const Int8Args& a, int64_t m, int64_t n, float v) {
+  a.y[m * a.ldy + n] = v + (a.res ? a.res[m * a.ldr + n] : 0.0f);
+}
+
+// ---- plain C++ -----------------------------------------------------------------------------
+
+void int8_generic(const Int8Args& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* qn = a.q + n * a.ldq;
+    const float s = bf16_to_f32(a.scale[n]);
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float* xm = a.x + m * a.ldx;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < a.K; ++k) acc += xm[k] * static_cast<float>(qn[k]);
+      store_row(a, m, n, acc * s);
+    }
+  }
+}
+
+// One block of 64 rows for one row m of x: the block's sums per group, then the group's scale.
+void int4_generic(const Int4Args& a, int64_t b0, int64_t b1) {
+  float acc[BLOCK], y[BLOCK];
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* blk = a.packed + b * a.Kp * HALF;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float* xm = a.x + m * a.ldx;
+      std::fill(y, y + BLOCK, 0.0f);
+      for (int64_t g = 0; g < a.groups; ++g) {
+        std::fill(acc, acc + BLOCK, 0.0f);
+        const int64_t k1 = std::min(a.K, (g + 1) * a.G);
+        for (int64_t k = g * a.G; k < k1; ++k) {
+          const uint8_t* col = blk + k * HALF;
+          const float xk = xm[k];
+#pragma omp simd
+          for (int64_t j = 0; j < HALF; ++j) {
+            acc[j] += xk * static_cast<float>(col[j] & 15);
+            acc[HALF + j] += xk * static_cast<float>(col[j] >> 4);
+          }
+        }
+        const uint16_t* sz = a.sz + (g * a.Np + b * BLOCK) * 2;
+        const float xs = a.xsum[m * a.groups + g];
+        for (int64_t j = 0; j < BLOCK; ++j) {
+          const float s = bf16_to_f32(sz[2 * j]), z = bf16_to_f32(sz[2 * j + 1]);
+          y[j] += s * acc[j] + (z - 8.0f * s) * xs;
+        }
+      }
+      const int64_t rows = std::min(BLOCK, a.N - b * BLOCK);
+      for (int64_t j = 0; j < rows; ++j) {
+        const int64_t n = b * BLOCK + j;
+        a.y[m * a.ldy + n] = y[j] + (a.res ? a.res[m * a.ldr + n] : 0.0f);
+      }
+    }
+  }
+}
+
+#if LKV_X86
+
+// ---- AVX-512 -------------------------------------------------------------------------------
+
+#define LKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define LKV_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512vnni,fma")))
+#define LKV_AVX2 __attribute__((target("avx2,fma")))
+
+// y[m, n .. n + 16) = v (+ residual), the rows past N left out.
+LKV_AVX512 inline void store16(const Int4Args& a, int64_t m, int64_t n, __m512 v) {
+  const int64_t rows = std::min<int64_t>(16, a.N - n);
+  if (rows <= 0) return;
+  const __mmask16 mask = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+  if (a.res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.res + m * a.ldr + n));
+  _mm512_mask_storeu_ps(a.y + m * a.ldy + n, mask, v);
+}
+
+// R rows of q (4, or 1 for the tail) times MB rows of x.
+template <int R, int MB>
+LKV_AVX512 void int8_avx512_tile(const Int8Args& a, int64_t n, int64_t m0) {
+  const int8_t* __restrict q[R];
+  const float* __restrict x[MB];
+  for (int r = 0; r < R; ++r) q[r] = a.q + (n + r) * a.ldq;
+  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
+  const int64_t K = a.K, K16 = K / 16 * 16;
+  __m512 acc[MB][R];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, __mmask16 mask) LKV_AVX512 {
+    __m512 w[R];
+    for (int r = 0; r < R; ++r)
+      w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q[r] + k)));
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x[i] + k);
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(w[r], xv, acc[i][r]);
+    }
+  };
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 w[R];
+    for (int r = 0; r < R; ++r)
+      w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + k))));
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x[i] + k);
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(w[r], xv, acc[i][r]);
+    }
+  }
+  if (K16 < K) step(K16, __mmask16((1u << (K - K16)) - 1));
+  for (int r = 0; r < R; ++r) {
+    const float s = bf16_to_f32(a.scale[n + r]);
+    for (int i = 0; i < MB; ++i) store_row(a, m0 + i, n + r, _mm512_reduce_add_ps(acc[i][r]) * s);
+  }
+}
+
+template <int R>
+LKV_AVX512 void int8_avx512_rows(const Int8Args& a, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) int8_avx512_tile<R, 4>(a, n, m);
+  switch (a.M - m) {
+    case 3: int8_avx512_tile<R, 3>(a, n, m); break;
+    case 2: int8_avx512_tile<R, 2>(a, n, m); break;
+    case 1: int8_avx512_tile<R, 1>(a, n, m); break;
+    default: break;
+  }
+}
+
+LKV_AVX512 void int8_avx512(const Int8Args& a, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) int8_avx512_rows<4>(a, n);
+  for (; n < n1; ++n) int8_avx512_rows<1>(a, n);
+}
+
+// int4 on AVX-512 without BF16: float32 x, each nibble widened through a 16-entry table of
+// (q - 8) as float32 (vpermps reads only an index's low 4 bits, so the low nibble needs no mask).
+// MB rows of x through block b, V = 4 vectors of 16 rows (the whole 32-byte column) or V = 2 (its
+// 16-byte half h: rows 16 h .. 16 h + 15 from the low nibbles, 32 + 16 h .. from the high ones).
+template <int MB, int V>
+LKV_AVX512 void int4_avx512_tile(const Int4Args& a, int64_t b, int64_t m0, int h) {
+  const uint8_t* __restrict blk = a.packed + b * a.Kp * HALF + h * 16;
+  const float* __restrict x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
+  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  constexpr int P = V / 2;  // 16-byte pieces per column
+  __m512 y[MB][V];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < V; ++v) y[i][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512 acc[MB][V];
+    for (int i = 0; i < MB; ++i)
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
+    const int64_t k1 = std::min(a.K, (g + 1) * a.G);
+    for (int64_t k = g * a.G; k < k1; ++k) {
+      __m512 w[V];
+      for (int p = 0; p < P; ++p) {
+        const __m512i d =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + k * HALF + 16 * p)));
+        w[p] = _mm512_permutexvar_ps(d, table);
+        w[P + p] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xk = _mm512_set1_ps(x[i][k]);
+        for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(w[v], xk, acc[i][v]);
+      }
+    }
+    const uint16_t* sz = a.sz + (g * a.Np + b * BLOCK) * 2;
+    for (int v = 0; v < V; ++v) {
+      const int row = (v < P ? 0 : HALF) + h * 16 + 16 * (v % P);
+      const __m512i pair = _mm512_loadu_si512(sz + 2 * row);  // 16 x (scale | zero << 16)
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, hi16));
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xs = _mm512_set1_ps(a.xsum[(m0 + i) * a.groups + g]);
+        y[i][v] = _mm512_fmadd_ps(z, xs, _mm512_fmadd_ps(s, acc[i][v], y[i][v]));
+      }
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int64_t n = b * BLOCK + (v < P ? 0 : HALF) + h * 16 + 16 * (v % P);
+    for (int i = 0; i < MB; ++i) store16(a, m0 + i, n, y[i][v]);
+  }
+}
+
+LKV_AVX512 void int4_avx512(const Int4Args& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    if (a.M <= 2) {
+      a.M == 1 ? int4_avx512_tile<1, 4>(a, b, 0, 0) : int4_avx512_tile<2, 4>(a, b, 0, 0);
+      continue;
+    }
+    for (int h = 0; h < 2; ++h) {
+      int64_t m = 0;
+      for (; m + 4 <= a.M; m += 4) int4_avx512_tile<4, 2>(a, b, m, h);
+      switch (a.M - m) {
+        case 3: int4_avx512_tile<3, 2>(a, b, m, h); break;
+        case 2: int4_avx512_tile<2, 2>(a, b, m, h); break;
+        case 1: int4_avx512_tile<1, 2>(a, b, m, h); break;
+        default: break;
+      }
+    }
+  }
+}
+
+// ---- AVX-512 VNNI (and VBMI) ---------------------------------------------------------------
+// x is quantized per group of columns to int16 (scale = max |x| / 32767, rounded to nearest) and
+// the products are exact integer dot products (vpdpwssd: two int16 pairs into an int32 sum), one
+// float32 scale per group: an activation's error is at most half a step of its group's largest,
+// well under the bfloat16 rounding torch's ops apply to every activation. A weight is widened to
+// int16 once (int8: vpmovsxbw; int4: a byte permutation and a nibble mask) and each instruction
+// multiplies 32 of them: about a third of the float32 path's work per weight.
+
+LKV_VNNI X16 quantize_x16(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t group, int64_t Kpad) {
+  X16 out{std::vector<int16_t>(M * Kpad, 0), {}, {}, Kpad, Kpad / group};
+  out.scale.assign(M * out.groups, 0.0f);
+  out.sum.assign(M * out.groups, 0.0f);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * ldx;
+    int16_t* qm = out.q.data() + m * Kpad;
+    for (int64_t g = 0; g < out.groups; ++g) {
+      const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 16) {
+        const __mmask16 mask = k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1);
+        amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, _mm512_maskz_loadu_ps(mask, xm + k)));
+      }
+      const float top = _mm512_reduce_max_ps(amax);
+      if (!(top > 0.0f)) continue;  // all zero (or past K): q stays 0, scale 0
+      const float step = top / 32767.0f;
+      const __m512 inv = _mm512_set1_ps(32767.0f / top);
+      __m512i total = _mm512_setzero_si512();
+      for (int64_t k = k0; k < k1; k += 16) {
+        const __mmask16 mask = k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1);
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, xm + k), inv));
+        v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(32767)), _mm512_set1_epi32(-32767));
+        total = _mm512_add_epi32(total, v);
+        _mm256_mask_storeu_epi16(qm + k, mask, _mm512_cvtepi32_epi16(v));
+      }
+      out.scale[m * out.groups + g] = step;
+      out.sum[m * out.groups + g] = static_cast<float>(_mm512_reduce_add_epi32(total)) * step;
+    }
+  }
+  return out;
+}
+
+// int8: R rows of q times MB rows of x, 32 columns per step.
+template <int R, int MB>
+LKV_VNNI void int8_vnni_tile(const Int8Args& a, const X16& xq, int64_t n, int64_t m0) {
+  const int8_t* __restrict q[R];
+  const int16_t* __restrict x[MB];
+  for (int r = 0; r < R; ++r) q[r] = a.q + (n + r) * a.ldq;
+  for (int i = 0; i < MB; ++i) x[i] = xq.q.data() + (m0 + i) * xq.Kpad;
+  __m512 y[MB][R];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < R; ++r) y[i][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    const int64_t k0 = g * XGROUP8, k1 = std::min(a.K, k0 + XGROUP8);
+    __m512i acc[MB][R];
+    for (int i = 0; i < MB; ++i)
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 32) {
+      const __mmask32 mask = k1 - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << (k1 - k)) - 1);
+      __m512i w[R];
+      for (int r = 0; r < R; ++r) w[r] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, q[r] + k));
+      for (int i = 0; i < MB; ++i) {
+        const __m512i xv = _mm512_loadu_si512(x[i] + k);
+        for (int r = 0; r < R; ++r) acc[i][r] = _mm512_dpwssd_epi32(acc[i][r], w[r], xv);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 step = _mm512_set1_ps(xq.scale[(m0 + i) * xq.groups + g]);
+      for (int r = 0; r < R; ++r) y[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]), step, y[i][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float s = bf16_to_f32(a.scale[n + r]);
+    for (int i = 0; i < MB; ++i) store_row(a, m0 + i, n + r, _mm512_reduce_add_ps(y[i][r]) * s);
+  }
+}
+
+template <int R>
+LKV_VNNI void int8_vnni_rows(const Int8Args& a, const X16& xq, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) int8_vnni_tile<R, 4>(a, xq, n, m);
+  switch (a.M - m) {
+    case 3: int8_vnni_tile<R, 3>(a, xq, n, m); break;
+    case 2: int8_vnni_tile<R, 2>(a, xq, n, m); break;
+    case 1: int8_vnni_tile<R, 1>(a, xq, n, m); break;
+    default: break;
+  }
+}
+
+LKV_VNNI void int8_vnni(const Int8Args& a, const X16& xq, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) int8_vnni_rows<4>(a, xq, n);
+  for (; n < n1; ++n) int8_vnni_rows<1>(a, xq, n);
+}
+
+// int4: MB rows of x through block b, two columns at a time. One 64-byte load holds columns k and
+// k + 1; a zero-masked byte permutation puts byte j of each (16 rows per permutation) in the two
+// words of dword j, the low nibbles are masked out and the high ones shifted down, and vpdpwssd
+// adds q[k] x[k] + q[k+1] x[k+1] to each row's int32 sum. Rows of accumulator v: 16 v .. 16 v + 15.
+template <int MB>
+LKV_VNNI void int4_vnni_tile(const Int4Args& a, const X16& xq, int64_t b, int64_t m0) {
+  const uint8_t* __restrict blk = a.packed + b * a.Kp * HALF;
+  const uint32_t* __restrict x[MB];  // int16 pairs
+  for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const uint32_t*>(xq.q.data() + (m0 + i) * xq.Kpad);
+  alignas(64) uint8_t pick_bytes[2][64];
+  for (int r = 0; r < 2; ++r)
+    for (int p = 0; p < 64; ++p) pick_bytes[r][p] = static_cast<uint8_t>((p / 2 % 2 ? 32 : 0) + 16 * r + p / 4);
+  const __m512i pick[2] = {_mm512_load_si512(pick_bytes[0]), _mm512_load_si512(pick_bytes[1])};
+  const __mmask64 low_bytes = 0x5555555555555555ull;  // the low byte of every word
+  const __m512i nibble = _mm512_set1_epi16(15);
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 y[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < 4; ++v) y[i][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512i acc[MB][4];
+    for (int i = 0; i < MB; ++i)
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_si512();
+    const int64_t k1 = std::min(a.K, (g + 1) * a.G);
+    for (int64_t k = g * a.G; k < k1; k += 2) {
+      const __m512i cols = _mm512_loadu_si512(blk + k * HALF);
+      for (int r = 0; r < 2; ++r) {
+        const __m512i pr = _mm512_maskz_permutexvar_epi8(low_bytes, pick[r], cols);
+        const __m512i lo = _mm512_and_si512(pr, nibble);
+        const __m512i hi = _mm512_srli_epi16(pr, 4);
+        for (int i = 0; i < MB; ++i) {
+          const __m512i xk = _mm512_set1_epi32(static_cast<int>(x[i][k / 2]));
+          acc[i][r] = _mm512_dpwssd_epi32(acc[i][r], lo, xk);
+          acc[i][2 + r] = _mm512_dpwssd_epi32(acc[i][2 + r], hi, xk);
+        }
+      }
+    }
+    // y += s * step * sum(q x16) + (z - 8 s) * sum(x)
+    const uint16_t* sz = a.sz + (g * a.Np + b * BLOCK) * 2;
+    for (int v = 0; v < 4; ++v) {
+      const __m512i pair = _mm512_loadu_si512(sz + 32 * v);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, hi16));
+      const __m512 zs = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+      for (int i = 0; i < MB; ++i) {
+        const int64_t at = (m0 + i) * xq.groups + g;
+        const __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[at]));
+        y[i][v] = _mm512_fmadd_ps(zs, _mm512_set1_ps(xq.sum[at]),
+                                  _mm512_fmadd_ps(step, _mm512_cvtepi32_ps(acc[i][v]), y[i][v]));
+      }
+    }
+  }
+  for (int v = 0; v < 4; ++v)
+    for (int i = 0; i < MB; ++i) store16(a, m0 + i, b * BLOCK + 16 * v, y[i][v]);
+}
+
+LKV_VNNI void int4_vnni(const Int4Args& a, const X16& xq, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t m = 0;
+    for (; m + 2 <= a.M; m += 2) int4_vnni_tile<2>(a, xq, b, m);
+    if (m < a.M) int4_vnni_tile<1>(a, xq, b, m);
+  }
+}
+
+// ---- AVX2 ----------------------------------------------------------------------------------
+
+LKV_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R, int MB>
+LKV_AVX2 void int8_avx2_tile(const Int8Args& a, int64_t n, int64_t m0) {
+  const int8_t* __restrict q[R];
+  const float* __restrict x[MB];
+  for (int r = 0; r < R; ++r) q[r] = a.q + (n + r) * a.ldq;
+  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
+  __m256 acc[MB][R];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  const int64_t K = a.K, K8 = K / 8 * 8;
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 w[R];
+    for (int r = 0; r < R; ++r)
+      w[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[r] + k))));
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x[i] + k);
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(w[r], xv, acc[i][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float s = bf16_to_f32(a.scale[n + r]);
+    for (int i = 0; i < MB; ++i) {
+      float sum = hsum256(acc[i][r]);
+      for (int64_t k = K8; k < K; ++k) sum += x[i][k] * static_cast<float>(q[r][k]);
+      store_row(a, m0 + i, n + r, sum * s);
+    }
+  }
+}
+
+template <int R>
+LKV_AVX2 void int8_avx2_rows(const Int8Args& a, int64_t n) {
+  int64_t m = 0;
+  for (; m + 2 <= a.M; m += 2) int8_avx2_tile<R, 2>(a, n, m);
+  if (m < a.M) int8_avx2_tile<R, 1>(a, n, m);
+}
+
+LKV_AVX2 void int8_avx2(const Int8Args& a, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) int8_avx2_rows<4>(a, n);
+  for (; n < n1; ++n) int8_avx2_rows<1>(a, n);
+}
+
+// MB rows of x through the 16 rows of block b that bytes [8 q, 8 q + 8) of each column hold:
+// rows 8 q .. 8 q + 7 (low nibbles) and 32 + 8 q .. (high nibbles), q = 0..3.
+template <int MB>
+LKV_AVX2 void int4_avx2_tile(const Int4Args& a, int64_t b, int64_t m0, int quarter) {
+  const uint8_t* blk = a.packed + b * a.Kp * HALF + quarter * 8;
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 y[MB][2];
+  for (int i = 0; i < MB; ++i) y[i][0] = y[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256 acc[MB][2];
+    for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const int64_t k1 = std::min(a.K, (g + 1) * a.G);
+    for (int64_t k = g * a.G; k < k1; ++k) {
+      const __m256i d =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + k * HALF)));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, low4));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
+      for (int i = 0; i < MB; ++i) {
+        const __m256 xk = _mm256_broadcast_ss(a.x + (m0 + i) * a.ldx + k);
+        acc[i][0] = _mm256_fmadd_ps(lo, xk, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(hi, xk, acc[i][1]);
+      }
+    }
+    const uint16_t* sz = a.sz + (g * a.Np + b * BLOCK) * 2;
+    for (int v = 0; v < 2; ++v) {
+      const int row = v * HALF + quarter * 8;
+      const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * row));
+      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+      const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pair, hi16));
+      const __m256 zs = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z);
+      for (int i = 0; i < MB; ++i) {
+        const __m256 xs = _mm256_set1_ps(a.xsum[(m0 + i) * a.groups + g]);
+        y[i][v] = _mm256_fmadd_ps(zs, xs, _mm256_fmadd_ps(s, acc[i][v], y[i][v]));
+      }
+    }
+  }
+  for (int v = 0; v < 2; ++v) {
+    const int64_t n = b * BLOCK + v * HALF + quarter * 8;
+    const int64_t rows = std::min<int64_t>(8, a.N - n);
+    for (int i = 0; i < MB; ++i) {
+      float out[8];
+      _mm256_storeu_ps(out, y[i][v]);
+      for (int64_t j = 0; j < rows; ++j)
+        a.y[(m0 + i) * a.ldy + n + j] = out[j] + (a.res ? a.res[(m0 + i) * a.ldr + n + j] : 0.0f);
+    }
+  }
+}
+
+LKV_AVX2 void int4_avx2(const Int4Args& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      int64_t m = 0;
+      for (; m + 2 <= a.M; m += 2) int4_avx2_tile<2>(a, b, m, quarter);
+      if (m < a.M) int4_avx2_tile<1>(a, b, m, quarter);
+    }
+  }
+}
+
+bool cpu_has(int64_t isa) {
+  if (isa == 3)
+    return cpu_has(2) && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
+  if (isa == 2)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma");
+  if (isa == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return isa == 0;
+}
+
+#else
+
+bool cpu_has(int64_t isa) { return isa == 0; }
+
+#endif  // LKV_X86
+
+void check_isa(int64_t isa) {
+  TORCH_CHECK(isa >= 0 && isa <= 3, "latentkv kernels: isa must be 0..3, got ", isa);
+  TORCH_CHECK(cpu_has(isa), "latentkv kernels: this CPU lacks the instructions of path ", isa);
+}
+
+const float* residual_of(const std::optional<at::Tensor>& r, int64_t M, int64_t N, int64_t* ld) {
+  if (!r.has_value()) return nullptr;
+  const at::Tensor& t = *r;
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == N && t.scalar_type() == at::kFloat &&
+                  t.stride(1) == 1,
+              "residual must be float32 [M, N] with unit column stride");
+  *ld = t.stride(0);
+  return t.data_ptr<float>();
+}
+
+// Rows per thread chunk: small matrices run on the calling thread (a parallel region costs more).
+int64_t grain(int64_t bytes_per_unit) { return std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, bytes_per_unit)); }
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                   const std::optional<at::Tensor>& residual, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.stride(1) == 1, "q must be int8 [N, ldq]");
+  const int64_t N = q.size(0);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kBFloat16 &&
+                  scale.is_contiguous(),
+              "scale must be bfloat16 [N]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= q.size(1) && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be float32 [M, K <= ", q.size(1), "] with unit column stride");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  Int8Args a{x.data_ptr<float>(), M, K, x.stride(0), q.data_ptr<int8_t>(), q.stride(0),
+             reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>()), y.data_ptr<float>(), N,
+             nullptr, 0};
+  a.res = residual_of(residual, M, N, &a.ldr);
+  if (M == 0 || N == 0) return y;
+  X16 xq;
+#if LKV_X86
+  if (isa == 3) xq = quantize_x16(a.x, M, K, a.ldx, XGROUP8, (K + XGROUP8 - 1) / XGROUP8 * XGROUP8);
+#endif
+  // units of 4 rows
+  at::parallel_for(0, (N + 3) / 4, grain(4 * K * std::max<int64_t>(1, M / 4)), [&](int64_t u0, int64_t u1) {
+    const int64_t n0 = u0 * 4, n1 = std::min(N, u1 * 4);
+#if LKV_X86
+    if (isa == 3) return int8_vnni(a, xq, n0, n1);
+    if (isa == 2) return int8_avx512(a, n0, n1);
+    if (isa == 1) return int8_avx2(a, n0, n1);
+#endif
+    int8_generic(a, n0, n1);
+  });
+  return y;
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zeros,
+                   int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& residual,
+                   int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "packed must be uint8 [Np, Kp / 2]");
+  const int64_t Np = packed.size(0), Kp = 2 * packed.size(1);
+  TORCH_CHECK(Np % BLOCK == 0, "packed rows must be a multiple of ", BLOCK, ", got ", Np);
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && Kp % group_size == 0, "group size ", group_size,
+              " does not divide ", Kp);
+  const int64_t groups = Kp / group_size;
+  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.size(0) == groups && scale_zeros.size(1) == Np &&
+                  scale_zeros.size(2) == 2 && scale_zeros.scalar_type() == at::kBFloat16 &&
+                  scale_zeros.is_contiguous(),
+              "scale_zeros must be bfloat16 [", groups, ", ", Np, ", 2]");
+  TORCH_CHECK(out_features > Np - BLOCK && out_features <= Np, "out_features ", out_features,
+              " does not fit ", Np, " packed rows");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= Kp && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be float32 [M, K <= ", Kp, "] with unit column stride");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> xsum(M * groups, 0.0f);
+  Int4Args a{xp, M, K, x.stride(0), packed.data_ptr<uint8_t>(), Kp,
+             reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr<at::BFloat16>()), Np, group_size, N,
+             xsum.data(), groups, y.data_ptr<float>(), N, nullptr, 0};
+  a.res = residual_of(residual, M, N, &a.ldr);
+  X16 xq;
+#if LKV_X86
+  if (isa == 3) xq = quantize_x16(xp, M, K, a.ldx, group_size, Kp);
+#endif
+  if (isa != 3)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.0f;
+        for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) s += xp[m * a.ldx + k];
+        xsum[m * groups + g] = s;
+      }
+  at::parallel_for(0, Np / BLOCK, grain(BLOCK * Kp / 2 * std::max<int64_t>(1, M / 4)), [&](int64_t b0, int64_t b1) {
+#if LKV_X86
+    if (isa == 3) return int4_vnni(a, xq, b0, b1);
+    if (isa == 2) return int4_avx512(a, b0, b1);
+    if (isa == 1) return int4_avx2(a, b0, b1);
+#endif
+    int4_generic(a, b0, b1);
+  });
+  return y;
+}
+
+bool has_isa(int64_t isa) { return isa >= 0 && isa <= 3 && cpu_has(isa); }
+
+}  // namespace
+
+TORCH_LIBRARY(latentkv, m) {
+  m.def("int8_mm(Tensor x, Tensor q, Tensor scale, Tensor? residual, int isa) -> Tensor");
+  m.def(
+      "int4_mm(Tensor x, Tensor packed, Tensor scale_zeros, int group_size, int out_features, "
+      "Tensor? residual, int isa) -> Tensor");
+  m.def("has_isa(int isa) -> bool", &has_isa);
+}
+
+TORCH_LIBRARY_IMPL(latentkv, CPU, m) {
+  m.impl("int8_mm", &int8_mm);
+  m.impl("int4_mm", &int4_mm);
+}
