@@ -21,8 +21,9 @@ What it checks, and prints as a table (and writes as JSON):
   of the conversation resumes it (`cached_tokens`), and at the end every session file holds the
   conversation's last committed turn, token for token;
 - 0 tracebacks in the server's log;
-- memory flat: the server's resident memory (HTTP process + engine process) at the end within
-  5% of what it was after the warm-up (--warmup-minutes);
+- memory flat: each process's resident memory at its end within 5% of what it was after its
+  warm-up (--warmup-minutes): the HTTP process over the whole run, the first engine process
+  until its SIGKILL, the one started again from its own warm-up to the end;
 - /health 503 while the store is damaged and 200 again after the repair, with no restart; the
   engine process started again by the server after its SIGKILL.
 """
@@ -122,12 +123,6 @@ def rss(pid: int) -> int:
     return 0
 
 
-def resident(server: int) -> tuple[int, int]:
-    """(HTTP process, engine process) resident bytes."""
-    engine = engine_pid(server)
-    return rss(server), rss(engine) if engine else 0
-
-
 async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens: int) -> tuple[str, dict]:
     """One streamed turn: ("ok", {"tokens", "cached"}), ("refused", {"why"}) or ("bad", {"why"})."""
     body = {
@@ -141,6 +136,7 @@ async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens:
         "return_tokens_as_token_ids": True,
         "session": session,
     }
+    chunks = 0  # stream lines received (what a timeout had seen)
     try:
         async with http.stream("POST", "/v1/completions", json=body) as reply:
             if reply.status_code != 200:
@@ -155,6 +151,7 @@ async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens:
                 return "refused", {"why": f"HTTP {reply.status_code} {error.get('code')}"}
             got, cached, finish, done, error = [], None, None, False, None
             async for line in reply.aiter_lines():
+                chunks += 1
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]
@@ -171,7 +168,7 @@ async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens:
                     got += [int(t.split(":")[1]) for t in (choice.get("logprobs") or {}).get("tokens", [])]
                     finish = choice.get("finish_reason") or finish
     except (httpx.HTTPError, OSError) as exc:
-        return "bad", {"why": f"{type(exc).__name__}: {exc}"}
+        return "bad", {"why": f"{type(exc).__name__} after {chunks} stream lines: {exc}"}
     if not done:
         return "bad", {"why": "the stream ended without [DONE]"}
     if error is not None:
@@ -183,7 +180,7 @@ async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens:
     return "ok", {"tokens": got, "cached": cached}
 
 
-async def client(k: int, url: str, args, deadline: float, tally: Tally) -> None:
+async def client(k: int, url: str, args, t0: float, deadline: float, tally: Tally) -> None:
     """One conversation after another, each in its own session, until the deadline."""
     rng = random.Random(k)
     http = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0))
@@ -210,7 +207,9 @@ async def client(k: int, url: str, args, deadline: float, tally: Tally) -> None:
                 tally.refuse(info["why"])
                 await asyncio.sleep(rng.uniform(0.5, 2.0))
             else:
-                tally.bad.append(info["why"])
+                tally.bad.append(
+                    f"at {time.monotonic() - t0:.0f} s, {session} turn of {len(prompt)} tokens: {info['why']}"
+                )
                 await asyncio.sleep(1.0)
     finally:
         await http.aclose()
@@ -283,9 +282,40 @@ async def faults(
 
 async def sample_memory(server: subprocess.Popen, t0: float, until: float, series: list) -> None:
     while time.monotonic() < until:
-        http_rss, engine_rss = resident(server.pid)
-        series.append({"t_s": round(time.monotonic() - t0, 1), "http": http_rss, "engine": engine_rss})
+        engine = engine_pid(server.pid)
+        http_rss, engine_rss = rss(server.pid), rss(engine) if engine else 0
+        series.append(
+            {"t_s": round(time.monotonic() - t0, 1), "http": http_rss, "engine": engine_rss, "pid": engine}
+        )
         await asyncio.sleep(30)
+
+
+def drifts(series: list[dict], warmup_s: float, end: dict) -> dict:
+    """Resident memory after the warm-up against the end, per process: the HTTP process over the
+    whole run, each engine process (the one started again after the SIGKILL has a fresh heap)
+    from its own warm-up to its last sample."""
+    samples = [*series, end]
+    out = {"http": _drift(samples, "http", lambda x: True, samples[0]["t_s"] + warmup_s)}
+    for k, pid in enumerate(dict.fromkeys(x["pid"] for x in samples if x["pid"])):
+        mine = lambda x, pid=pid: x["pid"] == pid  # noqa: E731
+        first = next(x["t_s"] for x in samples if mine(x))
+        out[f"engine {k + 1}"] = _drift(samples, "engine", mine, first + warmup_s)
+    return out
+
+
+def _drift(samples: list[dict], key: str, mine, after_s: float) -> dict | None:
+    ours = [x for x in samples if mine(x)]
+    warm = next((x for x in ours if x["t_s"] >= after_s), None)
+    if warm is None or warm is ours[-1]:
+        return None  # too short-lived to judge
+    last = ours[-1]
+    return {
+        "warm_s": warm["t_s"],
+        "warm": warm[key],
+        "end_s": last["t_s"],
+        "end": last[key],
+        "drift": round(last[key] / warm[key] - 1, 4),
+    }
 
 
 async def soak(args, url: str, server: subprocess.Popen, store: Path, env: dict) -> dict:
@@ -293,15 +323,19 @@ async def soak(args, url: str, server: subprocess.Popen, store: Path, env: dict)
     t0 = time.monotonic()
     total = args.minutes * 60
     deadline = t0 + total
-    tasks = [asyncio.create_task(client(k, url, args, deadline, tally)) for k in range(args.clients)]
+    tasks = [asyncio.create_task(client(k, url, args, t0, deadline, tally)) for k in range(args.clients)]
     tasks.append(asyncio.create_task(faults(url, server, store, env, t0, total, ev)))
     memory = asyncio.create_task(sample_memory(server, t0, deadline, series))
-    await asyncio.sleep(args.warmup_minutes * 60)
-    warm = sum(resident(server.pid))
     await asyncio.gather(*tasks)
-    end = sum(resident(server.pid))
+    engine = engine_pid(server.pid)
+    end = {
+        "t_s": round(time.monotonic() - t0, 1),
+        "http": rss(server.pid),
+        "engine": rss(engine),
+        "pid": engine,
+    }
     memory.cancel()
-    return {"tally": tally, "events": ev, "series": series, "warm_rss": warm, "end_rss": end}
+    return {"tally": tally, "events": ev, "series": series, "end": end}
 
 
 def check_files(kv_dir: Path, sessions: dict[str, list[int]]) -> list[str]:
@@ -353,7 +387,8 @@ def main() -> int:
     tally, ev = got["tally"], got["events"]
     lost_files = check_files(root / "sessions", tally.sessions)
     text = log.read_text(errors="replace")
-    drift = got["end_rss"] / got["warm_rss"] - 1
+    memory = drifts(got["series"], args.warmup_minutes * 60, got["end"])
+    judged = [m for m in memory.values() if m is not None]
     result = {
         "command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
         "server": " ".join(cmd[1:]).replace(str(root), "$ROOT"),
@@ -373,16 +408,15 @@ def main() -> int:
         "tracebacks": text.count("Traceback"),
         "log_lines": len(text.splitlines()),
         "events": asdict(ev),
-        "rss_after_warmup": got["warm_rss"],
-        "rss_at_end": got["end_rss"],
-        "rss_drift": round(drift, 4),
+        "memory": memory,
         "rss_series": got["series"],
     }
     result["passed"] = bool(
         result["bad"] == 0
         and result["lost_committed_turns"] == 0
         and result["tracebacks"] == 0
-        and abs(drift) <= RSS_LIMIT
+        and len(judged) >= 2
+        and all(abs(m["drift"]) <= RSS_LIMIT for m in judged)
         and ev.degraded_health
         and ev.healthy_again_s is not None
         and ev.engine_restarted
@@ -420,15 +454,20 @@ def table(r: dict) -> str:
             if ev["engine_back_s"] is not None
             else str(ev),
         ),
-        (
-            "resident memory",
-            f"{r['rss_after_warmup'] / 2**20:.0f} MiB after warm-up, {r['rss_at_end'] / 2**20:.0f} MiB at the "
-            f"end ({r['rss_drift']:+.1%})",
-        ),
+        ("resident memory", "; ".join(_memory_line(k, m) for k, m in r["memory"].items())),
         ("passed", str(r["passed"])),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _memory_line(name: str, m: dict | None) -> str:
+    if m is None:
+        return f"{name}: too short-lived to judge"
+    return (
+        f"{name} {m['warm'] / 2**20:.0f} MiB at {m['warm_s']:.0f} s -> {m['end'] / 2**20:.0f} MiB at "
+        f"{m['end_s']:.0f} s ({m['drift']:+.1%})"
+    )
 
 
 def _cpu() -> str:
