@@ -98,3 +98,11 @@ def test_a_recent_window_goes_to_the_reference():
     q = query(1, seed=11)
     pos = torch.tensor([9])
     assert torch.equal(EXACT.attend(q, r, None, pos), REFERENCE.attend(q, r, None, pos))
+
+
+def test_refuses_resolved_tiers_by_their_codecs_and_window():
+    assert EXACT.refuse(resolve_tier(LAYOUT, CacheConfig(kv_cache_dtype="q4s")), CUDA) is None
+    polar = EXACT.refuse(resolve_tier(LAYOUT, CacheConfig(kv_cache_dtype="polar4-r8")), CUDA)
+    assert "polar4" in polar and "no Triton decode kernel" in polar
+    windowed = resolve_tier(LAYOUT, CacheConfig(kv_cache_dtype="fp8", recent_window=8))
+    assert "recent window" in EXACT.refuse(windowed, CUDA)

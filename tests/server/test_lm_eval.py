@@ -53,8 +53,8 @@ def server(tmp_path_factory, serve):
     live.stop()
 
 
-def _run_lm_eval(server, task_dir: Path, out: Path) -> dict:
-    model_args = ",".join(
+def _server_args(server) -> str:
+    return ",".join(
         [
             "model=builtin:tiny",
             f"base_url={server.url}/v1/completions",
@@ -64,20 +64,48 @@ def _run_lm_eval(server, task_dir: Path, out: Path) -> dict:
             "max_retries=1",
         ]
     )
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args]
-    cmd += ["--tasks", mc.TASK_NAME, "--include_path", ".", "--limit", str(LIMIT), "--batch_size", "4"]
+
+
+def _lm_eval(
+    command: list[str],
+    model: str,
+    model_args: str,
+    tasks: list[str],
+    task_dir: Path,
+    out: Path,
+    key: str = "",
+) -> dict:
+    """Run lm_eval (`command`: how to start it) on `tasks`; {task: {"results", "samples"}}."""
+    cmd = [*command, "--model", model, "--model_args", model_args, "--tasks", ",".join(tasks)]
+    cmd += ["--include_path", ".", "--limit", str(LIMIT), "--batch_size", "4"]
     cmd += ["--output_path", str(out), "--log_samples"]
-    env = {**os.environ, "OPENAI_API_KEY": server.key, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OPENAI_API_KEY": key, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     env["HF_DATASETS_CACHE"] = str(out / "hf-datasets")
     done = subprocess.run(cmd, cwd=task_dir, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [results] = list(out.rglob("results_*.json"))
-    [samples] = list(out.rglob(f"samples_{mc.TASK_NAME}_*.jsonl"))
-    lines = samples.read_text().splitlines()
-    return {
-        "acc": json.loads(results.read_text())["results"][mc.TASK_NAME]["acc,none"],
-        "samples": sorted((json.loads(line) for line in lines), key=lambda s: s["doc_id"]),
-    }
+    got = {}
+    for task in tasks:
+        [samples] = list(out.rglob(f"samples_{task}_*.jsonl"))
+        lines = samples.read_text().splitlines()
+        got[task] = {
+            "results": json.loads(results.read_text())["results"][task],
+            "samples": sorted((json.loads(line) for line in lines), key=lambda s: s["doc_id"]),
+        }
+    return got
+
+
+def _run_lm_eval(server, task_dir: Path, out: Path) -> dict:
+    got = _lm_eval(
+        [sys.executable, "-m", "lm_eval"],
+        "local-completions",
+        _server_args(server),
+        [mc.TASK_NAME],
+        task_dir,
+        out,
+        server.key,
+    )[mc.TASK_NAME]
+    return {"acc": got["results"]["acc,none"], "samples": got["samples"]}
 
 
 def test_lm_eval_through_the_server_scores_like_the_in_process_scorer(server, task_dir, tiny_dir, tmp_path):
@@ -93,3 +121,75 @@ def test_lm_eval_through_the_server_scores_like_the_in_process_scorer(server, ta
         assert lls[: len(result.loglikelihoods)] == pytest.approx(list(result.loglikelihoods), rel=REL)
     correct = sum(r.pred == item.answer for r, item in zip(expected, items, strict=True))
     assert got["acc"] == pytest.approx(correct / len(items))
+
+
+EXTRA_TASKS = {
+    # the context as one text to score whole (perplexity tasks: wikitext's shape)
+    "latentkv_test_rolling": """
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{context}}"
+metric_list:
+  - metric: word_perplexity
+""",
+    # greedy generation of the next line, stopped at the newline
+    "latentkv_test_generate": """
+output_type: generate_until
+doc_to_text: "{{context}}"
+doc_to_target: "{{choices[answer]}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def all_tasks(task_dir, tmp_path_factory) -> Path:
+    """The next-line task and two more over its items: a rolling log-likelihood and a generation."""
+    directory = tmp_path_factory.mktemp("tasks")
+    (directory / "nextline.jsonl").write_text((task_dir / "nextline.jsonl").read_text())
+    (directory / "nextline.yaml").write_text((task_dir / "nextline.yaml").read_text())
+    head = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: nextline.jsonl\ntest_split: test\n"
+    for name, body in EXTRA_TASKS.items():
+        (directory / f"{name}.yaml").write_text(f"task: {name}\n{head}{body}metadata:\n  version: 1.0\n")
+    return directory
+
+
+def test_lm_eval_in_process_scores_like_the_server_path(server, all_tasks, tmp_path):
+    """`--model latentkv` (this process's engine, registered in lm_eval's registry) and
+    `--model local-completions` against the server give the same log-likelihoods (to the bit),
+    the same rolling log-likelihoods and the same generations."""
+    tasks = [mc.TASK_NAME, *EXTRA_TASKS]
+    remote = _lm_eval(
+        [sys.executable, "-m", "lm_eval"],
+        "local-completions",
+        _server_args(server)
+        + ",custom_prefix_token_id=0",  # tiny's BOS (lm_eval's remote takes `bos or eos`)
+        tasks,
+        all_tasks,
+        tmp_path / "server",
+        server.key,
+    )
+    local = _lm_eval(
+        [sys.executable, "-m", "latentkv.eval.harness"],
+        "latentkv",
+        "pretrained=builtin:tiny,threads=1",
+        tasks,
+        all_tasks,
+        tmp_path / "local",
+    )
+    for task in tasks:
+        assert len(remote[task]["samples"]) == len(local[task]["samples"]) == LIMIT
+    for r, lo in zip(remote[mc.TASK_NAME]["samples"], local[mc.TASK_NAME]["samples"], strict=True):
+        assert lo["filtered_resps"] == r["filtered_resps"]  # every choice, after the context and alone
+    for r, lo in zip(
+        remote["latentkv_test_rolling"]["samples"], local["latentkv_test_rolling"]["samples"], strict=True
+    ):
+        assert lo["resps"] == r["resps"]
+    texts = [s["resps"] for s in local["latentkv_test_generate"]["samples"]]
+    assert texts == [s["resps"] for s in remote["latentkv_test_generate"]["samples"]]
+    assert any(t[0][0] for t in texts)  # something was generated

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from latentkv.commands.common import (
     add_model_arguments,
@@ -41,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p)
     add_speculative_arguments(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="constrain the output to instances of this JSON Schema (structured output; needs tokenizer.json)",
+    )
     add_session_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -54,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         check_text(args.prompt, "--prompt")  # before the weights load
     engine = engine_config(args)
     args.speculative_config = speculative_config(args, args.model)  # refused before the weights load
+    grammar = _json_schema(args)  # a bad file or schema is refused before the weights load
     loaded = load(args.model, engine, quiet=args.json, draft_tokens=draft_tokens(args.speculative_config))
     model, tokenizer = loaded.model, loaded.tokenizer
     check_speculative(model, args.speculative_config)
@@ -67,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         len(prompt), args.max_tokens, model.cfg.max_position_embeddings, "--max-tokens"
     ):
         raise UserError(problem)  # as the server answers a request that does not fit
+    args.constraint = _constraint(grammar, loaded)
     conv = _open_session(args, loaded, engine.cache)
     try:
         return _generate(args, model, tokenizer, prompt, sampling, engine.cache, conv, loaded.streamer)
@@ -74,6 +82,44 @@ def run(args: argparse.Namespace) -> int:
         if conv is not None:
             conv.close()
         loaded.close()
+
+
+def _json_schema(args: argparse.Namespace):
+    """--json-schema FILE as a checked GrammarSpec (None without the flag); UserError names what
+    is wrong with the file or the schema."""
+    if args.json_schema is None:
+        return None
+    from latentkv.engine.grammar import GrammarError, GrammarSpec, check_grammar
+
+    if args.speculative_config is not None:
+        raise UserError("--json-schema cannot be combined with --speculative")
+    try:
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"--json-schema {args.json_schema}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"--json-schema {args.json_schema}: not a JSON file ({exc})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise UserError(f"--json-schema {args.json_schema}: a JSON Schema is an object (or true/false)")
+    spec = GrammarSpec.json_schema(schema)
+    try:
+        check_grammar(spec)
+    except GrammarError as exc:
+        raise UserError(f"--json-schema {args.json_schema}: {exc}") from None
+    return spec
+
+
+def _constraint(spec, loaded):
+    if spec is None:
+        return None
+    from latentkv.engine.grammar import Grammars
+    from latentkv.runtime import stop_ids
+
+    path = loaded.directory / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"{loaded.directory} has no tokenizer.json: --json-schema needs one")
+    grammars = Grammars(path, loaded.model.cfg.vocab_size, stop_ids(loaded.model.cfg, loaded.directory))
+    return grammars.constraint(spec)
 
 
 def _open_session(args: argparse.Namespace, loaded, cache_config):
@@ -105,6 +151,7 @@ def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config,
             stop_ids=stop,
             stats=stats,
             speculative=args.speculative_config,
+            constraint=args.constraint,
         ):
             tokens.append(token)
             pieces.append(delta)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from latentkv.engine.grammar import Constraint
 from latentkv.engine.sampling import SamplingParams, sample
 from latentkv.engine.speculative import SpeculativeConfig, SpeculativeStats, speculative_steps
 from latentkv.kv.cache import LatentCache, PackedLatentCache
@@ -77,8 +78,10 @@ def generate_step(
     cache: LatentCache | PackedLatentCache,
     sampling: SamplingParams,
     stats: GenerationStats,
+    constraint: Constraint | None = None,
 ) -> Iterator[int]:
-    """Yield generated token ids forever; the caller decides when to stop."""
+    """Yield generated token ids forever; the caller decides when to stop. With `constraint`
+    (engine.grammar) only tokens its grammar allows are sampled, and each is consumed by it."""
     _check_prompt(model, prompt)
     generator = None if sampling.greedy else sampling.generator()
     t0 = time.perf_counter()
@@ -86,7 +89,11 @@ def generate_step(
     stats.prompt_tokens += len(prompt)
     stats.prompt_seconds += time.perf_counter() - t0
     while True:
-        token = sample(logits, sampling, generator)
+        if constraint is not None:
+            token = sample(constraint.allow(logits), sampling, generator)
+            constraint.consume(token)
+        else:
+            token = sample(logits, sampling, generator)
         yield token
         t0 = time.perf_counter()
         logits = model.forward(torch.tensor([token], dtype=torch.long), cache)[-1]
@@ -141,13 +148,18 @@ def stream_generate(
     stop_ids: tuple[int, ...] | None = None,
     stats: GenerationStats | None = None,
     speculative: SpeculativeConfig | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[tuple[int, str, GenerationStats]]:
     """Yield (token, text delta, stats) per generated token; stats are final after the last.
 
     Pass `stats` to have it filled in even when nothing is generated (max_tokens 0). With
     `speculative`, the MTP layer drafts and the main model verifies: the same tokens (greedy)
     or the same distribution (sampling), and the cache ends as plain decoding leaves it.
+    With `constraint` the output follows its grammar and ends (reason "stop") once the grammar
+    is complete; it cannot be combined with `speculative`.
     """
+    if constraint is not None and speculative is not None:
+        raise ValueError("constrained decoding cannot be combined with speculative decoding")
     cache = cache if cache is not None else model.make_cache()
     stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
     stats = stats if stats is not None else GenerationStats()
@@ -169,12 +181,13 @@ def stream_generate(
     steps = (
         _speculative_step(model, prompt, cache, sampling, stats, speculative, max_tokens)
         if speculative
-        else generate_step(model, prompt, cache, sampling, stats)
+        else generate_step(model, prompt, cache, sampling, stats, constraint)
     )
     for token in steps:
         stats.generated_tokens += 1
-        done = token in stop or stats.generated_tokens >= max_tokens
-        if token in stop:
+        complete = constraint is not None and constraint.stopped
+        done = token in stop or complete or stats.generated_tokens >= max_tokens
+        if token in stop or complete:
             stats.finish_reason = "stop"
         delta = decoder.push(token) if decoder and token not in stop else ""
         if done and decoder:
@@ -197,13 +210,14 @@ def generate(
     cache: LatentCache | PackedLatentCache | None = None,
     stop_ids: tuple[int, ...] | None = None,
     speculative: SpeculativeConfig | None = None,
+    constraint: Constraint | None = None,
 ) -> GenerationResult:
     sampling = sampling or SamplingParams()
     tokens: list[int] = []
     text: list[str] = []
     stats = GenerationStats()
     for token, delta, _ in stream_generate(
-        model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids, stats, speculative
+        model, prompt, max_tokens, sampling, tokenizer, cache, stop_ids, stats, speculative, constraint
     ):
         tokens.append(token)
         text.append(delta)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from latentkv.engine.grammar import GrammarSpec
+
 
 class SamplingError(ValueError):
     """An invalid sampling parameter; `param` names it (the server's `param`, the CLI's flag)."""
@@ -70,6 +72,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # generation ends when one is sampled (not yielded; reason "stop")
     logprobs: int | None = None  # None: none; k >= 0: logprob of each sampled token + top-k alternatives
     prompt_logprobs: bool = False  # logprob of every prompt token given the ones before (entry 0 None)
+    grammar: GrammarSpec | None = None  # constrained decoding (engine.grammar): only tokens it allows
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_p, self.top_k)

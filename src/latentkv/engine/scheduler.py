@@ -69,6 +69,7 @@ import torch
 from latentkv.config import CacheConfig
 from latentkv.engine import sessions
 from latentkv.engine.delivery import Outbox, RequestHandle, Sink
+from latentkv.engine.grammar import Constraint, GrammarError, Grammars
 from latentkv.engine.logprobs import prompt_logprobs, token_logprobs
 from latentkv.engine.request import (
     Finished,
@@ -117,6 +118,7 @@ class _Sequence:
     queued_seconds: float = 0.0  # from submission to admission
     finished: bool = False
     drafter: SpeculativeDecoder | None = None  # with --speculative mtp, after the first token
+    constraint: Constraint | None = None  # the request's grammar (engine.grammar), from admission
 
 
 class Scheduler:
@@ -137,12 +139,14 @@ class Scheduler:
         sink: Sink | None = None,
         streamer: ExpertStreamer | None = None,
         speculative: SpeculativeConfig | None = None,
+        grammars: Grammars | None = None,
     ):
         """`sink`: deliver every step's events to this callable as [(handle, event), ...] instead
         of to the handles' iterators (see `delivery.Outbox`). `streamer`: the ExpertStreamer
         serving the model's experts from disk, whose telemetry `stats` reports. `speculative`:
         every running sequence drafts with the MTP layer and all of them are verified in one
-        batched pass per step."""
+        batched pass per step. `grammars`: the model tokenizer's constraints, for requests with
+        a grammar (structured output)."""
         limit = model.cfg.max_position_embeddings
         if max_num_seqs < 1 or max_queue < 0:
             raise ValueError(
@@ -183,12 +187,23 @@ class Scheduler:
             check_model(model)
         self._spec_stats = SpeculativeStats(speculative.draft_tokens) if speculative else None
         self._spec_snapshot: dict | None = None
+        self.grammars = grammars
 
     @classmethod
     def for_server(cls, config, loaded, max_model_len: int, sink: Sink | None = None) -> Scheduler:
         """The scheduler `latentkv serve` runs: config a ServerConfig, loaded the
         `runtime.Loaded` model."""
         from latentkv.config import sessions_dir
+        from latentkv.runtime import stop_ids
+
+        tokenizer_json = loaded.directory / "tokenizer.json"
+        grammars = (
+            Grammars(
+                tokenizer_json, loaded.model.cfg.vocab_size, stop_ids(loaded.model.cfg, loaded.directory)
+            )
+            if tokenizer_json.is_file()
+            else None
+        )
 
         return cls(
             loaded.model,
@@ -205,6 +220,7 @@ class Scheduler:
                 if config.speculative_draft_tokens
                 else None
             ),
+            grammars=grammars,
         )
 
     # --- the client side --------------------------------------------------------------
@@ -228,6 +244,8 @@ class Scheduler:
             thread.join()
         else:  # never started: nothing runs, finish what was queued here
             self._finish_all("cancelled")
+        if self.grammars is not None:
+            self.grammars.close()
 
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request; never blocks. ValueError for an invalid request, QueueFull when the
@@ -277,6 +295,11 @@ class Scheduler:
 
     def _validate(self, request: Request) -> None:
         validate_request(request, self.model.cfg.vocab_size, self.max_model_len, self._sessions is not None)
+        if request.params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the model's tokenizer.json")
+            if self.speculative is not None:
+                raise ValueError("structured output cannot run with --speculative mtp")
 
     # --- the worker -------------------------------------------------------------------
 
@@ -341,6 +364,9 @@ class Scheduler:
         except sessions.SessionUnavailable as exc:  # not a failure of the model: the client is told 409
             self._finish(seq, "error", str(exc), refused="session")
             return None
+        except GrammarError as exc:  # the request's grammar, not the model: the client is told 400
+            self._finish(seq, "error", str(exc), refused="invalid" if not seq.generated else None)
+            return None
         except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
             self._fail(seq, exc)
             return None
@@ -391,6 +417,8 @@ class Scheduler:
     def _open(self, seq: _Sequence) -> list[int]:
         """The request's generator and cache (its session resumed); returns the tokens to prefill."""
         seq.generator = None if seq.params.greedy else seq.params.generator()
+        if seq.params.grammar is not None:
+            seq.constraint = self.grammars.constraint(seq.params.grammar)
         return self._open_cache(seq)
 
     def _prefill(self, seq: _Sequence, todo: list[int]) -> None:
@@ -450,6 +478,8 @@ class Scheduler:
             return
         seqs = list(self._running)
         tokens = torch.tensor([s.pending for s in seqs], dtype=torch.long)
+        if self.grammars is not None:  # the constrained sequences' masks, computed during the pass
+            self.grammars.prepare([s.constraint for s in seqs if s.constraint is not None])
         t0 = time.perf_counter()
         try:
             rows = list(self.model.decode_batch(tokens, [s.cache for s in seqs], self._pool))
@@ -516,8 +546,10 @@ class Scheduler:
                 break
 
     def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token from logits [vocab]: yield it, or finish."""
-        self._take(seq, sample(logits, seq.params, seq.generator), logits)
+        """Sample the next token from logits [vocab] (only what its grammar allows, if it has
+        one): yield it, or finish."""
+        allowed = logits if seq.constraint is None else seq.constraint.allow(logits)
+        self._take(seq, sample(allowed, seq.params, seq.generator), logits)
 
     def _take(self, seq: _Sequence, token: int, logits: torch.Tensor) -> None:
         """`token`, chosen from logits [vocab]: yield it, or finish."""
@@ -532,6 +564,11 @@ class Scheduler:
         if params.logprobs is not None:
             logprob, top = token_logprobs(logits, token, params.logprobs)
         seq.handle.emit(TokenEvent(token, logprob, top))
+        if seq.constraint is not None:
+            seq.constraint.consume(token)
+            if seq.constraint.stopped:  # the grammar is complete: nothing but the end may follow
+                self._finish(seq, "stop")
+                return
         if len(seq.generated) >= params.max_tokens:
             self._finish(seq, "length")
         else:

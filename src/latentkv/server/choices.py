@@ -40,6 +40,7 @@ class Spec:
     params: SamplingParams
     session: str | None = None
     stop: list[str] = field(default_factory=list)
+    keep_special: bool = False  # special tokens stay in the text (tool-call markers may be special)
 
 
 @dataclass
@@ -82,7 +83,11 @@ class ChoiceRun:
         from latentkv.engine.request import Finished
 
         index = self.spec.index
-        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        detok = (
+            Detokenizer(self.tokenizer, skip_special_tokens=not self.spec.keep_special)
+            if self.tokenizer is not None
+            else None
+        )
         stops = StopStrings(self.spec.stop)
         pending: list = []
         consumed = 0

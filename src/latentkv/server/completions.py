@@ -27,6 +27,7 @@ from latentkv.server.generation import (
 from latentkv.server.logprobs import CompletionLogprobsBuilder, TokenStrings, join
 from latentkv.server.prompts import Prompt, completion_prompts
 from latentkv.server.protocol import Completion, CompletionChoice, CompletionRequest
+from latentkv.server.structured import response_grammar
 
 
 async def create_completion(body: CompletionRequest, request: Request, ready, served: str):
@@ -36,10 +37,11 @@ async def create_completion(body: CompletionRequest, request: Request, ready, se
     if body.stream and body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported when streaming; drop stream", param="echo")
     prompt_logprobs = body.echo and body.logprobs is not None
+    grammar = response_grammar(body, ready)
 
     def params_for(ids: list[int], choice: int):  # every spec is built (and checked) before any submit
         budget = token_budget(len(ids), body.max_tokens, ready.max_model_len, "max_tokens")
-        return sampling_params(body, ready, budget, choice, body.logprobs, prompt_logprobs)
+        return sampling_params(body, ready, budget, choice, body.logprobs, prompt_logprobs, grammar)
 
     specs = specs_for([p.ids for p in prompts], body.n, params_for, session, body.stop_strings())
     runs = submit_all(ready.scheduler, specs, ready.tokenizer, stop_ids_of(body, ready), ready.metrics)

@@ -84,8 +84,11 @@ def context_error(prompt_len: int, max_tokens: int, max_model_len: int, param: s
     return bad_request(message, param=param, code="context_length_exceeded")
 
 
-def sampling_params(body, ready, max_tokens: int, choice: int, logprobs: int | None, prompt_logprobs: bool):
-    """The scheduler's SamplingParams for choice `choice` of a prompt (seed + choice).
+def sampling_params(
+    body, ready, max_tokens: int, choice: int, logprobs: int | None, prompt_logprobs: bool, grammar=None
+):
+    """The scheduler's SamplingParams for choice `choice` of a prompt (seed + choice), decoded
+    under `grammar` (engine.grammar.GrammarSpec) when the request asks for structured output.
 
     With prompt_logprobs (echo scoring) the stop tokens are left to the ChoiceRun, which lists
     a sampled stop token in the logprobs where the scheduler would drop it."""
@@ -102,6 +105,7 @@ def sampling_params(body, ready, max_tokens: int, choice: int, logprobs: int | N
             stop_token_ids=stop_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=getattr(exc, "param", None)) from None
@@ -245,11 +249,16 @@ async def _events(runs, head, chunks, tail) -> AsyncIterator[str]:
 
 
 def specs_for(
-    prompts: list[list[int]], n: int, params_for, session: str | None, stop: list[str]
+    prompts: list[list[int]],
+    n: int,
+    params_for,
+    session: str | None,
+    stop: list[str],
+    keep_special: bool = False,
 ) -> list[Spec]:
     """n choices per prompt; choice index = prompt * n + j, params_for(prompt_ids, j)."""
     return [
-        Spec(p * n + j, ids, params_for(ids, j), session, stop)
+        Spec(p * n + j, ids, params_for(ids, j), session, stop, keep_special)
         for p, ids in enumerate(prompts)
         for j in range(n)
     ]

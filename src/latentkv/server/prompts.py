@@ -8,6 +8,7 @@ chat_template.jinja) in the same sandboxed jinja2 environment as `latentkv chat`
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,14 +86,17 @@ class ChatRenderer:
     def name(self) -> str:
         return "chat template" if self._compiled is not None else "plain User/Assistant format"
 
-    def render(self, messages: list[ChatMessage], generation_prompt: bool = True) -> str:
+    def render(self, messages: list[ChatMessage], generation_prompt: bool = True, tools=None) -> str:
+        """The prompt text; `tools` (the request's function definitions) reach the template as
+        `tools`, a list of {"type": "function", "function": {...}} as OpenAI sends them."""
+        plain = [_template_message(m) for m in messages]  # (checks tool calls' arguments either way)
         if self._compiled is None:
             return self._render_plain(messages)
-        plain = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages
-        ]
+        special = dict(self.special)
+        if tools:
+            special["tools"] = tools
         try:
-            return render_template(self._compiled, plain, generation_prompt, self.special)
+            return render_template(self._compiled, plain, generation_prompt, special)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from None
         except Exception as exc:  # noqa: BLE001 - a template's own TypeError etc. is the request's problem
@@ -128,5 +132,31 @@ class ChatRenderer:
                 )
         return "".join(pieces)
 
-    def prompt_ids(self, tokenizer, messages: list[ChatMessage], generation_prompt: bool = True) -> list[int]:
-        return encode(tokenizer, self.render(messages, generation_prompt), self.add_special_tokens)
+    def prompt_ids(
+        self, tokenizer, messages: list[ChatMessage], generation_prompt: bool = True, tools=None
+    ) -> list[int]:
+        return encode(tokenizer, self.render(messages, generation_prompt, tools), self.add_special_tokens)
+
+
+def _template_message(m: ChatMessage) -> dict:
+    """A message as chat templates read it. A tool call's arguments are given as an object
+    (GLM's template iterates them; OpenAI sends them as JSON text)."""
+    out = {"role": m.role, "content": m.text()}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for i, call in enumerate(m.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                raise bad_request(
+                    f"messages: tool call {i}'s arguments are not JSON: {call.function.arguments[:80]!r}",
+                    param="messages",
+                ) from None
+            fn = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": "function", "function": fn})
+        out["tool_calls"] = calls
+    return out

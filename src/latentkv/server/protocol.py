@@ -1,6 +1,7 @@
 """The OpenAI wire format: request models (validated; unknown fields ignored) and response models.
 
 Requests accept what the `openai` client, lm-evaluation-harness and vLLM-speaking tools send.
+`response_format` (json_object, json_schema) constrains the output in both endpoints.
 Extensions beyond OpenAI's fields: `session` (resume and save a named KV session),
 `stop_token_ids`, `ignore_eos` and `return_tokens_as_token_ids` (as vLLM names them). Fields we cannot honour
 (penalties, logit_bias, suffix, best_of other than n) are refused with 400 rather than ignored,
@@ -45,6 +46,26 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema: OpenAI's {name, description, schema, strict}."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")  # JSON Schema; absent: any JSON value
+    strict: bool | None = None  # accepted; the output is constrained either way
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object: {"name", "schema"}')
+        return self
+
+
 class _Sampling(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -62,6 +83,7 @@ class _Sampling(_Request):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (unique, unlike text)
+    response_format: ResponseFormat | None = None  # structured output (server.structured)
     # refused unless neutral
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -133,10 +155,46 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+class ToolCallIn(_Request):
+    """An assistant message's tool call, sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
         if self.content is None:
@@ -152,11 +210,21 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; several calls may come either way
 
     @model_validator(mode="after")
     def _chat_supported(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
         return self
 
     @property
@@ -239,7 +307,15 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_any(self, handler):
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -263,6 +339,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # each {"index", "id", "type", "function": {"name", "arguments"}}
 
     @model_serializer(mode="wrap")
     def _present_only(self, handler):

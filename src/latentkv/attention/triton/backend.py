@@ -42,12 +42,18 @@ class TritonDecode:
     def __init__(self, precision: str = "bf16"):
         self.precision = precision  # the quantized tiers'; f32 rows always take float32 products
 
-    def refuse(self, tier: str, device: torch.device) -> str | None:
+    def refuse(self, tier, device: torch.device) -> str | None:
+        """`tier`: a tier name, or a resolved tier (its codecs and recent window)."""
         if device.type != "cuda":
             return f"needs a CUDA device (not {device.type})"
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install triton)"
-        return tier_refusal(tier)
+        if isinstance(tier, str):
+            return tier_refusal(tier)
+        if getattr(tier, "recent_window", 0):
+            return "a cache with a float32 recent window is read by the torch reference"
+        reason = refusal(tier.codec_c) or refusal(tier.codec_r)
+        return None if reason is None else f"tier {tier.name}: {reason}"
 
     def attend(
         self,
