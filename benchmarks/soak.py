@@ -26,12 +26,17 @@ What it checks, and prints as a table (and writes as JSON):
   until its SIGKILL, the one started again from its own warm-up to the end;
 - /health 503 while the store is damaged and 200 again after the repair, with no restart; the
   engine process started again by the server after its SIGKILL.
+
+Time is counted on a clock that stops while this process is stopped (SIGSTOP, a suspended
+machine): a pause is not taken for a hang, and the schedule, the 120 s a request may go without
+a stream line and the memory samples' times all skip it. The pauses are listed in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -49,6 +54,40 @@ import httpx
 
 MODEL = "builtin:fixture"
 RSS_LIMIT = 0.05  # resident at the end within 5% of resident after the warm-up
+SILENCE_S = 120.0  # a request that gets no stream line for this long (live time) hangs
+PAUSE_S = 5.0  # a gap this long between two ticks of the live clock is a pause, not work
+
+
+class LiveClock:
+    """Seconds since the start, less the time this process was stopped. A ticker notes each
+    gap between ticks longer than PAUSE_S as a pause; `now` notices one not yet ticked."""
+
+    def __init__(self, tick: float = 0.5):
+        self.t0 = self.last = time.monotonic()
+        self.tick = tick
+        self.pauses: list[tuple[float, float]] = []  # (live time it began, seconds)
+
+    def now(self) -> float:
+        wall = time.monotonic()
+        if wall - self.last > PAUSE_S:
+            self.pauses.append(
+                (round(self.last - self.t0 - self.paused, 1), round(wall - self.last - self.tick, 1))
+            )
+        self.last = wall
+        return wall - self.t0 - self.paused
+
+    @property
+    def paused(self) -> float:
+        return sum(s for _, s in self.pauses)
+
+    async def run(self) -> None:
+        while True:
+            self.now()
+            await asyncio.sleep(self.tick)
+
+    async def sleep_until(self, t: float) -> None:
+        while self.now() < t:
+            await asyncio.sleep(min(1.0, max(0.05, t - self.now())))
 
 
 @dataclass
@@ -123,8 +162,26 @@ def rss(pid: int) -> int:
     return 0
 
 
-async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens: int) -> tuple[str, dict]:
-    """One streamed turn: ("ok", {"tokens", "cached"}), ("refused", {"why"}) or ("bad", {"why"})."""
+async def turn(
+    http: httpx.AsyncClient, clock: LiveClock, session: str, prompt: list[int], tokens: int
+) -> tuple[str, dict]:
+    """One streamed turn: ("ok", {"tokens", "cached"}), ("refused", {"why"}) or ("bad", {"why"}).
+    "bad" too when SILENCE_S pass (live time) without a stream line."""
+    seen = {"lines": 0, "at": clock.now()}
+    task = asyncio.create_task(_turn(http, clock, seen, session, prompt, tokens))
+    while not task.done():
+        await asyncio.wait({task}, timeout=1.0)
+        if not task.done() and clock.now() - seen["at"] > SILENCE_S:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return "bad", {"why": f"no stream line for {SILENCE_S:.0f} s after {seen['lines']} lines"}
+    return task.result()
+
+
+async def _turn(
+    http: httpx.AsyncClient, clock: LiveClock, seen: dict, session: str, prompt: list[int], tokens: int
+) -> tuple[str, dict]:
     body = {
         "prompt": prompt,
         "max_tokens": tokens,
@@ -136,9 +193,9 @@ async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens:
         "return_tokens_as_token_ids": True,
         "session": session,
     }
-    chunks = 0  # stream lines received (what a timeout had seen)
     try:
         async with http.stream("POST", "/v1/completions", json=body) as reply:
+            seen["at"] = clock.now()
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")
                 try:
@@ -151,7 +208,7 @@ async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens:
                 return "refused", {"why": f"HTTP {reply.status_code} {error.get('code')}"}
             got, cached, finish, done, error = [], None, None, False, None
             async for line in reply.aiter_lines():
-                chunks += 1
+                seen["lines"], seen["at"] = seen["lines"] + 1, clock.now()
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]
@@ -168,7 +225,7 @@ async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens:
                     got += [int(t.split(":")[1]) for t in (choice.get("logprobs") or {}).get("tokens", [])]
                     finish = choice.get("finish_reason") or finish
     except (httpx.HTTPError, OSError) as exc:
-        return "bad", {"why": f"{type(exc).__name__} after {chunks} stream lines: {exc}"}
+        return "bad", {"why": f"{type(exc).__name__} after {seen['lines']} stream lines: {exc}"}
     if not done:
         return "bad", {"why": "the stream ended without [DONE]"}
     if error is not None:
@@ -180,20 +237,21 @@ async def turn(http: httpx.AsyncClient, session: str, prompt: list[int], tokens:
     return "ok", {"tokens": got, "cached": cached}
 
 
-async def client(k: int, url: str, args, t0: float, deadline: float, tally: Tally) -> None:
-    """One conversation after another, each in its own session, until the deadline."""
+async def client(k: int, url: str, args, clock: LiveClock, deadline: float, tally: Tally) -> None:
+    """One conversation after another, each in its own session, until the deadline (live time)."""
     rng = random.Random(k)
-    http = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0))
+    # no read timeout of httpx's own (its clock does not skip pauses): `turn` watches for silence
+    http = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60.0, read=None))
     conversation, committed, resumable = 0, [], 0
     session = f"soak-{k}-0"
     try:
-        while time.monotonic() < deadline:
+        while clock.now() < deadline:
             new = [rng.randrange(3, 4000) for _ in range(rng.randrange(4, 24))]
             if len(committed) + len(new) + args.tokens > args.max_model_len:
                 conversation, committed, resumable = conversation + 1, [], 0
                 session = f"soak-{k}-{conversation}"
             prompt = committed + new
-            kind, info = await turn(http, session, prompt, args.tokens)
+            kind, info = await turn(http, clock, session, prompt, args.tokens)
             if kind == "ok":
                 if info["cached"] < resumable:
                     tally.lost_turns.append(
@@ -208,7 +266,7 @@ async def client(k: int, url: str, args, t0: float, deadline: float, tally: Tall
                 await asyncio.sleep(rng.uniform(0.5, 2.0))
             else:
                 tally.bad.append(
-                    f"at {time.monotonic() - t0:.0f} s, {session} turn of {len(prompt)} tokens: {info['why']}"
+                    f"at {clock.now():.0f} s, {session} turn of {len(prompt)} tokens: {info['why']}"
                 )
                 await asyncio.sleep(1.0)
     finally:
@@ -237,28 +295,34 @@ async def health(url: str) -> tuple[int, dict]:
         )
 
 
-async def wait_healthy(url: str, limit_s: float) -> float | None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        try:
-            if (await health(url))[0] == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
+async def health_or_none(url: str) -> tuple[int | None, dict]:
+    """(status, body) of /health, or (None, {}) when it did not answer (a pause can time it out)."""
+    try:
+        return await health(url)
+    except httpx.HTTPError:
+        return None, {}
+
+
+async def wait_healthy(url: str, limit_s: float, clock: LiveClock | None = None) -> float | None:
+    clock = clock or LiveClock()
+    t0 = clock.now()
+    while clock.now() - t0 < limit_s:
+        if (await health_or_none(url))[0] == 200:
+            return clock.now() - t0
         await asyncio.sleep(0.5)
     return None
 
 
 async def faults(
-    url: str, server: subprocess.Popen, store: Path, env: dict, t0: float, total: float, ev: Events
+    url: str, server: subprocess.Popen, store: Path, env: dict, clock: LiveClock, total: float, ev: Events
 ):
-    """Damage at 1/3, repair at 1/2, kill the engine at 2/3."""
-    await asyncio.sleep(max(0.0, t0 + total / 3 - time.monotonic()))
-    damage(store, 2)
-    ev.damaged_at = time.monotonic() - t0
+    """Damage at 1/3, repair at 1/2, kill the engine at 2/3 (live time)."""
+    await clock.sleep_until(total / 3)
+    await asyncio.to_thread(damage, store, 2)  # off the event loop: the live clock keeps ticking
+    ev.damaged_at = clock.now()
     repair = None
-    while time.monotonic() < t0 + total / 2:
-        status, body = await health(url)
+    while clock.now() < total / 2:
+        status, body = await health_or_none(url)
         if status == 503 and body.get("error", {}).get("code") == "expert_store_damaged":
             ev.degraded_health = True
             repair = body["error"]["message"].split("repair it with `")[1].split("`")[0]
@@ -268,26 +332,26 @@ async def faults(
     done = await asyncio.to_thread(latentkv, *repair.split()[1:], env=env)
     if done.returncode:
         raise SystemExit(f"the repair failed: {done.stderr[-2000:]}")
-    ev.repaired_at = time.monotonic() - t0
-    ev.healthy_again_s = await wait_healthy(url, 120)
-    await asyncio.sleep(max(0.0, t0 + 2 * total / 3 - time.monotonic()))
+    ev.repaired_at = clock.now()
+    ev.healthy_again_s = await wait_healthy(url, 120, clock)
+    await clock.sleep_until(2 * total / 3)
     before = engine_pid(server.pid)
     os.kill(before, signal.SIGKILL)
-    ev.killed_at = time.monotonic() - t0
+    ev.killed_at = clock.now()
     await asyncio.sleep(1.0)
-    ev.engine_back_s = await wait_healthy(url, 300)
+    ev.engine_back_s = await wait_healthy(url, 300, clock)
+    if ev.engine_back_s is not None:
+        ev.engine_back_s += 1.0
     after = engine_pid(server.pid)
     ev.engine_restarted = after is not None and after != before
 
 
-async def sample_memory(server: subprocess.Popen, t0: float, until: float, series: list) -> None:
-    while time.monotonic() < until:
+async def sample_memory(server: subprocess.Popen, clock: LiveClock, until: float, series: list) -> None:
+    while clock.now() < until:
         engine = engine_pid(server.pid)
         http_rss, engine_rss = rss(server.pid), rss(engine) if engine else 0
-        series.append(
-            {"t_s": round(time.monotonic() - t0, 1), "http": http_rss, "engine": engine_rss, "pid": engine}
-        )
-        await asyncio.sleep(30)
+        series.append({"t_s": round(clock.now(), 1), "http": http_rss, "engine": engine_rss, "pid": engine})
+        await clock.sleep_until(clock.now() + 30)
 
 
 def drifts(series: list[dict], warmup_s: float, end: dict) -> dict:
@@ -320,22 +384,23 @@ def _drift(samples: list[dict], key: str, mine, after_s: float) -> dict | None:
 
 async def soak(args, url: str, server: subprocess.Popen, store: Path, env: dict) -> dict:
     tally, ev, series = Tally(), Events(), []
-    t0 = time.monotonic()
+    clock = LiveClock()
+    ticker = asyncio.create_task(clock.run())
     total = args.minutes * 60
-    deadline = t0 + total
-    tasks = [asyncio.create_task(client(k, url, args, t0, deadline, tally)) for k in range(args.clients)]
-    tasks.append(asyncio.create_task(faults(url, server, store, env, t0, total, ev)))
-    memory = asyncio.create_task(sample_memory(server, t0, deadline, series))
+    tasks = [asyncio.create_task(client(k, url, args, clock, total, tally)) for k in range(args.clients)]
+    tasks.append(asyncio.create_task(faults(url, server, store, env, clock, total, ev)))
+    memory = asyncio.create_task(sample_memory(server, clock, total, series))
     await asyncio.gather(*tasks)
     engine = engine_pid(server.pid)
     end = {
-        "t_s": round(time.monotonic() - t0, 1),
+        "t_s": round(clock.now(), 1),
         "http": rss(server.pid),
         "engine": rss(engine),
         "pid": engine,
     }
     memory.cancel()
-    return {"tally": tally, "events": ev, "series": series, "end": end}
+    ticker.cancel()
+    return {"tally": tally, "events": ev, "series": series, "end": end, "pauses": clock.pauses}
 
 
 def check_files(kv_dir: Path, sessions: dict[str, list[int]]) -> list[str]:
@@ -362,6 +427,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import latentkv.experts.store_file  # noqa: F401  (imported now, not during the soak: `damage`)
+
     root = Path(tempfile.mkdtemp(prefix="latentkv-soak-"))
     env = {**os.environ, "LATENTKV_CACHE": str(root / "cache")}
     ram_gb, share = quarter_budget(args, env)
@@ -392,6 +459,7 @@ def main() -> int:
     result = {
         "command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
         "server": " ".join(cmd[1:]).replace(str(root), "$ROOT"),
+        "commit": _commit(),
         "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()},
         "minutes": args.minutes,
         "clients": args.clients,
@@ -408,6 +476,7 @@ def main() -> int:
         "tracebacks": text.count("Traceback"),
         "log_lines": len(text.splitlines()),
         "events": asdict(ev),
+        "pauses": [{"at_s": at, "seconds": sec} for at, sec in got["pauses"]],
         "memory": memory,
         "rss_series": got["series"],
     }
@@ -434,6 +503,10 @@ def table(r: dict) -> str:
     refused = ", ".join(f"{n} {why}" for why, n in sorted(r["refused"].items())) or "none"
     rows = [
         ("duration", f"{r['minutes']:g} min, {r['clients']} clients streaming, resuming sessions"),
+        (
+            "paused (not counted)",
+            f"{len(r['pauses'])} times, {sum(p['seconds'] for p in r['pauses']):.0f} s in all",
+        ),
         ("expert cache", f"{r['cached_experts']} of {r['experts_total']} experts (--ram-gb {r['ram_gb']})"),
         ("committed turns", f"{r['committed_turns']} in {r['sessions']} sessions"),
         ("refused with a reason", refused),
@@ -468,6 +541,21 @@ def _memory_line(name: str, m: dict | None) -> str:
         f"{name} {m['warm'] / 2**20:.0f} MiB at {m['warm_s']:.0f} s -> {m['end'] / 2**20:.0f} MiB at "
         f"{m['end_s']:.0f} s ({m['drift']:+.1%})"
     )
+
+
+def _commit() -> str | None:
+    """The latentkv commit this ran (with "+changes" when the work tree differs from it)."""
+    here = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def _cpu() -> str:

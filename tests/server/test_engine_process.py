@@ -94,6 +94,7 @@ def test_a_dead_engine_ends_streams_with_an_error_and_is_started_again(tmp_path,
             again = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
             assert again.status_code == 503 and again.headers["retry-after"] == "5"
             assert again.json()["error"]["message"].startswith("the model stopped serving")
+            assert again.json()["error"]["code"] == "engine_stopped"
             deadline = time.monotonic() + 120  # a new engine process loads the model again
             while http.get("/health").status_code != 200:
                 assert time.monotonic() < deadline, http.get("/health").text

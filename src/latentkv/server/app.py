@@ -141,7 +141,12 @@ async def serving(request: Request) -> Ready:
     if state.ready is not None:
         if (failure := state.ready.scheduler.failure) is not None:
             retry = LOADING_RETRY_S if getattr(state.ready.scheduler, "restarting", False) else 60
-            raise APIError(503, f"the model stopped serving: {failure}", headers={"Retry-After": str(retry)})
+            raise APIError(
+                503,
+                f"the model stopped serving: {failure}",
+                code="engine_stopped",
+                headers={"Retry-After": str(retry)},
+            )
         return state.ready
     if state.error is not None:
         raise APIError(503, f"the model failed to load: {state.error}", headers={"Retry-After": "60"})
