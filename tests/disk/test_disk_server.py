@@ -5,6 +5,7 @@ command the error names) the server serves again by itself."""
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -87,3 +88,53 @@ def test_damage_is_named_reported_and_repaired_without_a_restart(served):
     assert "Traceback" not in log
     failures = [line for line in log.splitlines() if "expert_store_damaged" in line]
     assert failures and all("model.layers.1.mlp.experts." in line for line in failures)
+
+
+def _turn(http: httpx.Client, prompt: list[int]) -> httpx.Response:
+    body = {
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "session": "s",
+    }
+    return http.post("/v1/completions", json=body)
+
+
+def _fill(folder) -> None:
+    """Write a file in `folder` until its file system is full."""
+    with open(folder / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+def test_a_session_turn_on_a_full_disk_is_503_and_the_session_keeps_its_last_turn(tmp_path, small_disk):
+    kv = small_disk(16 * 2**20)
+    server = start_server("builtin:tiny", tmp_path / "server.log", "--kv-dir", str(kv), key=None)
+    try:
+        with server.http() as http:
+            first = _turn(http, [5, 6, 7, 8])
+            assert first.status_code == 200, first.text
+            ids = [int(t.split(":")[1]) for t in first.json()["choices"][0]["logprobs"]["tokens"]]
+            committed = [5, 6, 7, 8, *ids]
+            _fill(kv)
+            full = _turn(http, [*committed, 9, 10])
+            assert full.status_code == 503 and full.headers["retry-after"], full.text
+            error = full.json()["error"]
+            assert error["code"] == "storage_unavailable", error
+            assert f"{kv / 's.kv'}" in error["message"] and "no space left" in error["message"], error
+            (kv / "filler").unlink()
+            again = _turn(http, [*committed, 9, 10])
+            assert again.status_code == 200, again.text
+            # the first turn's rows (all but its last sampled token, which has no row yet) were kept
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(committed) - 1
+    finally:
+        server.stop()
+    assert sorted(p.name for p in kv.iterdir()) == ["s.kv"]  # no temporary file left
+    assert "Traceback" not in server.log_text()
