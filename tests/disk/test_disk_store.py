@@ -78,7 +78,9 @@ def test_a_layer_file_that_is_not_a_file(store, kind):
 def test_a_fifo_layer_file_is_one_line_for_verify_and_generate(store, cli, tmp_path):
     os.unlink(store / "layer-0003.lkx")
     os.mkfifo(store / "layer-0003.lkx")
-    verify = cli("experts", "verify", str(store), timeout=60)
+    # a read of the FIFO would wait for ever; 240 s is a hang even on a loaded machine (where a
+    # --ram-gb generate of the fixture has taken 53 s)
+    verify = cli("experts", "verify", str(store), timeout=240)
     assert verify.code == 1 and "Traceback" not in verify.err
     assert "model.layers.3.mlp.experts.0:" in verify.out and "is a FIFO, not a regular file" in verify.out
     # the --ram-gb run finds its store beside the model, as MODEL/experts
@@ -86,7 +88,7 @@ def test_a_fifo_layer_file_is_one_line_for_verify_and_generate(store, cli, tmp_p
     shutil.copytree(builtin_path("fixture"), model)
     shutil.move(store, model / "experts")
     flags = ("--prompt-ids", "1,2,3", "--max-tokens", "4", "--ram-gb", "1")
-    cli("generate", str(model), *flags, timeout=60).refused(
+    cli("generate", str(model), *flags, timeout=240).refused(
         "model.layers.3.mlp.experts.", "is a FIFO, not a regular file"
     )
 
