@@ -118,6 +118,15 @@ def test_first_ram_gb_run_with_a_file_where_the_cache_belongs(inproc, tmp_path):
     )
 
 
+def test_first_ram_gb_run_with_a_cache_it_may_not_write(inproc, tmp_path):
+    """(As root every folder is writable: the refusal comes through fs's seam.)"""
+    with fs.inject("mkdir", tmp_path / "cache", errno.EACCES):
+        _generate_streamed(inproc, tmp_path / "cache").refused(
+            "permission denied", "set LATENTKV_CACHE to a directory"
+        )
+    assert not (tmp_path / "cache").exists()
+
+
 # --- sessions and KV files ----------------------------------------------------------------------
 
 
