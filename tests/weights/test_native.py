@@ -25,13 +25,20 @@ pytestmark = [
 ]
 
 PATHS = [isa for isa in (3, 2, 1, 0) if native.with_isa(isa) is not None]
-# float32 x, float32 sums in another order: a few ulps of the largest output per 1000 terms
-F32_TOL = 2e-5
-# int16 x (VNNI path): half a step of 2^-15 of each group's largest activation per element
-INT16_TOL = 2e-4
-# against torch's op, which rounds x (and its output) to bfloat16
-OP_TOL = 8e-3
 ROWS = [1, 2, 3, 4, 5, 8, 17]
+EPS = 2.0**-23  # float32's machine epsilon: twice its unit roundoff
+BF16 = 2.0**-8  # bfloat16's
+# Every tolerance is a bound derived from the case's own inputs, output by output, never a fixed
+# fraction of the largest output (which cancellation makes as small as it likes):
+# - float32: a sum of n rounded products in any order, fused or not, is within n * EPS of the sum
+#   of the products' magnitudes (Higham's gamma_n, n u <= 1/2), so |y - exact| <= n EPS |x| @ A^T,
+#   A the magnitudes the path multiplies (int8 |scale q|; int4 |scale (q - 8)| + |zero| or
+#   |scale q| + |zero - 8 scale|, as the path splits the zero point off), n the terms and the
+#   roundings after them (scales, zero points, group sums, the float32 reference matrix).
+# - int16 x (VNNI): an activation is within 0.51 of its group's step max |x| / 32767 (half a step
+#   from rounding, and the float32 roundings of 32767 / max and of x times it: 3 ulps of at most
+#   32767 steps); the integer sums are exact, the float32 ones per group bounded as above.
+# - torch's op: x and its output rounded to bfloat16 (half of BF16 each), and int4's weights.
 
 
 def _gen() -> tuple[torch.Generator, int]:
@@ -39,8 +46,44 @@ def _gen() -> tuple[torch.Generator, int]:
     return torch.Generator().manual_seed(seed), seed
 
 
-def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+def _rounding(x: torch.Tensor, mags: torch.Tensor, terms: int) -> torch.Tensor:
+    """What float32 may lose in `terms` roundings of sums of x times magnitudes mags [N, K]."""
+    return terms * EPS * (x.double().abs() @ mags.T)
+
+
+def _steps(x: torch.Tensor, group: int, width: int) -> torch.Tensor:
+    """Each activation's step on the VNNI path, float64 [M, K]: max |x| of its group / 32767."""
+    M, K = x.shape
+    top = F.pad(x, (0, width - K)).view(M, -1, group).abs().amax(-1, keepdim=True).double()
+    return (top / 32767).expand(M, width // group, group).reshape(M, width)[:, :K]
+
+
+def _bounds(x, mags, isa, group, width, terms):
+    """(bound against x @ W in float64, bound against the int16 x's product or None) for a
+    kernel summing `terms` roundings per output on the float paths, groups of `group` columns
+    (int16 x per group on the VNNI path) over `width` padded columns."""
+    if isa != 3:
+        return _rounding(x, mags, terms), None
+    steps = _steps(x, group, width)
+    rounding = _rounding(x.double().abs() + steps, mags, 2 * (width // group) + 8)
+    return (0.51 * steps) @ mags.T + rounding, rounding
+
+
+def _within(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> str | None:
+    """None when every |y - ref| <= its bound, else how far past it (for the message)."""
+    err = (y.double() - ref).abs()
+    if bool((err <= bound).all()):
+        return None
+    over = err / bound
+    at = int(over.argmax())
+    return f"{float(over.flatten()[at]):.3g}x its bound at {at} (err {float(err.flatten()[at]):.3g})"
+
+
+def _op_bound(x, mags, kernel_bound, weights_rounded=False):
+    """|y - torch's op|: the kernel's bound, plus x and the op's output in bfloat16 (and its
+    int4 weights), accumulated in float32."""
+    bf16 = (1.5 if weights_rounded else 1.0) * BF16 * 1.01
+    return kernel_bound + (bf16 + (x.shape[1] + 4) * EPS) * (x.double().abs() @ mags.T)
 
 
 def _x16(x: torch.Tensor, group: int, width: int) -> torch.Tensor:
@@ -49,7 +92,9 @@ def _x16(x: torch.Tensor, group: int, width: int) -> torch.Tensor:
     M, K = x.shape
     xp = F.pad(x, (0, width - K)).view(M, -1, group)  # [M, groups, G]
     top = xp.abs().amax(-1, keepdim=True)  # float32
-    inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))  # float32
+    # float32 division as the kernel rounds it (torch's `32767.0 / top` is 32767 * (1 / top),
+    # an ulp off for a quarter of the values, and then a code off by one now and then)
+    inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
     codes = (xp * inv).round().clamp(-32767, 32767)
     step = torch.where(top > 0, top / 32767.0, torch.zeros_like(top))
     return (codes.double() * step.double()).view(M, width)[:, :K]
@@ -61,35 +106,41 @@ def test_int8_matches_float64_and_the_op(isa, n, k):
     kernels = native.with_isa(isa)
     g, seed = _gen()
     lin = make_linear(torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g), "int8")
-    w64 = lin.dequantize().double()
+    w64 = lin.dequantize().double()  # exact: an int8 times a bfloat16 scale fits float32
+    mags, width = w64.abs(), -(-k // 256) * 256
     for m in ROWS:
         x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4
         residual = torch.randn(m, n, generator=g)
         y = kernels.int8_mm(x, lin.q, lin.scale)
         assert y.shape == (m, n) and y.dtype == torch.float32
-        exact = x.double() @ w64.T
-        assert _rel(y, exact) < (INT16_TOL if isa == 3 else F32_TOL), f"seed {seed} m {m}"
+        bound, rounding = _bounds(x, mags, isa, 256, width, k + 2)
+        assert not (why := _within(y, x.double() @ w64.T, bound)), f"seed {seed} m {m}: {why}"
         if isa == 3:
-            assert _rel(y, _x16(x, 256, -(-k // 256) * 256) @ w64.T) < F32_TOL, f"seed {seed} m {m}"
+            why = _within(y, _x16(x, 256, width) @ w64.T, rounding)
+            assert not why, f"seed {seed} m {m}: {why}"
         assert torch.equal(kernels.int8_mm(x, lin.q, lin.scale, residual), residual + y), f"seed {seed}"
         if k % 16 == 0:  # torch's bf16 op reads past x otherwise (weights/int8.py)
             op = torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), lin.q[:, :k].contiguous(), lin.scale
             )
-            assert _rel(y, op.double()) < OP_TOL, f"seed {seed} m {m}"
+            why = _within(y, op.double(), _op_bound(x, mags, bound))
+            assert not why, f"seed {seed} m {m}: {why}"
 
 
 def _int4_case(n: int, k: int, group: int, g: torch.Generator):
-    """An int4 matrix packed for the kernel (rows padded to 64 with code 8, scale 1, zero 0) and
-    its float64 dequantized matrix."""
+    """An int4 matrix packed for the kernel (rows padded to 64 with code 8, scale 1, zero 0), its
+    float64 dequantized matrix and the magnitudes the kernels multiply ([n, width] each)."""
     w = torch.randn(n, k, generator=g) + torch.randn(n, 1, generator=g)
     q, scale, zero = int4.quantize_int4(int4.pad_columns(w, group), group)
     w64 = int4.dequantize_int4(q, scale, zero).double()
+    s, z = (t.double().repeat_interleave(group, dim=1) for t in (scale, zero))
+    q64 = q.double()
+    mags = torch.maximum(s.abs() * (q64 - 8).abs() + z.abs(), s.abs() * q64 + (z - 8 * s).abs())
     rows = -(-n // 64) * 64
     nibbles = F.pad(int4.pack_nibbles(q), (0, 0, 0, rows - n), value=0x88)
     sz = torch.stack([scale, zero], dim=-1)
     sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(rows - n, sz.shape[1], 2)])
-    return int4.pack_with(nibbles, int4.KERNEL_LAYOUT), sz.transpose(0, 1).contiguous(), w64
+    return int4.pack_with(nibbles, int4.KERNEL_LAYOUT), sz.transpose(0, 1).contiguous(), w64, mags
 
 
 @pytest.mark.parametrize("isa", PATHS)
@@ -98,43 +149,54 @@ def _int4_case(n: int, k: int, group: int, g: torch.Generator):
 def test_int4_matches_float64_and_the_op(isa, n, k, group):
     kernels = native.with_isa(isa)
     g, seed = _gen()
-    packed, sz, w64 = _int4_case(n, k, group, g)
+    packed, sz, w64, mags = _int4_case(n, k, group, g)
     width = w64.shape[1]
+    w64, mags = w64[:, :k], mags[:, :k]
     for m in ROWS:
         x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4
         residual = torch.randn(m, n, generator=g)
         y = kernels.int4_mm(x, packed, sz, group, n)
         assert y.shape == (m, n) and y.dtype == torch.float32
-        exact = x.double() @ w64[:, :k].T
-        assert _rel(y, exact) < (INT16_TOL if isa == 3 else F32_TOL), f"seed {seed} m {m}"
+        bound, rounding = _bounds(x, mags, isa, group, width, k + 2 * (width // group) + 4)
+        assert not (why := _within(y, x.double() @ w64.T, bound)), f"seed {seed} m {m}: {why}"
         if isa == 3:
-            assert _rel(y, _x16(x, group, width) @ w64[:, :k].T) < F32_TOL, f"seed {seed} m {m}"
+            why = _within(y, _x16(x, group, width) @ w64.T, rounding)
+            assert not why, f"seed {seed} m {m}: {why}"
         assert torch.equal(kernels.int4_mm(x, packed, sz, group, n, residual), residual + y), f"seed {seed}"
     if int4.same_layout(int4.op_layout(), int4.KERNEL_LAYOUT):  # the op reads the same bytes here
         xb = F.pad(x, (0, width - k)).to(torch.bfloat16)
         op = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, group, sz)[:, :n]
-        assert _rel(y, op.double()) < OP_TOL, f"seed {seed}"
+        why = _within(y, op.double(), _op_bound(x, mags, bound, weights_rounded=True))
+        assert not why, f"seed {seed}: {why}"
 
 
 @pytest.mark.parametrize("isa", PATHS)
 def test_paths_agree_on_zero_and_extreme_rows(isa):
     """A row of zeros gives exact zeros (no division by a zero scale); a row with one huge
-    activation is still within tolerance of float64."""
+    activation is still within its bound of float64."""
     kernels = native.with_isa(isa)
     g, seed = _gen()
     lin = make_linear(torch.randn(64, 512, generator=g), "int8")
-    packed, sz, w64 = _int4_case(64, 512, 64, g)
+    packed, sz, w64, mags = _int4_case(64, 512, 64, g)
     x = torch.zeros(3, 512)
     x[1] = torch.randn(512, generator=g)
     x[2, 7] = 1e4
     x[2, 100:] = torch.randn(412, generator=g) * 1e-3
-    for y, ref in (
-        (kernels.int8_mm(x, lin.q, lin.scale), x.double() @ lin.dequantize().double().T),
-        (kernels.int4_mm(x, packed, sz, 64, 64), x.double() @ w64.T),
+    w8 = lin.dequantize().double()
+    for y, ref, bound in (
+        (
+            kernels.int8_mm(x, lin.q, lin.scale),
+            x.double() @ w8.T,
+            _bounds(x, w8.abs(), isa, 256, 512, 514)[0],
+        ),
+        (
+            kernels.int4_mm(x, packed, sz, 64, 64),
+            x.double() @ w64.T,
+            _bounds(x, mags, isa, 64, 512, 512 + 20)[0],
+        ),
     ):
         assert torch.equal(y[0], torch.zeros(64)), f"seed {seed}"
-        for r in (1, 2):
-            assert _rel(y[r], ref[r]) < (INT16_TOL if isa == 3 else F32_TOL), f"seed {seed} row {r}"
+        assert not (why := _within(y, ref, bound)), f"seed {seed}: {why}"
 
 
 def test_bad_arguments_are_refused_with_a_reason():
