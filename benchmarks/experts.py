@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp_experts  # noqa: E402
+import routing_trace  # noqa: E402
 
 GIB = 1 << 30
 RANDOM_FILL_PROMPT = 1  # --fill random: tokens prefilled after the random rows (one: a decode step)
@@ -83,6 +84,11 @@ def _child_cmd(args, budget: int, tier: str, prompt_len: int) -> list[str]:
     cmd += ["--kv-cache-dtype", tier, "--prompt-len", str(prompt_len), "--filled", str(filled)]
     cmd += ["--tokens", str(args.tokens), "--policy", args.policy, "--weight-dtype", args.weight_dtype]
     cmd += ["--threads", str(args.threads)] if args.threads else []
+    if args.routing_trace:
+        cmd += ["--routing-trace", args.routing_trace]
+        cmd += (
+            ["--trace-first-layer", str(args.trace_first_layer)] if args.trace_first_layer is not None else []
+        )
     return cmd + (["--history"] if args.history else [])
 
 
@@ -102,6 +108,8 @@ def run_child(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     config = StreamConfig(budget=args.budget, policy=args.policy, history=args.history)
     model, streamer = load_streamed(directory, store, config, weight_dtype=args.weight_dtype)
+    if args.routing_trace:  # route and prefetch as the trace says (the parent checked it)
+        routing_trace.attach(model, routing_trace.load(args.routing_trace), args.trace_first_layer)
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g)
@@ -239,6 +247,49 @@ def with_llamacpp(args, row: dict) -> dict:
     return row
 
 
+def _check_trace(args) -> dict | None | bool:
+    """With --routing-trace: the trace's file, layers used and their statistics (None without;
+    False, after one line on stderr, when the trace cannot drive this model)."""
+    if not args.routing_trace:
+        return None
+    from latentkv.config import ModelConfig
+    from latentkv.models.registry import resolve
+
+    try:
+        trace = routing_trace.load(args.routing_trace)
+        cfg = ModelConfig.from_hf(resolve(args.model))
+        n_moe = sum(t == "sparse" for t in cfg.mlp_layer_types)
+        available = trace["moe_layers"]
+        first = args.trace_first_layer
+        if first is None:
+            first = available[(len(available) - n_moe) // 2]
+        if first not in available or available.index(first) + n_moe > len(available):
+            raise ValueError(
+                f"the trace's MoE layers are {available}: no {n_moe} consecutive ones from {first}"
+            )
+        if cfg.n_routed_experts < trace["n_experts"] or cfg.num_experts_per_tok != trace["top_k"]:
+            raise ValueError(
+                f"the trace routes top-{trace['top_k']} of {trace['n_experts']} experts, the model "
+                f"top-{cfg.num_experts_per_tok} of {cfg.n_routed_experts}"
+            )
+    except ValueError as exc:
+        print(f"experts.py: {exc}", file=sys.stderr)
+        return False
+    used = available[available.index(first) : available.index(first) + n_moe]
+    layers = {str(t): routing_trace.layer_stats(trace["layers"][str(t)], trace["n_experts"]) for t in used}
+    return {"file": args.routing_trace, "model": trace.get("model"), "layers_used": used, "stats": layers}
+
+
+def trace_summary(trace: dict) -> str:
+    s = trace["stats"].values()
+    mean = lambda key: sum(x[key] for x in s) / len(s)  # noqa: E731
+    return (
+        f"routing: trace {trace['file']} ({trace['model']}), its MoE layers {trace['layers_used']}: "
+        f"prefetch recall {mean('recall'):.1%} in the trace, hottest expert {mean('max_over_mean'):.2f}x the mean, "
+        f"hottest 1/8 of experts take {mean('top_eighth_share'):.1%} of the routing"
+    )
+
+
 def run_parent(args: argparse.Namespace) -> int:
     from latentkv.experts import memlimit
     from latentkv.experts.store_file import read_manifest
@@ -259,6 +310,9 @@ def run_parent(args: argparse.Namespace) -> int:
         return 2
     if args.llamacpp:
         llamacpp_experts.llamacpp.binary("llama-bench")  # one line and exit when it is not built
+    trace = _check_trace(args)
+    if trace is False:
+        return 2
     store = ensure_store(resolve(args.model), args.weight_dtype, progress=True)
     experts = read_manifest(store).expert_bytes
     disk = measure_disk(store, not args.no_drop_caches)
@@ -286,6 +340,9 @@ def run_parent(args: argparse.Namespace) -> int:
                 disk["gbps"],
             )
             rows.append(with_llamacpp(args, row))
+    if trace is not None:
+        print(trace_summary(trace))
+        print()
     print(table(rows, disk))
     if args.llamacpp:
         print()
@@ -299,6 +356,8 @@ def run_parent(args: argparse.Namespace) -> int:
             "argv": sys.argv[1:],
             "uname": " ".join(os.uname()),
         }
+        if trace is not None:
+            out["routing_trace"] = trace
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
@@ -342,6 +401,19 @@ def main_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="use and update the store's usage history (the pinned hot set). Off by default: every "
         "run decodes the same tokens, so a history kept from earlier runs would pin exactly the "
         "experts this one needs",
+    )
+    p.add_argument(
+        "--routing-trace",
+        default=None,
+        metavar="FILE",
+        help="route and prefetch by a trained model's routing trace (benchmarks/routing_trace.py) "
+        "instead of the model's random routers",
+    )
+    p.add_argument(
+        "--trace-first-layer",
+        type=int,
+        default=None,
+        help="the trace's MoE layer the model's first MoE layer takes (default: the middle ones)",
     )
     p.add_argument("--margin-mib", type=int, default=256, help="limit = plan + this (default: 256)")
     p.add_argument("--timeout", type=float, default=3600)

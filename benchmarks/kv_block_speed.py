@@ -11,14 +11,18 @@ bench decode` on an idle one).
                `kv.attention.attend` over its packed rows
     fixture    greedy generation of --tokens tokens of the demo prompt on builtin:fixture
 
-    PYTHONPATH=src .venv/bin/python benchmarks/kv_block_speed.py
+    PYTHONPATH=src .venv/bin/python benchmarks/kv_block_speed.py --out benchmarks/results/kv-block-speed.json
     PYTHONPATH=OLD/src .venv/bin/python benchmarks/kv_block_speed.py   # an older checkout: "before"
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -84,6 +88,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=64, help="query heads (default: 64)")
     p.add_argument("--tokens", type=int, default=48, help="tokens generated on the fixture (default: 48)")
     p.add_argument("--repeats", type=int, default=11, help="interleaved repeats, fastest kept (default: 11)")
+    p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = p.parse_args()
     tiers = args.tiers.split(",")
     if tiers[0] != "f32":
@@ -99,6 +104,32 @@ def main() -> None:
             f"| {tier} | {attend[tier] * 1e3:.2f} | {attend['f32'] / attend[tier]:.2f}x "
             f"| {args.tokens / fixture[tier]:.1f} | {fixture['f32'] / fixture[tier]:.2f}x |"
         )
+    if args.out:
+        rows = [
+            {
+                "tier": t,
+                "attention_seconds": attend[t],
+                "attention_vs_f32": attend["f32"] / attend[t],
+                "fixture_tok_s": args.tokens / fixture[t],
+                "fixture_vs_f32": fixture["f32"] / fixture[t],
+            }
+            for t in tiers
+        ]
+        meta = {"args": vars(args) | {"out": str(args.out)}, "torch": torch.__version__, "cpu": _cpu_model()}
+        meta["uname"] = " ".join(os.uname())
+        args.out.write_text(
+            json.dumps({**meta, "threads": 1, "clock": "thread_time", "rows": rows}, indent=1)
+        )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -692,6 +692,18 @@ def cache_root() -> Path:
     return Path(base) / "latentkv"
 
 
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache, where `hf download` puts models: $HF_HUB_CACHE, else
+    $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub (the same
+    order huggingface_hub itself follows)."""
+    if explicit := os.environ.get("HF_HUB_CACHE"):
+        return Path(explicit).expanduser()
+    if home := os.environ.get("HF_HOME"):
+        return Path(home).expanduser() / "hub"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "huggingface" / "hub"
+
+
 def sessions_dir() -> Path:
     """Where `--session NAME` keeps its KV files when --kv-dir is not given: cache_root()/sessions."""
     return cache_root() / "sessions"

@@ -65,6 +65,13 @@ class Tokenizer:
             raise TokenizerError(f"the text is not valid Unicode: {unicode_problem(text)}")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, each token's character span in `text`), no special tokens added."""
+        if not is_valid_text(text):
+            raise TokenizerError(f"the text is not valid Unicode: {unicode_problem(text)}")
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -148,31 +148,33 @@ def _markov_pair():
     return main, draft
 
 
-SAMPLES = 3000
+# Draws of the joint-distribution test: the default suite runs the cheap form (the same rule,
+# seed and critical value, fewer draws), `-m slow` the full one.
+SAMPLE_SIZES = [600, pytest.param(3000, marks=pytest.mark.slow)]
 
 
-@pytest.mark.slow
-def test_sampling_distribution_is_unchanged():
-    """The first 3 tokens' joint distribution (27 cells) over 3000 runs with 2 drafts per round,
-    against the exact one of plain sampling: chi-square at significance 0.001 (26 d.o.f.). The
-    generator is seeded, so the outcome is fixed; a correct rule fails one seed in a thousand."""
+@pytest.mark.parametrize("samples", SAMPLE_SIZES)
+def test_sampling_distribution_is_unchanged(samples):
+    """The first 3 tokens' joint distribution (27 cells) over `samples` runs with 2 drafts per
+    round, against the exact one of plain sampling: chi-square at significance 0.001 (26 d.o.f.).
+    The generator is seeded, so the outcome is fixed; a correct rule fails one seed in a thousand."""
     main, draft = _markov_pair()
     counts = _joint_counts(
-        MarkovModel(main, draft), [0, 1], SpeculativeConfig(draft_tokens=2, adaptive=False), SAMPLES, 0.9
+        MarkovModel(main, draft), [0, 1], SpeculativeConfig(draft_tokens=2, adaptive=False), samples, 0.9
     )
     assert _chi_square(counts, _exact_joint(main, 1, 0.9)) < CHI2_CRIT_26_0001
 
 
-@pytest.mark.slow
-def test_the_distribution_test_catches_a_wrong_acceptance_rule():
+@pytest.mark.parametrize("samples", SAMPLE_SIZES)
+def test_the_distribution_test_catches_a_wrong_acceptance_rule(samples):
     """The same test with drafts always accepted (the draft's distribution leaks into the output)
-    must fail: the statistic far past the critical value."""
+    must fail at the same number of draws: the statistic past the critical value."""
     main, draft = _markov_pair()
     counts = _joint_counts(
         MarkovModel(main, draft),
         [0, 1],
         SpeculativeConfig(draft_tokens=2, adaptive=False),
-        SAMPLES,
+        samples,
         0.9,
         rule=lambda p, q, u: True,
     )

@@ -20,7 +20,12 @@ from latentkv.models.weights import load_model
 from latentkv.tokenizer import Tokenizer
 
 FIXTURE = builtin_path("fixture")
-FAST_TIERS = ("f32", "tq4")  # the reference and the recommended 4-bit tier; the rest are slow
+FAST_TIERS = (
+    "f32",
+    "q8s",
+    "q4s",
+    "tq4",
+)  # the reference, the recommended tiers (README) and tq4; the rest are slow
 TIER_PARAMS = [t if t in FAST_TIERS else pytest.param(t, marks=pytest.mark.slow) for t in KV_CACHE_DTYPES]
 
 

@@ -128,7 +128,7 @@ def test_plan_nodes_and_convert_one_ranks_share(tmp_path, monkeypatch, capsys):
     # bad flags: one line, exit 2
     for bad in (
         [*args, "--ram-gb", "1,2"],
-        ["plan", "builtin:fixture", "--disk-gbps", "2"],
+        ["plan", "builtin:fixture", "--disk-gbps", "2,3"],  # one machine: one speed
         ["plan", "builtin:fixture", "--nodes", "0", "--ram-gb", "1"],
         ["plan", "builtin:fixture", "--nodes", "2"],
         ["experts", "convert", "builtin:fixture", "--rank", "1"],

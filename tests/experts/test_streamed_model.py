@@ -23,7 +23,7 @@ from latentkv.models.weights import load_model
 from latentkv.streaming.attach import load_streamed, moe_layers
 from latentkv.streaming.convert import _ExpertSource, convert_experts
 
-FAST_TIERS = ("f32", "fp8", "tq4-r8")
+FAST_TIERS = ("f32", "q8s", "q4s", "fp8", "tq4-r8")  # the README recommends q8s and q4s
 SLOW_TIERS = tuple(t for t in KV_CACHE_DTYPES if t not in FAST_TIERS)
 PROMPT = [5, 17, 99, 3, 42, 7]
 STEPS = 6

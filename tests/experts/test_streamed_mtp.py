@@ -129,15 +129,17 @@ def test_streamed_draft_layer_matches_the_resident_one(converted):
         streamer.close()
 
 
-@pytest.mark.parametrize("draft_tokens", [1, 3])
-def test_streamed_drafting_is_token_identical(converted, draft_tokens):
+@pytest.mark.parametrize(
+    ("draft_tokens", "tier"), [(1, "f32"), (3, "f32"), (2, "q8s"), (2, "q4s")]
+)  # q8s and q4s: the tiers the README recommends
+def test_streamed_drafting_is_token_identical(converted, draft_tokens, tier):
     model_dir, store, prompt = converted
-    reference, _ = _tokens(load_model(model_dir), prompt)  # resident, no drafting
+    reference, _ = _tokens(load_model(model_dir), prompt, tier=tier)  # resident, no drafting
     model, streamer = _streamed(model_dir, store)
     try:
-        plain, _ = _tokens(model, prompt)
+        plain, _ = _tokens(model, prompt, tier=tier)
         spec = SpeculativeConfig(draft_tokens=draft_tokens, adaptive=False)
-        drafted, stats = _tokens(model, prompt, spec)
+        drafted, stats = _tokens(model, prompt, spec, tier=tier)
         t = streamer.snapshot()
     finally:
         streamer.close()

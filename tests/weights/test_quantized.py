@@ -152,8 +152,10 @@ def test_resident_bytes():
 def test_bad_parameters_say_what_is_valid():
     with pytest.raises(ValueError, match="one of"):
         make_linear(torch.randn(16, 64), "int4", group_size=16)
-    with pytest.raises(ValueError, match="takes no parameters"):
-        make_linear(torch.randn(16, 64), "int8", group_size=32)
+    with pytest.raises(ValueError, match="int8 group size must be one of"):
+        make_linear(torch.randn(16, 64), "int8", group_size=24)
+    with pytest.raises(ValueError, match="takes only group_size"):
+        make_linear(torch.randn(16, 64), "int8", bits=8)
     with pytest.raises(ValueError, match="valid formats: .*int4.*int8"):
         make_linear(torch.randn(16, 64), "int2")
 
@@ -164,6 +166,63 @@ def test_describe_names_the_kernel_and_the_cpu():
     kernel = f"latentkv's {own.name} kernel" if own is not None else "_weight_int4pack_mm_for_cpu"
     assert line.startswith("weights: int4") and kernel in line
     assert torch.backends.cpu.get_cpu_capability() in line
+
+
+@pytest.mark.parametrize("group", [16, 32, 128])
+@pytest.mark.parametrize("rows", [1, PREFILL_MIN_ROWS + 3])
+def test_grouped_int8_within_half_a_step_and_its_product(group, rows):
+    """int8 with one float32 scale per group of columns (GGUF's Q8_0, Q6_K): each weight within
+    half its group's step; the product (float32 tiles) against float64 over the matrix."""
+    g, seed = _gen()
+    w = torch.randn(40, 200, generator=g) * torch.rand(40, 1, generator=g)  # 200: padded to the group
+    lin = make_linear(w, "int8", group_size=group)
+    assert lin.group_size == group and lin.in_features == 200
+    deq = lin.dequantize().double()
+    padded = torch.nn.functional.pad(w.double(), (0, -200 % group)).view(40, -1, group)
+    step = (padded.abs().amax(-1, keepdim=True) / 127).expand_as(padded).reshape(40, -1)[:, :200]
+    # half a step, plus the float32 roundings of the scale and of q * scale (up to 2^-23 of |w|)
+    bound = step / 2 + 2.0**-22 * w.double().abs() + 1e-12
+    assert ((deq - w.double()).abs() <= bound).all(), f"seed {seed}"
+    x = torch.randn(rows, 200, generator=g)
+    assert _rel_err(lin(x), x.double() @ deq.T) < 1e-5, f"seed {seed}"
+    groups = -(-200 // group)
+    assert lin.nbytes == 40 * groups * group + 40 * groups * 4  # int8 codes (padded) + float32 scales
+
+
+def test_int4_with_float32_scales_computes_with_them():
+    """int4 states with float32 scales and zeros (GGUF's Q4_0 / Q4_1 / Q4_K): `dequantize` is the
+    scale as its two bfloat16 parts and the float32 zero; every path multiplies by that."""
+    g, seed = _gen()
+    out_f, in_f = 40, 96  # 40 rows: padded to the op's 16
+    q = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(out_f, in_f // 32, generator=g) * 0.01).half().float()  # f16 values: held exactly
+    zero = torch.randn(out_f, in_f // 32, generator=g) * 0.05
+    lin = Int4Linear.from_state({"nibbles": pack_nibbles(q), "scale": scale, "zero": zero}, in_f)
+    want = ((q.double().view(out_f, -1, 32) - 8) * scale.double()[..., None] + zero.double()[..., None]).view(
+        out_f, in_f
+    )
+    assert torch.equal(lin.dequantize(), want.float()), f"seed {seed}"  # one rounding of the exact value
+    _, s2, z2 = lin.nibbles()
+    assert s2.dtype == z2.dtype == torch.float32 and torch.equal(s2, scale) and torch.equal(z2, zero)
+    for rows in (1, 5, 120):  # the op, and (where the CPU tiles prefill) the tile path
+        x = torch.randn(rows, in_f, generator=g)
+        assert _rel_err(lin(x), _bf16(x) @ want.T) < OP_TOL, f"seed {seed}, {rows} rows"
+
+
+def test_row_stack_is_its_parts_side_by_side():
+    from latentkv.weights.stack import RowStack
+
+    g, seed = _gen()
+    parts = [
+        make_linear(torch.randn(24, 64, generator=g), "int4"),
+        make_linear(torch.randn(8, 64, generator=g), "int8", group_size=32),
+    ]
+    stack = RowStack(parts)
+    x = torch.randn(3, 64, generator=g)
+    assert (stack.out_features, stack.in_features) == (32, 64)
+    assert torch.equal(stack(x), torch.cat([p(x) for p in parts], -1))
+    assert torch.equal(stack.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert stack.nbytes == sum(p.nbytes for p in parts)
 
 
 def test_describe_says_why_the_kernels_are_not_used(torch_ops, monkeypatch):

@@ -17,11 +17,15 @@ from latentkv.errors import UserError
 ENV_ALIASES = "KV8 / KV_TQ / KV_TQ_POLAR"
 
 
+MODEL_HELP = (
+    "model directory (config.json + safetensors), builtin:NAME, or a Hugging Face repo id in the "
+    "local cache, org/name[@revision] (docs/models.md)"
+)
+
+
 def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, compile: bool = True) -> None:
     if positional:
-        p.add_argument(
-            "model", metavar="MODEL", help="model directory (config.json + safetensors) or builtin:tiny"
-        )
+        p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     add_weight_arguments(p)
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"

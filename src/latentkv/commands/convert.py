@@ -7,21 +7,22 @@ import sys
 import time
 from pathlib import Path
 
+from latentkv.commands.common import MODEL_HELP
 from latentkv.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from latentkv.config import WEIGHT_DTYPES
 
-    p.add_argument(
-        "model", metavar="MODEL", help="model directory (config.json + safetensors) or builtin:NAME"
-    )
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("out", metavar="OUT", type=Path, help="new directory for the converted model")
     p.add_argument(
         "--weight-dtype",
-        required=True,
+        default=None,
         choices=WEIGHT_DTYPES,
-        help="format of the dense matrices (attention, dense MLP, shared experts, lm_head)",
+        help="format of the dense matrices (attention, dense MLP, shared experts, lm_head); required "
+        "for a safetensors checkpoint; for a GGUF, the format of its float tensors (default f32: a "
+        "GGUF's quantized matrices keep the formats they map onto, docs/models.md)",
     )
     p.add_argument(
         "--expert-dtype",
@@ -47,24 +48,29 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from latentkv.config import ConfigError
-    from latentkv.models.convert import MANIFEST, ConvertError, convert
+    from latentkv.models.convert import ConvertError, convert, read_manifest
     from latentkv.models.loader import CheckpointError
     from latentkv.models.registry import ModelNotFound, resolve
 
     try:
         source = resolve(args.model)
-    except ModelNotFound as exc:
+        source_manifest = read_manifest(Path(source))
+    except (ModelNotFound, CheckpointError) as exc:
         raise UserError(str(exc)) from None
-    _check_out(args.out)
-    if (Path(source) / MANIFEST).exists():
+    from_gguf = source_manifest is not None and source_manifest.get("source") == "gguf"
+    if source_manifest is not None and not from_gguf:
         raise UserError(f"{args.model} is already converted; convert the original checkpoint")
+    if args.weight_dtype is None and not from_gguf:
+        raise UserError("--weight-dtype is required (f32, bf16, int8 or int4) for a safetensors checkpoint")
+    weight_dtype = args.weight_dtype or "f32"
+    _check_out(args.out)
     t0 = time.perf_counter()
     try:
-        manifest = convert(
-            Path(source), args.out, args.weight_dtype, args.expert_dtype, progress=not args.json
-        )
+        manifest = convert(Path(source), args.out, weight_dtype, args.expert_dtype, progress=not args.json)
     except (ConfigError, CheckpointError, ConvertError) as exc:
         raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"{args.out}: cannot write it: {exc.strerror or exc}") from None
     size = (args.out / "model.safetensors").stat().st_size
     summary = {
         "out": str(args.out),
@@ -74,9 +80,13 @@ def run(args: argparse.Namespace) -> int:
         "bytes": size,
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    if from_gguf:
+        summary["gguf"] = gguf_summary(manifest["tensors"])
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
+        for line in gguf_lines(summary.get("gguf", {})):
+            print(line, file=sys.stderr)
         print(
             f"converted {args.model} -> {args.out} ({summary['weight_dtype']} weights, {summary['expert_dtype']} "
             f"experts, {size / 2**20:.1f} MiB) in {summary['seconds']:.1f} s; load it with --weight-dtype "
@@ -84,3 +94,33 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def gguf_summary(tensors: dict) -> dict:
+    """Per GGUF type of the converted matrices: the format it went to, how many, whether exact,
+    and for re-quantized ones the worst relative RMS error."""
+    out: dict[str, dict] = {}
+    for entry in tensors.values():
+        if "gguf_type" not in entry:
+            continue
+        row = out.setdefault(
+            entry["gguf_type"], {"format": entry["format"], "matrices": 0, "exact": entry["exact"]}
+        )
+        row["matrices"] += 1
+        if "rel_rms_error" in entry:
+            row["max_rel_rms_error"] = max(row.get("max_rel_rms_error", 0.0), entry["rel_rms_error"])
+    return out
+
+
+def gguf_lines(summary: dict) -> list[str]:
+    from latentkv.models.gguf import percent
+
+    lines = []
+    for gguf_type, row in sorted(summary.items()):
+        how = (
+            "exactly"
+            if row["exact"]
+            else f"re-quantized, relative RMS error up to {percent(row.get('max_rel_rms_error', 0.0))}"
+        )
+        lines.append(f"  {row['matrices']:5d} {gguf_type} matrices -> {row['format']} ({how})")
+    return lines

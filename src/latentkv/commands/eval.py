@@ -3,7 +3,8 @@
 `eval ppl` scores held-out text in windows through every tier's real cache (perplexity, delta
 vs f32, KL divergence from f32, top-1 agreement, with bootstrap intervals; the unigram baseline
 when the model ships its training token counts). `eval mc` scores the next-line
-multiple-choice task per tier (accuracy with Wilson intervals). Tables print as markdown;
+multiple-choice task per tier (accuracy with Wilson intervals). `eval recall` scores
+planted-identifier recall by distance per tier (`latentkv.eval.recall`). Tables print as markdown;
 --json gives JSON. Progress goes to stderr.
 """
 
@@ -19,6 +20,7 @@ from latentkv.errors import UserError
 
 PPL_TIERS = "f32,bf16,fp8,tq6,tq4,tq3,polar4"
 MC_TIERS = "f32,fp8,tq4,tq3"
+RECALL_TIERS = "f32,q8s,q4s"
 HELDOUT = "heldout.txt"
 TOKEN_COUNTS = "train_token_counts.json"
 
@@ -27,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="eval", metavar="EVAL", required=True)
     _add_ppl(sub)
     _add_mc(sub)
+    _add_recall(sub)
 
 
 def _add_common(p: argparse.ArgumentParser, tiers: str) -> None:
@@ -108,11 +111,33 @@ def _add_mc(sub) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N items")
 
 
+def _add_recall(sub) -> None:
+    p = sub.add_parser(
+        "recall",
+        help="planted-identifier recall by distance per KV tier (does the model use far context?)",
+        description="Plant a definition `NAME = <int>` of a fresh random name as the first line of "
+        "held-out code and a use of NAME about D tokens later; score whether the model, given the "
+        "use's first token, completes the name (every later token its argmax), through every tier's "
+        "cache. The control (the definition removed) shows what guessing scores.",
+    )
+    _add_common(p, RECALL_TIERS)
+    p.add_argument(
+        "--distances",
+        default=None,
+        metavar="D[,D...]",
+        help="tokens from the definition to the use (default: 512,1024,2048,4096 up to the model's maximum)",
+    )
+    p.add_argument("--cases", type=int, default=32, metavar="N", help="cases per distance (default: 32)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the cases (default: 1)")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.eval == "ppl":
         emit(_run_ppl(args), args, ppl_table)
-    else:
+    elif args.eval == "mc":
         emit(_run_mc(args), args, mc_table)
+    else:
+        emit(_run_recall(args), args, recall_table)
     return 0
 
 
@@ -331,4 +356,80 @@ def mc_table(payload: dict) -> str:
         out.append(
             f"| {r['tier']} | {r['bytes_per_token_layer']} | {accs} | {'' if same is None else f'{same:.1%}'} |"
         )
+    return "\n".join(out)
+
+
+# --- eval recall ---------------------------------------------------------------------------
+
+
+def _run_recall(args: argparse.Namespace) -> dict:
+    import torch
+
+    from latentkv.eval import recall
+    from latentkv.eval.stats import wilson_interval
+
+    if args.cases < 1:
+        raise UserError(f"--cases must be positive (got {args.cases})")
+    asked = None
+    if args.distances is not None:
+        try:
+            asked = list(dict.fromkeys(int(x) for x in args.distances.split(",") if x.strip()))
+        except ValueError:
+            raise UserError(f"--distances must be comma-separated integers, got {args.distances!r}") from None
+    loaded, tiers = _load(args, RECALL_TIERS)
+    if all(t.kv_cache_dtype != "f32" for t in tiers):  # the reference and the control run in f32
+        from latentkv.config import CacheConfig
+
+        tiers.insert(0, CacheConfig("f32"))
+    model, directory = loaded.model, loaded.directory
+    if not (directory / HELDOUT).is_file():
+        raise UserError(f"{args.model} ships no {HELDOUT} ({directory}); eval recall plants names in it")
+    limit = model.cfg.max_position_embeddings
+    distances = [d for d in recall.DISTANCES if d <= limit] if asked is None else asked
+    for d in distances or [0]:
+        if not 64 <= d <= limit:
+            raise UserError(f"--distances {d}: must be 64 .. {limit} tokens (the model's maximum)")
+    text = (directory / HELDOUT).read_text(encoding="utf-8", errors="replace")
+    cases = recall.planted_cases(text, loaded.tokenizer.encode_with_offsets, distances, args.cases, args.seed)
+    rows = []
+    for tier in tiers:
+        t0 = time.perf_counter()
+
+        def logits_of(ids: list[int], tier=tier) -> torch.Tensor:
+            with torch.inference_mode():
+                return model.forward(torch.tensor(ids), model.make_cache(tier), all_logits=True)
+
+        runs = [("planted", recall.score(logits_of, cases))]
+        if tier.kv_cache_dtype == "f32":
+            runs.append(("control", recall.score(logits_of, cases, control=True)))
+        for kind, by_distance in runs:
+            cells = {
+                str(d): {"hits": h, "cases": n, "recall": h / n, "ci": wilson_interval(h, n)}
+                for d, (h, n) in by_distance.items()
+            }
+            rows.append({"tier": tier.kv_cache_dtype, "kind": kind, "distances": cells})
+        _progress(f"{tier.kv_cache_dtype}: {time.perf_counter() - t0:.0f} s")
+    return {
+        "model": args.model,
+        "text": str(directory / HELDOUT),
+        "cases_per_distance": args.cases,
+        "seed": args.seed,
+        "rows": rows,
+    }
+
+
+def recall_table(payload: dict) -> str:
+    distances = list(payload["rows"][0]["distances"])
+    out = [
+        f"planted-identifier recall, {payload['cases_per_distance']} cases per distance (Wilson 95%); "
+        "control: the definition removed",
+        "",
+        "| KV | cases | " + " | ".join(f"{d} tokens" for d in distances) + " |",
+        "|---|---|" + "---|" * len(distances),
+    ]
+    for r in payload["rows"]:
+        cells = " | ".join(
+            f"{c['recall']:.0%}{_ci(c['ci'], '.0%')}" for c in (r["distances"][d] for d in distances)
+        )
+        out.append(f"| {r['tier']} | {r['kind']} | {cells} |")
     return "\n".join(out)

@@ -1,8 +1,10 @@
 """`latentkv plan MODEL`: how a RAM budget splits between dense weights, the KV pool,
-activations and the expert cache, and what that means for reads per token. With `--vram-gb V`:
-the same for one GPU (streaming/gpu_plan.py), VRAM and host RAM each with their share. With `--nodes N`:
-the same for a cluster of N ranks (docs/distributed.md), each rank's share of the experts, and
-the placement (`--placement-out FILE`) that `experts convert --rank` and the cluster's ranks use."""
+activations and the expert cache, and what that means for reads per token (and, with
+`--disk-gbps`, for tokens per second). MODEL may be a config.json, or a folder holding only one:
+a model is planned before it is downloaded. With `--vram-gb V`: the same for one GPU
+(streaming/gpu_plan.py), VRAM and host RAM each with their share. With `--nodes N`: the same for
+a cluster of N ranks (docs/distributed.md), each rank's share of the experts, and the placement
+(`--placement-out FILE`) that `experts convert --rank` and the cluster's ranks use."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 from pathlib import Path
 
 from latentkv.commands.common import (
+    MODEL_HELP,
     add_cache_arguments,
     add_speculative_arguments,
     cache_config,
@@ -22,9 +25,9 @@ MAX_NODES = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model", metavar="MODEL", help="model directory (config.json + safetensors) or builtin:NAME"
-    )
+    from latentkv.config import WEIGHT_DTYPES
+
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP + "; or a config.json alone")
     p.add_argument(
         "--ram-gb",
         default=None,
@@ -44,7 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weight-dtype",
         default=None,
-        help="weight format of the dense weights and experts (default: f32; bf16 with --vram-gb)",
+        choices=WEIGHT_DTYPES,
+        help="weight format of the dense weights (and of the experts unless --expert-dtype; default: "
+        "f32; bf16 with --vram-gb)",
+    )
+    p.add_argument(
+        "--expert-dtype", default=None, choices=WEIGHT_DTYPES, help="weight format of the routed experts"
     )
     add_cache_arguments(p)
     p.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
@@ -62,8 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--disk-gbps",
         default=None,
         metavar="S",
-        help="with --nodes: each rank's disk read speed in GB/s, one for all or one per rank (default: 1 "
-        "for every rank; `latentkv experts disk` measures one)",
+        help="the disk's read speed in GB/s: bound decode tok/s by the expert reads per token (a model "
+        "not yet downloaded has no store to measure; `latentkv experts disk` measures one); with "
+        "--nodes one for every rank or one per rank (default there: 1)",
     )
     p.add_argument(
         "--no-head-experts",
@@ -99,20 +108,26 @@ def run(args: argparse.Namespace) -> int:
         from latentkv.streaming.gpu_plan import GPU_WEIGHT_DTYPE
 
         args.weight_dtype = GPU_WEIGHT_DTYPE if args.vram_gb is not None else "f32"
-    if not cluster and (args.disk_gbps or args.no_head_experts or args.placement_out):
-        raise UserError("--disk-gbps, --no-head-experts and --placement-out plan a cluster: add --nodes N")
+    if not cluster and (args.no_head_experts or args.placement_out):
+        raise UserError("--no-head-experts and --placement-out plan a cluster: add --nodes N")
     if cluster and not 1 <= args.nodes <= MAX_NODES:
         raise UserError(f"--nodes must be in 1..{MAX_NODES} (got {args.nodes})")
     rams = per_rank(args.ram_gb, "--ram-gb", args.nodes if cluster else 1)
+    speeds = per_rank(args.disk_gbps, "--disk-gbps", args.nodes if cluster else 1)
     spec = speculative_config(args, args.model)
     draft_tokens = spec.draft_tokens if spec is not None else 0
     try:
-        model_dir = resolve(args.model)
-        cfg = ModelConfig.from_hf(model_dir)
+        config_only = Path(args.model).suffix == ".json" and Path(args.model).is_file()
+        model_dir = None if config_only else resolve(args.model)
+        cfg = ModelConfig.from_hf(Path(args.model) if config_only else model_dir)
         cache = cache_config(args)
         if cluster:
+            if model_dir is None:
+                raise UserError("--nodes plans a model folder: put the config.json in a folder of its own")
             return _cluster(args, cfg, model_dir, rams, cache, draft_tokens)
         if args.vram_gb is not None:
+            if model_dir is None:
+                raise UserError("--vram-gb plans a model folder: put the config.json in a folder of its own")
             return _gpu(args, cfg, model_dir, rams, cache, draft_tokens)
         from latentkv.streaming.planner import format_plan, make_plan
 
@@ -126,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
             args.max_model_len,
             args.max_num_seqs,
             draft_tokens=draft_tokens,
+            expert_dtype=args.expert_dtype,
+            disk_gbps=speeds[0] if speeds else None,
         )
     except (ModelNotFound, ConfigError, CheckpointError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from None

@@ -20,6 +20,13 @@ the converted model is the model the original loads to; those matrices are small
 experts. Each routed expert's tensors (gate, up, down, with their scales) are written
 back to back, one contiguous extent recorded in the manifest: the expert-streaming layout can
 read one expert with one read (issue 16 aligns and checksums the extents).
+
+From a GGUF (its view folder: models/gguf_view.py) the quantized matrices are written in the
+formats they map onto, exactly where one holds them (weights/gguf_blocks.py), each manifest entry
+saying its GGUF type and whether it is exact; MLA's per-head attn_k_b / attn_v_b are written as
+`self_attn.k_b_proj.weight` / `v_b_proj.weight` when quantized (kept per head, exact) and
+folded back into `kv_b_proj.weight` when float. Float tensors (F32, F16, BF16) are converted as
+a safetensors checkpoint's are, in --weight-dtype.
 """
 
 from __future__ import annotations
@@ -37,13 +44,14 @@ import torch
 
 from latentkv import fs
 from latentkv.config import ModelConfig, read_json_object
-from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
+from latentkv.models.loader import GGUF_POINTER, Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.weights.base import DenseLinear, format_class
 
 MANIFEST = "latentkv-weights.json"
 FORMAT, VERSION = "latentkv-weights", 1
 DTYPE_NAMES = {
     torch.float32: "F32",
+    torch.int16: "I16",
     torch.bfloat16: "BF16",
     torch.uint8: "U8",
     torch.int8: "I8",
@@ -108,6 +116,10 @@ def convert(
     cfg = ModelConfig.from_hf(source)
     raw_cfg = read_json_object(source / "config.json")
     ckpt = Checkpoint(source)
+    source_manifest = read_manifest(source)
+    gguf_packed = (
+        source_manifest["tensors"] if source_manifest and source_manifest.get("source") == "gguf" else {}
+    )
     fmt_of = {"dense": weight_dtype, "expert": expert_dtype}
     need = 2 * output_bytes(ckpt, dict(packed_matrices(cfg)), fmt_of)  # the data file, then the model file
     doing = f"converting the model ({fs.gb(need // 2)}, {fs.gb(need)} while it is assembled)"
@@ -115,7 +127,7 @@ def convert(
     if progress:
         print(f"latentkv: writing {fs.gb(need // 2)} to {out}", file=sys.stderr)
     with fs.PublishDir(out, doing) as tmp:
-        manifest = _write(source, tmp, cfg, raw_cfg, ckpt, fmt_of, progress)
+        manifest = _write(source, tmp, cfg, raw_cfg, ckpt, fmt_of, gguf_packed, progress)
         try:
             (tmp / "config.json").write_text(
                 json.dumps({k: v for k, v in raw_cfg.items() if k != "quantization_config"}, indent=1)
@@ -161,7 +173,14 @@ def _bytes_per_weight(fmt: str) -> float:
 
 
 def _write(
-    source: Path, out: Path, cfg: ModelConfig, raw_cfg: dict, ckpt: Checkpoint, fmt_of: dict, progress: bool
+    source: Path,
+    out: Path,
+    cfg: ModelConfig,
+    raw_cfg: dict,
+    ckpt: Checkpoint,
+    fmt_of: dict,
+    gguf_packed: dict,
+    progress: bool,
 ) -> dict:
     """model.safetensors into `out`; returns the manifest."""
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
@@ -179,6 +198,10 @@ def _write(
         iterator = tqdm(names, desc="converting", unit="tensor", file=sys.stderr)
     block_size = tuple(block) if block else None
     for source_name in iterator:
+        if (start := _copy_packed(ckpt, gguf_packed, source_name, writer, manifest_tensors)) is not None:
+            if roles.get(source_name) == "expert":
+                _record_expert(experts, source_name, start, writer.size)
+            continue
         for name, t in _tensors(ckpt, source_name, block_size):
             start = writer.size
             fmt = fmt_of[roles[name]] if name in roles else None
@@ -204,6 +227,29 @@ def _write(
         "tensors": manifest_tensors,
         "experts": experts,
     }
+
+
+def _copy_packed(
+    ckpt: Checkpoint, packed: dict, name: str, writer: _Writer, manifest_tensors: dict
+) -> int | None:
+    """Write a GGUF's pre-quantized matrix `name` as its state (kv_b_proj: the per-head k_b and
+    v_b matrices, when those are stored quantized); its start offset when written, else None."""
+    names = [name]
+    if name.endswith("kv_b_proj.weight"):
+        names = [name.replace("kv_b_proj", "k_b_proj"), name.replace("kv_b_proj", "v_b_proj")]
+    if not all(n in packed for n in names):
+        return None
+    start = writer.size
+    for n in names:
+        fmt = packed[n]["format"]
+        for piece in format_class(fmt).pieces:
+            writer.add(f"{n}.{fmt}.{piece}", ckpt.get(f"{n}.{fmt}.{piece}"))
+        manifest_tensors[n] = dict(packed[n])
+        if ckpt.gguf is not None and n in ckpt.gguf.report:  # re-quantized: the error it was made with
+            manifest_tensors[n].update(
+                {k: ckpt.gguf.report[n][k] for k in ("rel_rms_error", "max_abs_error")}
+            )
+    return start
 
 
 def _ordered(names: list[str]) -> list[str]:
@@ -252,12 +298,12 @@ def _float(ckpt: Checkpoint, name: str, block: tuple[int, int] | None) -> torch.
 
 
 def _stored(t: torch.Tensor, fmt: str | None, weight_dtype: str) -> torch.Tensor:
-    """A tensor kept as floats: in its checkpoint dtype (float32 or bfloat16; an fp8 tensor, now
-    dequantized, as bfloat16), so the loader makes of it exactly what it makes of the original;
-    bf16 when that is the chosen format."""
-    if fmt == "bf16" or t.dtype not in (torch.float32, torch.bfloat16):
+    """A tensor kept as floats: in its checkpoint dtype (float32 or bfloat16; float16 as float32;
+    an fp8 tensor, now dequantized, as bfloat16), so the loader makes of it exactly what it makes
+    of the original; bf16 when that is the chosen format."""
+    if fmt == "bf16" or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return t.to(torch.bfloat16)
-    return t
+    return t.float() if t.dtype == torch.float16 else t  # a GGUF's F16: float32 holds it exactly
 
 
 def _record_expert(experts: dict, name: str, start: int, end: int) -> None:
@@ -314,7 +360,7 @@ class _Writer:
 
 def _copy_small_files(source: Path, out: Path) -> None:
     """Tokenizer, generation config, held-out text...: everything but weights and config."""
-    skip = ("config.json", MANIFEST, "model.safetensors.index.json")
+    skip = ("config.json", MANIFEST, "model.safetensors.index.json", GGUF_POINTER)
     for f in source.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
             shutil.copy2(f, out / f.name)

@@ -37,6 +37,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_HEADER_DEPTH = 8  # a safetensors header nests 3 deep (name -> entry -> shape)
+GGUF_POINTER = "latentkv-gguf.json"  # in a folder that stands for a GGUF (models/gguf_view.py)
 
 
 class CheckpointError(ValueError):
@@ -113,11 +114,26 @@ class _SafetensorsFile:
         return flat.view(dtype).view(shape)
 
 
+def has_weights(directory: str | Path) -> bool:
+    """Whether a folder holds weights: a shard index or any .safetensors file, or a GGUF's."""
+    d = Path(directory)
+    return any((d / n).exists() for n in ("model.safetensors.index.json", GGUF_POINTER)) or any(
+        d.glob("*.safetensors")
+    )
+
+
 class Checkpoint:
-    """Named tensors of a model directory, read lazily. `get` returns an mmap-backed view."""
+    """Named tensors of a model directory, read lazily. `get` returns an mmap-backed view.
+
+    A folder that stands for a GGUF file (models/gguf_view.py) reads the GGUF behind it: its
+    float tensors by name, and its quantized matrices' pieces (`NAME.int4.nibbles`, ...) too."""
 
     def __init__(self, directory: str | Path, progress: bool = False):
         self.directory = Path(directory)
+        self._gguf = None
+        if (self.directory / GGUF_POINTER).exists():
+            self._open_gguf()
+            return
         files = self._shard_files()
         self._files: list[_SafetensorsFile] = []
         self._where: dict[str, _SafetensorsFile] = {}
@@ -135,6 +151,24 @@ class Checkpoint:
                         f"tensor {name} appears in both {self._where[name].path} and {path}"
                     )
                 self._where[name] = shard
+
+    def _open_gguf(self) -> None:
+        from latentkv.config import ConfigError, read_json_object
+        from latentkv.models.gguf import GgufError, open_view
+
+        try:
+            pointer = read_json_object(self.directory / GGUF_POINTER)
+            cfg = read_json_object(self.directory / "config.json")
+            self._gguf = open_view(pointer, cfg, self.directory)
+        except (GgufError, ConfigError) as exc:
+            raise CheckpointError(str(exc)) from None
+        self._files = [self._gguf]
+        self._where = dict.fromkeys(self._gguf.entries, self._gguf)
+
+    @property
+    def gguf(self):
+        """The GgufSource behind a GGUF's folder (its re-quantization report), else None."""
+        return self._gguf
 
     def _shard_files(self) -> list[Path]:
         index = self.directory / "model.safetensors.index.json"
@@ -165,7 +199,7 @@ class Checkpoint:
         return found
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or (self._gguf is not None and self._gguf.has_piece(name))
 
     def keys(self) -> Iterator[str]:
         return iter(self._where)
@@ -175,12 +209,12 @@ class Checkpoint:
 
     def dtype(self, name: str) -> str:
         """The tensor's safetensors dtype name ("F32", "BF16", "F8_E4M3", ...)."""
-        return self._where[name].entries[name]["dtype"]
+        return self._where[name].entries[name].get("dtype", "F32")  # a GGUF's: floats on reading
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._where:
+        if name not in self._where and not (self._gguf is not None and self._gguf.has_piece(name)):
             raise CheckpointError(f"checkpoint in {self.directory} has no tensor {name!r}")
-        return self._where[name].tensor(name)
+        return (self._where.get(name) or self._gguf).tensor(name)
 
     def fingerprint(self) -> str:
         """SHA-256 over every shard's safetensors header: names, dtypes, shapes and offsets."""

@@ -75,28 +75,10 @@ def _shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 def config_shapes(cfg) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor a checkpoint of `cfg` (a ModelConfig) holds, DeepSeek-V3's
-    and GLM-5's naming (the indexer's tensors on its full layers, when it has one)."""
-    dsa = cfg.dsa
-    raw = {
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "mlp_layer_types": list(cfg.mlp_layer_types),
-        "indexer_types": list(dsa.indexer_types) if dsa else ["none"] * cfg.num_layers,
-        "num_nextn_predict_layers": cfg.num_mtp_layers,
-        "num_attention_heads": cfg.num_heads,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "v_head_dim": cfg.v_head_dim,
-        "kv_lora_rank": cfg.kv_lora_rank,
-        "q_lora_rank": cfg.q_lora_rank or 0,
-        "index_head_dim": dsa.index_head_dim if dsa else 0,
-        "index_n_heads": dsa.index_n_heads if dsa else 0,
-        "intermediate_size": cfg.intermediate_size,
-        "n_routed_experts": cfg.n_routed_experts,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "n_shared_experts": cfg.n_shared_experts,
-    }
-    return _shapes(raw)
+    and GLM-5's naming: `models.shapes.checkpoint_shapes` (checked against real checkpoints)."""
+    from latentkv.models.shapes import checkpoint_shapes
+
+    return iter(checkpoint_shapes(cfg).items())
 
 
 def _layer_shapes(cfg: dict, p: str, kind: str, indexer: bool) -> Iterator[tuple[str, tuple[int, ...]]]:

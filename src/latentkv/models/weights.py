@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from latentkv.models.mtp import MTPLayer, checkpoint_prefix
 from latentkv.weights import FORMATS, Linear, make_linear
 from latentkv.weights.base import DenseLinear, format_class
 from latentkv.weights.heads import HeadLinears
+from latentkv.weights.stack import RowStack
 
 # The table a token id reads (the embedding) in each format: bfloat16 under int8 and int4 (a
 # gather reads one row per token, so 16 bits suffice there); float32 for other formats.
@@ -68,8 +70,14 @@ class _Reader:
         return name in self.ckpt or name in self.packed
 
     def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = self.ckpt.get(name)
-        self.used.add(name)
+        """A tensor's float values. A pre-quantized matrix read as floats (fused with a float one,
+        e.g. a GGUF's F16 q_a beside its Q6_K kv_a) is its format's own dequantization: the same
+        values from a GGUF and from its conversion, which keeps only the pieces."""
+        if (entry := self.packed.get(name)) is not None:
+            t = self._dequantized(name, entry)
+        else:
+            t = self.ckpt.get(name)
+            self.used.add(name)
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale_name = name.removesuffix("weight") + "weight_scale_inv"
             if scale_name not in self.ckpt:
@@ -88,31 +96,81 @@ class _Reader:
         return t.to(self.device)  # (no copy on the CPU)
 
     def table(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The embedding table, in the format's dtype (a view when it already is)."""
+        """The embedding table, in the format's dtype (a view when it already is); a pre-quantized
+        one (a GGUF's) dequantized."""
         return self.raw(name, shape).to(self.dtype).contiguous()
+
+    def _dequantized(self, name: str, entry: dict) -> torch.Tensor:
+        state = self._state(name, entry["format"])
+        assert state is not None
+        return format_class(entry["format"]).from_state(state, entry["shape"][1]).dequantize()
 
     def linear(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """A float matrix [out, in] in the chosen weight format."""
         return make_linear(w.contiguous(), self.fmt, bias=bias)
 
     def matrix(self, name: str, shape: tuple[int, ...]) -> Linear:
-        """A checkpoint matrix used in a matmul, in the chosen weight format."""
-        return self.prequantized([name], self.fmt) or self.linear(self.raw(name, shape))
+        """A checkpoint matrix used in a matmul: pre-quantized as stored, else in the chosen
+        weight format."""
+        return self.prequantized([name]) or self.linear(self.raw(name, shape))
 
-    def prequantized(self, names: list[str], fmt: str) -> Linear | None:
-        """The matrices `names` fused by rows, from a converted checkpoint that stores them all
-        in `fmt` (piece by piece, output rows first); None otherwise."""
+    def prequantized(self, names: list[str], factors: list[float] | None = None) -> Linear | None:
+        """The matrices `names` fused by rows when a converted checkpoint (or a GGUF) stores
+        them all pre-quantized, each in its own format (piece by piece, output rows first): one
+        Linear when they share a format and layout, else a RowStack of one per matrix. Each
+        times its factor (`factors`; scales multiplied, which only float32 scales take without
+        a second rounding). None when one of them is not stored so."""
         entries = [self.packed.get(n) for n in names]
-        if not all(e is not None and e["format"] == fmt for e in entries):
+        if not all(e is not None for e in entries):
             return None
+        factors = factors or [1.0] * len(names)
+        states = [self._state(n, e["format"], f) for n, e, f in zip(names, entries, factors, strict=True)]
+        if any(s is None for s in states):
+            return None
+        formats = {e["format"] for e in entries}
+        cls = format_class(entries[0]["format"])
+        in_f = entries[0]["shape"][1]
+        if len(formats) == 1 and _concatenable(states):
+            fused = {
+                p: torch.cat([s[p] for s in states]) if len(states) > 1 else states[0][p] for p in cls.pieces
+            }
+            return cls.from_state(fused, in_f)
+        return RowStack(
+            [format_class(e["format"]).from_state(s, in_f) for e, s in zip(entries, states, strict=True)]
+        )
+
+    def _state(self, name: str, fmt: str, factor: float = 1.0) -> dict[str, torch.Tensor] | None:
+        """A pre-quantized matrix's pieces, its scales times `factor`; None when the factor is
+        not 1 and a scale piece is narrower than float32."""
         cls = format_class(fmt)
-        state = {}
-        for piece in cls.pieces:
-            keys = [f"{name}.{fmt}.{piece}" for name in names]
-            self.used.update(keys)
-            parts = [self.ckpt.get(k) for k in keys]
-            state[piece] = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(self.device)
-        return cls.from_state(state, entries[0]["shape"][1])
+        keys = {piece: f"{name}.{fmt}.{piece}" for piece in cls.pieces}
+        self.used.update(keys.values())
+        state = {piece: self.ckpt.get(k).to(self.device) for piece, k in keys.items()}
+        if factor == 1.0:
+            return state
+        if any(state[p].dtype != torch.float32 for p in cls.scale_pieces):
+            return None
+        return {p: t * factor if p in cls.scale_pieces else t for p, t in state.items()}
+
+    def heads(self, name: str, heads: int) -> HeadLinears | None:
+        """A pre-quantized per-head stack [heads * N, K] (a GGUF's attn_k_b / attn_v_b) as one
+        Linear per head, its rows as stored; None when it is not stored so."""
+        entry = self.packed.get(name)
+        if entry is None:
+            return None
+        state = self._state(name, entry["format"])
+        assert state is not None
+        rows = entry["shape"][0] // heads
+        cls = format_class(entry["format"])
+        return HeadLinears(
+            [
+                cls.from_state({p: t[h * rows : (h + 1) * rows] for p, t in state.items()}, entry["shape"][1])
+                for h in range(heads)
+            ]
+        )
+
+    def has_packed(self, name: str) -> bool:
+        return name in self.packed
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Norm weights, biases, router: always float32."""
@@ -139,7 +197,7 @@ def load_model(
     raw_cfg = json.loads((directory / "config.json").read_text())
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
     manifest = read_manifest(directory)
-    if manifest is not None:
+    if manifest is not None and manifest.get("source") != "gguf":  # a GGUF's matrices load as they map
         _check_converted(directory, manifest, weight_dtype, expert_dtype or weight_dtype)
     ckpt = Checkpoint(directory, progress=progress)
     packed = manifest["tensors"] if manifest else None
@@ -155,8 +213,22 @@ def load_model(
         packed,
         load_mtp,
     )
+    if progress and ckpt.gguf is not None and packed:
+        from latentkv.models.gguf import report_line
+
+        print(f"latentkv: {report_line(packed, ckpt.gguf.report)}", file=sys.stderr)
     release_freed_memory()
     return model
+
+
+def _concatenable(states: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether states of one format can be fused by rows: every piece alike but for its rows."""
+    first = states[0]
+    return all(
+        s[p].dtype == first[p].dtype and s[p].shape[1:] == first[p].shape[1:]
+        for s in states[1:]
+        for p in first
+    )
 
 
 def release_freed_memory() -> None:
@@ -214,7 +286,9 @@ def build_model(
     blocks = [_block(cfg, rd, i, routed) for i in layers]
     norm = RMSNorm(rd.vector("model.norm.weight", (D,)), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings or not rd.has("lm_head.weight"):
-        lm_head = rd.linear(embed)  # tied: f32 and bf16 share the embedding's tensor
+        # tied: f32 and bf16 share the embedding's tensor; a pre-quantized embedding (a GGUF's)
+        # is the head as stored
+        lm_head = rd.prequantized(["model.embed_tokens.weight"]) or rd.linear(embed)
     else:
         lm_head = rd.matrix("lm_head.weight", (V, D))
     mtp = _mtp(cfg, rd, routed) if load_mtp else None
@@ -275,7 +349,10 @@ def _block(
                 for b, (_, rows) in zip(biases, parts, strict=False)
             ]
         )
-    w_in = rd.prequantized([name + ".weight" for name, _ in parts], rd.fmt) if b_in is None else None
+    # without q-LoRA, q comes straight from the fused projection: the softmax scale is folded in
+    q_factor = 1.0 if cfg.q_lora_rank else softmax_scale(cfg.rope, cfg.qk_head_dim)
+    factors = [q_factor] + [1.0] * (len(parts) - 1)
+    w_in = rd.prequantized([name + ".weight" for name, _ in parts], factors) if b_in is None else None
     if w_in is None:
         mats = [rd.raw(name + ".weight", (rows, D)).float() for name, rows in parts]
         if not cfg.q_lora_rank:  # q comes straight from the fused projection: fold the softmax scale here
@@ -307,21 +384,29 @@ def _mla_weights(cfg: ModelConfig, rd: _Reader, p: str) -> MLAWeights:
     if cfg.q_lora_rank:
         q_a_norm = RMSNorm(rd.vector(p + "q_a_layernorm.weight", (cfg.q_lora_rank,)), LORA_NORM_EPS)
         # The softmax scale is folded into q_b, so scores come out scaled.
-        q_b = rd.linear(rd.raw(p + "q_b_proj.weight", (H * (P + R), cfg.q_lora_rank)).float() * scale)
-    kv_b = rd.raw(p + "kv_b_proj.weight", (H * (P + V), Lkv)).float().view(H, P + V, Lkv)
+        name = p + "q_b_proj.weight"
+        q_b = rd.prequantized([name], [scale]) or rd.linear(
+            rd.raw(name, (H * (P + R), cfg.q_lora_rank)).float() * scale
+        )
+    # a GGUF stores W_UK^T and W_UV per head (attn_k_b, attn_v_b): taken as stored when quantized
+    w_uk_t, w_uv = rd.heads(p + "k_b_proj.weight", H), rd.heads(p + "v_b_proj.weight", H)
+    if w_uk_t is None or w_uv is None:
+        kv_b = rd.raw(p + "kv_b_proj.weight", (H * (P + V), Lkv)).float().view(H, P + V, Lkv)
+        w_uk_t = HeadLinears.from_float(kv_b[:, :P, :].transpose(1, 2), rd.fmt)  # [H, Lkv, P]
+        w_uv = HeadLinears.from_float(kv_b[:, P:, :], rd.fmt)  # [H, V, Lkv]
     return MLAWeights(
         q_a_norm=q_a_norm,
         q_b=q_b,
         kv_a_norm=RMSNorm(rd.vector(p + "kv_a_layernorm.weight", (Lkv,)), LORA_NORM_EPS),
-        w_uk_t=HeadLinears.from_float(kv_b[:, :P, :].transpose(1, 2), rd.fmt),  # [H, Lkv, P]
-        w_uv=HeadLinears.from_float(kv_b[:, P:, :], rd.fmt),  # [H, V, Lkv]
+        w_uk_t=w_uk_t,
+        w_uv=w_uv,
         o=_output(rd, p, D, H * V),
     )
 
 
 def _output(rd: _Reader, p: str, D: int, width: int) -> Linear:
     bias = rd.optional_vector(p + "o_proj.bias", (D,))
-    if bias is None and (o := rd.prequantized([p + "o_proj.weight"], rd.fmt)) is not None:
+    if bias is None and (o := rd.prequantized([p + "o_proj.weight"])) is not None:
         return o
     return rd.linear(rd.raw(p + "o_proj.weight", (D, width)), bias)
 
@@ -334,7 +419,8 @@ def _indexer_weights(cfg: ModelConfig, rd: _Reader, p: str) -> IndexerWeights:
     # The score scales are folded in: relu(q.k / sqrt(D_i)) = relu((q / sqrt(D_i)).k), and the
     # per-head weights' 1/sqrt(h_i) goes into weights_proj.
     return IndexerWeights(
-        wq_b=rd.linear(rd.raw(p + "wq_b.weight", (Hi * Di, q_in)).float() * Di**-0.5),
+        wq_b=rd.prequantized([p + "wq_b.weight"], [Di**-0.5])
+        or rd.linear(rd.raw(p + "wq_b.weight", (Hi * Di, q_in)).float() * Di**-0.5),
         k_norm_weight=rd.vector(p + "k_norm.weight", (Di,)),
         k_norm_bias=rd.vector(p + "k_norm.bias", (Di,)),
         weights_proj=make_linear(rd.vector(p + "weights_proj.weight", (Hi, D)) * Hi**-0.5, "f32"),
@@ -343,7 +429,7 @@ def _indexer_weights(cfg: ModelConfig, rd: _Reader, p: str) -> IndexerWeights:
 
 def _swiglu(rd: _Reader, p: str, D: int, inter: int) -> SwiGLU:
     names = [p + "gate_proj.weight", p + "up_proj.weight"]
-    if (gate_up := rd.prequantized(names, rd.fmt)) is not None:
+    if (gate_up := rd.prequantized(names)) is not None:
         return SwiGLU(gate_up, rd.matrix(p + "down_proj.weight", (D, inter)))
     gate = rd.raw(p + "gate_proj.weight", (inter, D))
     up = rd.raw(p + "up_proj.weight", (inter, D))
@@ -434,8 +520,11 @@ def _resident(cfg: ModelConfig, rd: _Reader, p: str) -> ResidentExperts:
         gate_up = rd.raw(p + "experts.gate_up_proj", (E, 2 * I, D))
         down = rd.raw(p + "experts.down_proj", (E, D, I))
         return ResidentExperts.from_float(gate_up, down, rd.expert_fmt)
-    if not issubclass(format_class(rd.expert_fmt), DenseLinear):
-        # a packed format: each expert straight into it, one at a time (never the layer in float)
+    if not issubclass(format_class(rd.expert_fmt), DenseLinear) or rd.has_packed(
+        f"{p}experts.0.down_proj.weight"
+    ):
+        # a packed format, or experts stored pre-quantized (a converted checkpoint's, a GGUF's):
+        # each expert straight into its format, one at a time (never the layer in float)
         return ResidentExperts([_expert(rd, f"{p}experts.{e}.", D, I) for e in range(E)])
     # per-expert tensors, as checkpoints ship them: stacked here (the one copy)
     dtype = DTYPES[rd.expert_fmt]
@@ -451,9 +540,8 @@ def _resident(cfg: ModelConfig, rd: _Reader, p: str) -> ResidentExperts:
 
 def _expert(rd: _Reader, q: str, D: int, I: int) -> Expert:
     """One routed expert read from its own tensors into the experts' format."""
-    fmt = rd.expert_fmt
-    gate_up = rd.prequantized([q + "gate_proj.weight", q + "up_proj.weight"], fmt)
-    if gate_up is not None and (down := rd.prequantized([q + "down_proj.weight"], fmt)) is not None:
+    gate_up = rd.prequantized([q + "gate_proj.weight", q + "up_proj.weight"])
+    if gate_up is not None and (down := rd.prequantized([q + "down_proj.weight"])) is not None:
         return Expert(gate_up, down)
     gate_up = torch.cat([rd.raw(q + "gate_proj.weight", (I, D)), rd.raw(q + "up_proj.weight", (I, D))])
     down = rd.raw(q + "down_proj.weight", (D, I))

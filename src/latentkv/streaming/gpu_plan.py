@@ -27,7 +27,6 @@ from pathlib import Path
 from latentkv.config import CacheConfig, ModelConfig
 from latentkv.experts.reader import SPARE_BUFFERS
 from latentkv.kv.cache import CacheLayout, resolve_tier
-from latentkv.models.mtp import routed_layer
 from latentkv.streaming.planner import (
     ACTIVATION_BASE,
     DEFAULT_RAM_SHARE,
@@ -35,6 +34,7 @@ from latentkv.streaming.planner import (
     available_memory,
     dense_bytes,
     expert_extent_bytes,
+    gguf_bytes_per_element,
     tensor_shapes,
 )
 
@@ -99,12 +99,12 @@ def make_gpu_plan(
     index_bytes = len(layout.index_layers) * layout.index_head_dim * 4
     per_token = resolve_tier(layout, cache).bytes_per_token_layer * layout.num_layers + index_bytes
     kv = per_token * max_model_len * max_num_seqs
-    shapes = tensor_shapes(model_dir, cfg)
-    dense = dense_bytes(shapes, weight_dtype)
+    shapes, has_mtp_experts, _ = tensor_shapes(cfg, model_dir)
+    dense = dense_bytes(shapes, weight_dtype, gguf_bytes_per_element(model_dir))
     act = CUDA_CONTEXT + max_num_seqs * 4 * (
         cfg.vocab_size + cfg.num_heads * max_model_len + 16 * cfg.hidden_size
     )
-    moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types) + int(routed_layer(cfg, shapes) is not None)
+    moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types) + int(has_mtp_experts)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     extent, _ = expert_extent_bytes(cfg, model_dir, weight_dtype, store_dir)
     total = moe_layers * E

@@ -22,6 +22,16 @@ the packed bytes with their layout named (an expert store). Prefill runs dequant
 
 Shapes: out is padded with zero rows to a multiple of 64 (the kernel's block; 16 for the op) and
 in with zero columns to a multiple of group_size (x is padded to match where the op needs it).
+
+float32 scales: a state whose scale and zero are float32 (GGUF's Q4_0, Q4_1 and Q4_K blocks map
+onto groups of 32 this way: their scales are f16 numbers, or f16 times 6-bit integers, which
+bfloat16 cannot hold) keeps the zero as float32 and the scale as two bfloat16 parts, scale =
+hi + lo (hi its bfloat16 rounding, lo the bfloat16 rounding of the rest): 16 significant bits,
+so every f16 scale is held exactly and a wider one to 2^-17 of itself. The product runs once per
+part with zero 0 on the same packed codes, and the zeros come in through one small float32
+product, sum_g zero[o, g] * (sum of x over group g): [M, in / G] x [in / G, out], 1/G of the
+work. So such a weight costs about twice the product's time. `dequantize` and `nibbles` return
+what the products compute with: scale hi + lo and the float32 zero.
 """
 
 from __future__ import annotations
@@ -96,6 +106,9 @@ def _padded(n: int, multiple: int) -> int:
 class Int4Linear(Linear):
     format = "int4"
     pieces = ("nibbles", "scale", "zero")  # the portable state a file stores (`quantize_state`, `from_state`)
+    scale_pieces = ("scale", "zero")  # the pieces a factor multiplies: W~ * c (`scaled_state`)
+    scale_zeros_lo: torch.Tensor | None = None  # float32 scales: the rest of the scale, as scale_zeros
+    zero_t: torch.Tensor | None = None  # float32 scales: the zeros, float32 [groups, out]
 
     def __init__(
         self,
@@ -115,7 +128,9 @@ class Int4Linear(Linear):
                 f"{nibbles.dtype} {tuple(nibbles.shape)}, {tuple(scale.shape)}, {tuple(zero.shape)}"
             )
         pad_rows = _padded(out_f, row_multiple()) - out_f
-        sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
+        wide = scale.dtype == torch.float32 and zero.dtype == torch.float32
+        zero_in_op = torch.zeros_like(zero) if wide else zero  # float32 zeros come in apart
+        sz = torch.stack([scale, zero_in_op], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
         if pad_rows:
             nibbles = F.pad(nibbles, (0, 0, 0, pad_rows), value=0x88)  # (8 - 8) * 1 + 0 = 0
             sz = torch.cat([sz, torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(pad_rows, groups, 2)])
@@ -123,6 +138,11 @@ class Int4Linear(Linear):
         packed = pack_cuda(nibbles) if nibbles.is_cuda else pack(nibbles, layout())
         shape = (nibbles.shape[0], 2 * half)
         self._adopt(packed, sz.transpose(0, 1).contiguous(), in_features, out_f, bias, shape)
+        if wide:
+            rest = (scale - scale.to(torch.bfloat16).float()).to(torch.bfloat16)
+            lo = torch.stack([rest, torch.zeros_like(rest)], dim=-1)  # [out, groups, 2]
+            self.scale_zeros_lo = F.pad(lo, (0, 0, 0, 0, 0, pad_rows)).transpose(0, 1).contiguous()
+            self.zero_t = zero.t().contiguous()  # [groups, out]
 
     def _adopt(
         self,
@@ -209,18 +229,31 @@ class Int4Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if self._kernel is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
-            y = self._kernel.int4_mm(
-                _rows(x2), self.packed, self.scale_zeros, self.group_size, self.out_features
-            )
-        else:
-            y = self._prefill(x2)
+        y = self._product(x2, self.scale_zeros)
+        if self.scale_zeros_lo is not None and self.zero_t is not None:  # float32 scales
+            y = y + self._product(x2, self.scale_zeros_lo) + self._zeros(x2)
         if self._bias is not None:
             y = y + self._bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def _product(self, x: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> float32 [M, out] with the codes and one set of scales and zeros."""
+        if self._kernel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+            return self._kernel.int4_mm(
+                _rows(x), self.packed, scale_zeros, self.group_size, self.out_features
+            )
+        return self._prefill(x, scale_zeros)
+
+    def _zeros(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 scales: sum_g zero[o, g] * (x summed over group g), [M, out] in float32."""
+        xf = x.float()
+        if self._in_padded != self.in_features:
+            xf = F.pad(xf, (0, self._in_padded - self.in_features))
+        return xf.view(xf.shape[0], -1, self.group_size).sum(-1) @ self.zero_t  # [M, groups] x [groups, out]
+
     def add_to(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         fused = self._kernel is not None and self._bias is None and residual is not None
+        fused = fused and self.scale_zeros_lo is None
         if fused and x.shape[0] <= KERNEL_MAX_ROWS and _fits(residual, x.shape[0], self.out_features):
             sz = self.scale_zeros
             return self._kernel.int4_mm(
@@ -228,8 +261,10 @@ class Int4Linear(Linear):
             )
         return super().add_to(residual, x)
 
-    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] -> float32 [M, out]: dequantized tiles, or torch's op (see the module)."""
+    def _prefill(self, x: torch.Tensor, scale_zeros: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] -> float32 [M, out]: dequantized tiles, or torch's op (see the module);
+        `scale_zeros` default: this weight's."""
+        sz = self.scale_zeros if scale_zeros is None else scale_zeros
         dtype = torch.bfloat16 if self._kernel is None else matmul_dtype()
         xd = x.to(dtype)
         if self._in_padded != self.in_features:
@@ -238,7 +273,7 @@ class Int4Linear(Linear):
         tiled = not xd.is_cuda and (
             self._kernel is not None or (x.shape[0] > PREFILL_MIN_ROWS and prefill_tiles())
         )
-        y = self._tiled(xd) if tiled else self._op(xd, self.packed, self.scale_zeros)
+        y = self._tiled(xd, sz) if tiled else self._op(xd, self.packed, sz)
         return y[:, : self.out_features] if self._out_padded != self.out_features else y
 
     def _op(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
@@ -247,23 +282,26 @@ class Int4Linear(Linear):
             return matmul_cuda(x, packed, self.group_size, scale_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scale_zeros).float()
 
-    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+    def _tiled(self, x: torch.Tensor, scale_zeros: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in_padded] (bfloat16, or the matmul dtype with the kernel) -> float32 [M,
         out_padded]: TILE_ROWS output rows at a time dequantized to x's dtype from the packed
         layout and multiplied by torch's matmul; rows past the last full block of the op's layout
         (a partial block, packed apart) go through the op."""
+        scale_zeros = self.scale_zeros if scale_zeros is None else scale_zeros
         block = self.layout[0]
         full = self._out_padded // block * block
         out = torch.empty(x.shape[0], self._out_padded)
         for r0 in range(0, full, TILE_ROWS):
             r1 = min(r0 + TILE_ROWS, full)
-            out[:, r0:r1] = x @ self._dequantized_tile(r0, r1, x.dtype)
+            out[:, r0:r1] = x @ self._dequantized_tile(r0, r1, x.dtype, scale_zeros)
         if full < self._out_padded:
             tail = self.packed.view(-1)[full * self._in_padded // 2 :].view(self._out_padded - full, -1)
-            out[:, full:] = self._op(x, tail, self.scale_zeros[:, full:].contiguous())
+            out[:, full:] = self._op(x, tail, scale_zeros[:, full:].contiguous())
         return out
 
-    def _dequantized_tile(self, r0: int, r1: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def _dequantized_tile(
+        self, r0: int, r1: int, dtype: torch.dtype = torch.bfloat16, scale_zeros: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """W~^T [in_padded, r1 - r0] in `dtype` for output rows r0..r1 (whole blocks of the
         layout): q - 8 unpacked as signed nibbles, then scale * (q - 8) + zero per group."""
         block, low, high = self.layout
@@ -275,7 +313,7 @@ class Int4Linear(Linear):
         _put(rows, low, (flipped << 4).view(torch.int8) >> 4)  # low nibbles, sign-extended
         _put(rows, high, flipped.view(torch.int8) >> 4)
         tile = tile.view(k // self.group_size, self.group_size, n)
-        sz = self.scale_zeros[:, r0:r1]  # [groups, n, 2]
+        sz = (self.scale_zeros if scale_zeros is None else scale_zeros)[:, r0:r1]  # [groups, n, 2]
         torch.addcmul(sz[:, None, :, 1].to(dtype), tile, sz[:, None, :, 0].to(dtype), out=tile)
         return tile.view(k, n)
 
@@ -286,7 +324,11 @@ class Int4Linear(Linear):
             nibbles = portable_cuda(self.packed, self._out_padded, self._in_padded)[: self.out_features]
             sz = self.scale_zeros[:, : self.out_features].transpose(0, 1).cpu()  # [out, groups, 2]
             return nibbles, sz[..., 0].contiguous(), sz[..., 1].contiguous()
-        return portable(self.packed, self.scale_zeros, self.out_features, self.layout)
+        nib, scale, zero = portable(self.packed, self.scale_zeros, self.out_features, self.layout)
+        if self.scale_zeros_lo is not None and self.zero_t is not None:  # float32 scales: hi + lo
+            rest = self.scale_zeros_lo[:, : self.out_features, 0].t().float()  # [out, groups]
+            scale, zero = scale.float() + rest, self.zero_t.t().contiguous()
+        return nib, scale, zero
 
     def dequantize(self) -> torch.Tensor:
         nib, scale, zero = self.nibbles()
@@ -303,6 +345,8 @@ class Int4Linear(Linear):
     @property
     def nbytes(self) -> int:
         n = self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * 2
+        if self.scale_zeros_lo is not None and self.zero_t is not None:
+            n += self.scale_zeros_lo.numel() * 2 + self.zero_t.numel() * 4
         return n if self._bias is None else n + self._bias.numel() * 4
 
 

@@ -1,4 +1,4 @@
-"""int8 weights (`--weight-dtype int8`): per-output-channel symmetric, a quarter of f32's bytes.
+"""int8 weights (`--weight-dtype int8`): symmetric, per output channel or per group of columns.
 
     scale[o] = max_i |W[o, i]| / 127            float32 [out]
     q[o, i]  = round(W[o, i] / scale[o])         int8 in [-127, 127]
@@ -15,6 +15,18 @@ Prefill (many rows) is compute-bound, and there the op is several times slower t
 dequantized tile: the scale is per output row so it factors out, `x @ W~^T = (x @ q^T) * scale`,
 and q is exact in bfloat16, so a tile of q cast to the CPU's matmul dtype feeds one `F.linear`
 and the scale multiplies the product.
+
+Grouped (`group_size` G in 16, 32, 64, 128, 256: one scale per G consecutive input columns of a
+row, what GGUF's Q8_0 (G = 32) and Q6_K (G = 16, 6-bit codes) store):
+
+    scale[o, g] = max_{i in g} |W[o, i]| / 127   float32 [out, in / G]
+    W~[o, i]    = q[o, i] * scale[o, i // G]
+
+The scales stay float32 so a GGUF block's scale (an f16, or an f16 times a 6- or 8-bit integer)
+is held exactly. torch has no grouped int8 kernel: every product runs on float32 tiles of
+TILE_ROWS output rows dequantized on the fly (exact: q * scale has at most 25 significant bits
+for GGUF's scales, one rounding, as GGUF's own dequantization) and `F.linear`; that reads the
+int8 once but costs a dequantization per product (docs/weights.md has the measured cost).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from latentkv.weights.base import Linear, register
 from latentkv.weights.kernels import matmul_dtype
 
 QMAX = 127
+GROUP_SIZES = (16, 32, 64, 128, 256)
 # torch 2.13's bfloat16 `_weight_int8pack_mm` reads past the end of x when in % 16 != 0 and
 # there is more than one row (a segfault): such matrices get zero columns up to a multiple of 16.
 IN_MULTIPLE = 16
@@ -55,46 +68,80 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_int8_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float [out, in] (in % group_size == 0) -> (q int8 [out, in], scale float32 [out, in / G]).
+    An all-zero group gets scale 1."""
+    out_f, in_f = w.shape
+    wg = w.float().reshape(out_f, in_f // group_size, group_size)
+    amax = wg.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(wg / scale[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.reshape(out_f, in_f), scale
+
+
 @register
 class Int8Linear(Linear):
     format = "int8"
     pieces = ("q", "scale")  # the portable state a file stores (`quantize_state`, `from_state`)
+    scale_pieces = ("scale",)  # the pieces a factor multiplies: W~ * c (`scaled_state`)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        """q int8 [out, in_padded]; scale bfloat16 [out] (per channel) or float32
+        [out, in_padded / G] (grouped)."""
         if q.dim() != 2 or q.dtype != torch.int8:
             raise ValueError(f"int8 weight must be int8 [out, in], got {q.dtype} {tuple(q.shape)}")
-        if scale.shape != (q.shape[0],) or scale.dtype != torch.bfloat16:
+        grouped = scale.dim() == 2
+        if grouped:
+            groups = scale.shape[1]
+            ok = scale.dtype == torch.float32 and scale.shape[0] == q.shape[0] and groups > 0
+            if not ok or q.shape[1] % groups or q.shape[1] // groups not in GROUP_SIZES:
+                raise ValueError(
+                    f"grouped int8 needs float32 scales [out, in / G] with G in {GROUP_SIZES}; got "
+                    f"{scale.dtype} {tuple(scale.shape)} for weight {tuple(q.shape)}"
+                )
+        elif scale.shape != (q.shape[0],) or scale.dtype != torch.bfloat16:
             raise ValueError(
                 f"int8 scale must be bfloat16 [{q.shape[0]}], got {scale.dtype} {tuple(scale.shape)}"
             )
+        self.group_size = q.shape[1] // scale.shape[1] if grouped else None
         self.out_features, self.in_features = q.shape
-        self._pad = -self.in_features % IN_MULTIPLE
+        self._pad = 0 if grouped else -self.in_features % IN_MULTIPLE
         self.q = F.pad(q, (0, self._pad)).contiguous()  # [out, in + pad]: padded columns are 0
-        self.scale = scale.contiguous()  # [out] bfloat16, the op's
-        self._scale_f32 = scale.float()  # [out], for the tile path
+        self.scale = scale.contiguous()  # [out] bfloat16 (the op's), or [out, groups] float32
+        self._scale_f32 = scale.float()  # for the tile path
         self._bias = None if bias is None else bias.float().contiguous()
-        self._kernel = native.kernels()  # None: torch's op
+        self._kernel = None if grouped else native.kernels()  # None: torch's op (grouped: tiles)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **params) -> Int8Linear:
         return cls.from_state(cls.quantize_state(w, **params), w.shape[1], bias)
 
     @staticmethod
-    def quantize_state(w: torch.Tensor, **params) -> dict[str, torch.Tensor]:
+    def quantize_state(w: torch.Tensor, group_size: int | None = None, **params) -> dict[str, torch.Tensor]:
         """The portable tensors of w float [out, in] in this format (what a file stores); every
-        piece has the output rows first, so matrices fused by rows concatenate piece by piece."""
+        piece has the output rows first, so matrices fused by rows concatenate piece by piece.
+        `group_size` None: one scale per output channel; else one per group of columns (the
+        matrix padded with zero columns to a multiple of it)."""
         if params:
-            raise ValueError(f"weight format int8 takes no parameters, got {sorted(params)}")
+            raise ValueError(f"weight format int8 takes only group_size, got {sorted(params)}")
         if w.dim() != 2:
             raise ValueError(f"int8 needs a matrix [out, in], got shape {tuple(w.shape)}")
-        q, scale = quantize_int8(w)
+        if group_size is None:
+            q, scale = quantize_int8(w)
+        elif group_size not in GROUP_SIZES:
+            raise ValueError(f"int8 group size must be one of {GROUP_SIZES}, got {group_size}")
+        else:
+            pad = -w.shape[1] % group_size
+            q, scale = quantize_int8_groups(F.pad(w, (0, pad)) if pad else w, group_size)
         return {"q": q, "scale": scale}
 
     @classmethod
     def from_state(
         cls, state: dict[str, torch.Tensor], in_features: int, bias: torch.Tensor | None = None
     ) -> Int8Linear:
-        return cls(state["q"], state["scale"], bias)
+        lin = cls(state["q"], state["scale"], bias)
+        lin.in_features = in_features  # grouped: q may carry zero columns up to a multiple of G
+        return lin
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -102,7 +149,9 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if self._kernel is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
+        if self.group_size is not None:
+            y = self._tiled_groups(x2)
+        elif self._kernel is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
             y = self._kernel.int8_mm(_rows(x2), self.q, self.scale)
         elif x2.shape[0] > PREFILL_MIN_ROWS:
             y = self._tiled(x2)
@@ -132,17 +181,37 @@ class Int8Linear(Linear):
             torch.mul(part, self._scale_f32[r0:r1], out=out[:, r0:r1])
         return out
 
+    def _tiled_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """Grouped: x [M, in] float32 -> [M, out] over float32 tiles q * scale, TILE_ROWS rows
+        at a time (x padded with zero columns to the stored width)."""
+        width = self.q.shape[1]
+        xp = F.pad(x.float(), (0, width - self.in_features)) if width != self.in_features else x.float()
+        out = torch.empty(x.shape[0], self.out_features)
+        for r0 in range(0, self.out_features, TILE_ROWS):
+            r1 = min(r0 + TILE_ROWS, self.out_features)
+            out[:, r0:r1] = F.linear(xp, self._dequantized(r0, r1))
+        return out
+
+    def _dequantized(self, r0: int, r1: int) -> torch.Tensor:
+        """Grouped: float32 [r1 - r0, in_stored], q * scale."""
+        q = self.q[r0:r1].view(r1 - r0, -1, self.group_size)
+        return (q.float() * self._scale_f32[r0:r1, :, None]).view(r1 - r0, -1)
+
     def dequantize(self) -> torch.Tensor:
+        if self.group_size is not None:
+            return self._dequantized(0, self.out_features)[:, : self.in_features]
         return self.q[:, : self.in_features].float() * self._scale_f32[:, None]
 
     @property
     def kernel(self) -> str:
         """What runs decode: latentkv's kernel and its vector path, or torch's op."""
+        if self.group_size is not None:
+            return "float32 tiles (grouped)"
         return f"latentkv {self._kernel.name}" if self._kernel is not None else "_weight_int8pack_mm"
 
     @property
     def nbytes(self) -> int:
-        n = self.q.numel() + self.scale.numel() * 2
+        n = self.q.numel() + self.scale.numel() * self.scale.element_size()
         return n if self._bias is None else n + self._bias.numel() * 4
 
 

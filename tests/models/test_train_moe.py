@@ -1,0 +1,224 @@
+"""tools/train_moe.py: its fast training forward computes what transformers' GlmMoeDsa modules
+compute (the model it trains is the one latentkv and transformers load), a resumed run continues
+exactly where it stopped, and its data transforms do what they say."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train_moe.py"
+
+
+@pytest.fixture(scope="module")
+def tm():
+    spec = importlib.util.spec_from_file_location("train_moe", TRAIN_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+
+
+def _tiny(tm, **over):
+    a = dict(
+        layers=3,
+        context=256,
+        index_topk=1024,
+        hidden=64,
+        heads=4,
+        dense_inter=96,
+        expert_inter=16,
+        experts=8,
+        top_k=3,
+    )
+    a.update(over)
+    return tm.model_config(300, types.SimpleNamespace(**a))
+
+
+def _build(tm, cfg):
+    config, model, mtp = tm.tf.build(cfg, 0)
+    model.config._experts_implementation = "eager"
+    for g in model.modules():  # a non-zero routing bias, as after balancing
+        if hasattr(g, "e_score_correction_bias"):
+            g.e_score_correction_bias.normal_(0, 0.05)
+    return config, model, mtp
+
+
+def test_fast_forward_matches_transformers(tm):
+    """Logits of the patched stack (SDPA's causal kernel, experts grouped into one batched GEMM,
+    the router outside autocast) against transformers' own modules, float32, on fresh random
+    weights and tokens; the indexer selects every token (context < index_topk)."""
+    _, model, _ = _build(tm, _tiny(tm))
+    ids = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        orig = tm.patch_for_training()
+        try:
+            mm = model.model
+            h = mm.embed_tokens(ids)
+            got = model.lm_head(
+                mm.norm(tm.run_stack(mm.layers, h, mm.rotary_emb(h, torch.arange(100)[None])))
+            )
+        finally:
+            tm.unpatch(orig)
+    # float32 sums in another order; the logits are ~1 in size
+    assert (ref - got).abs().max() < 1e-4
+
+
+def test_grouped_experts_match_the_loop(tm):
+    """The padded batched-GEMM experts against transformers' per-expert loop, float64, with an
+    unbalanced routing (one expert takes most tokens, one none)."""
+    _, model, _ = _build(tm, _tiny(tm))
+    experts = model.model.layers[1].mlp.experts.double()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 64, dtype=torch.float64, generator=g)
+    idx = torch.stack([torch.randperm(7, generator=g)[:3] for _ in range(40)])  # expert 7 unused
+    idx[:30, 0] = 0
+    idx[:30, 1:] = torch.where(idx[:30, 1:] == 0, 5, idx[:30, 1:])
+    w = torch.rand(40, 3, dtype=torch.float64, generator=g)
+    ref = experts(x, idx, w)  # transformers' eager loop (_build chose it)
+    assert torch.allclose(tm.experts_forward(experts, x, idx, w), ref, atol=1e-12)
+
+
+def test_rename_keeps_structure_and_hides_names(tm):
+    text = "def frobnicate(widget):\n    return widget + widget_count\n\nfrobnicate(3)\nwidget = 1\n"
+    out = tm.rename_identifiers(text, random.Random(0), 2)
+    assert out != text
+    # whole words only: renaming `widget` leaves `widget_count` alone; keywords never change
+    assert "widget_count" in out and out.count("def ") == 1 and "return" in out
+    names = set(re.findall(r"\b[a-z]+_[a-z]+\b", out)) - {"widget_count"}
+    for n in names:
+        assert out.count(n) >= 2  # a renamed identifier is renamed at every occurrence
+
+
+def test_resume_continues_exactly(tm, tmp_path, monkeypatch):
+    """Three steps straight and one + two with a restart between end with the same weights."""
+    monkeypatch.setattr(tm, "heldout_eval", lambda *a, **k: {"loss": 1.0, "mtp_loss": 1.0, "recall": {}})
+    text = "\n".join(f"def fn_{i}(value):\n    return value * {i}\n" for i in range(400))
+
+    class Tok:  # bytes as tokens
+        def encode(self, s):
+            return types.SimpleNamespace(ids=list(s.encode()))
+
+        def token_to_id(self, s):
+            return 0
+
+        def get_vocab_size(self):
+            return 300
+
+    def run(work: Path, stop_after: int):
+        args = tm.parse(
+            [
+                "train",
+                "--work",
+                str(work),
+                "--steps",
+                "3",
+                "--tokens-per-step",
+                "128",
+                "--micro-tokens",
+                "64",
+                "--context",
+                "64",
+                "--short-context",
+                "32",
+                "--short-frac",
+                "0.5",
+                "--warmup",
+                "1",
+                "--layers",
+                "2",
+                "--hidden",
+                "32",
+                "--experts",
+                "4",
+                "--top-k",
+                "2",
+                "--expert-inter",
+                "16",
+                "--dense-inter",
+                "32",
+                "--eval-every",
+                "100",
+                "--stop-after",
+                str(stop_after),
+                "--quiet-file",
+                str(work / "QUIET"),
+            ]
+        )
+        work.mkdir(exist_ok=True)
+        last = work / "last.pt"
+        state = torch.load(last, weights_only=False) if last.exists() else tm.new_state(args, Tok())
+        orig = tm.patch_for_training()
+        try:
+            tm.pretrain(state, work, tm.Windows(text, Tok(), args), (None, None), args, lambda m: None)
+        finally:
+            tm.unpatch(orig)
+        return torch.load(last, weights_only=False)
+
+    straight = run(tmp_path / "a", 3)
+    assert run(tmp_path / "b", 1)["step"] == 1
+    resumed = run(tmp_path / "b", 5)
+    assert resumed["step"] == straight["step"] == 3 and resumed["phase"] == "indexer"
+    for k, v in straight["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k
+
+
+def test_planted_use_is_tokenized_as_the_definition(tm):
+    """Version 3 plants the use unindented, as `eval recall` does, so the fixture's byte-level BPE
+    gives the name the same tokens at both places; the old indented use did not (`Ġk` for `k`)."""
+    from latentkv.models.registry import builtin_path
+    from latentkv.tokenizer import Tokenizer
+
+    tok = Tokenizer(builtin_path("fixture"))
+    lines = ["import os\n"] + ["def f(x):\n", "    y = x + 1\n", "    return y\n"] * 4
+    name = "kovu_relami"
+    for indented, same in ((False, True), (True, False)):
+        out = "".join(tm.plant_line(lines, name, random.Random(0), 1, 9, indented))
+        assert out.count(name) == 2
+        ids, offsets = tok.encode_with_offsets(out)
+        at = [
+            next(i for i, (_, end) in enumerate(offsets) if end > c)
+            for c in (out.index(name), out.rindex(name))
+        ]
+        assert (ids[at[0]] == ids[at[1]]) is same, [tok.decode([ids[i]]) for i in at]
+
+
+def test_recipe_changes_are_recorded(tm, tmp_path):
+    """A resume takes the checkpoint's recipe over the flags, adds this version's new settings and
+    the explicit --change ones, and records both with the step and the trainer version."""
+    args = tm.parse(["train", "--work", str(tmp_path), "--repeat-prob", "0.9", "--change", "repeat_prob=1.0"])
+    state = {"step": 40, "args": {"repeat_prob": 0.3, "lr": 1e-3}}
+    tm.apply_changes(state, args, lambda m: None)
+    assert args.repeat_prob == 1.0 and args.lr == 1e-3  # --change wins; the checkpoint beats the flag
+    entry = state["recipe_changes"][-1]
+    assert entry["step"] == 40 and entry["trainer_version"] == tm.TRAINER_VERSION
+    assert entry["changed"] == {"repeat_prob": 1.0} and entry["added"]["long_repeats"] == 3
+    assert state["args"]["repeat_prob"] == 1.0 and "work" not in entry["added"]
+    bad = tm.parse(["train", "--work", str(tmp_path), "--change", "nonsense=1"])
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        tm.apply_changes({"step": 0, "args": {}}, bad, lambda m: None)
+
+
+def test_copy_segments_repeat_earlier_text_token_for_token(tm):
+    """Distinct tokens in: every token out is either the next unread input token or part of a
+    repeat of an earlier stretch of the window; about a third are repeats, from near and far."""
+    ids = list(range(100_000))
+    out = tm.copy_segments(ids, random.Random(0), 4096)
+    assert len(out) == 4096
+    fresh, seen, repeats, distances = 0, set(), 0, []
+    for pos, t in enumerate(out):
+        if t == fresh:
+            fresh += 1
+        else:
+            assert t in seen and t < fresh  # a repeat of what came before
+            repeats += 1
+            distances.append(pos - out.index(t))
+        seen.add(t)
+    assert 0.2 < repeats / len(out) < 0.5
+    assert min(distances) < 512 and max(distances) > 2048

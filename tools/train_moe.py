@@ -1,0 +1,937 @@
+"""Train `builtin:stdlib-moe`: a GLM-5 (`glm_moe_dsa`) mixture-of-experts model of the Python standard
+library that routes like a trained MoE (64 experts, top-8, shared expert, auxiliary-loss-free
+balancing) and uses its context to 4096 tokens.
+
+Why: the expert-streaming, MTP and KV-tier numbers need a model whose routing is learned (skewed,
+hard to predict one layer ahead) and whose predictions depend on far context. builtin:fixture
+(tools/train_fixture.py) is too small for either: 8 experts top-2, context 1024.
+
+    nice -n 19 .venv/bin/python tools/train_moe.py train --work ~/.cache/latentkv/train-moe &
+    .venv/bin/python tools/train_moe.py export --work ~/.cache/latentkv/train-moe \\
+        --out src/latentkv/builtin/stdlib-moe
+
+`train` is resumable: it checkpoints to WORK every few minutes and a restart with the same WORK
+continues where it stopped (the data stream, the schedule and the optimizer included). It pauses,
+sleeping, while the file /work/QUIET (`--quiet-file`) exists, so timed benchmarks on a shared
+machine are not disturbed. Every step's losses go to WORK/history.jsonl; the held-out evaluation
+(loss at 4096 tokens, planted-identifier recall) to WORK/evals.jsonl, and the checkpoint with the
+best held-out loss is kept as WORK/best.pt, so a run cut short still leaves a usable model.
+
+Corpus, split and tokenizer are builtin:fixture's (its tokenizer.json is reused, so perplexities
+compare token for token): the stdlib's `*.py` files minus the test suites, 5% held out by path hash.
+
+The long-context objective is in the data, not the loss: in each training window a few identifiers
+that recur across it are renamed to fresh random names (`kovu_relami`), and some windows get a
+planted definition near the start that is used again near the end. A renamed name cannot be guessed,
+only copied from earlier in the window, so predicting its later occurrences takes attention across
+the window, up to the full 4096 tokens.
+
+Phases (the checkpoint records which one it is in):
+1. pretraining, bf16 autocast (AMX) with float32 master weights, AdamW, warmup + cosine; a length
+   curriculum (1024-token windows first, 4096 later); next token + 0.3 x MTP (token after next);
+   the DSA indexer is bypassed (every earlier token attends, as DSA does while the context fits
+   index_topk);
+2. the DSA indexer distilled from the frozen model's attention (KL of head-summed attention to the
+   softmax of the index scores), as DeepSeek-V3.2 warmed its indexer up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_fixture as tf  # noqa: E402  (the corpus split, MTP layer, balancer and saver are shared)
+
+from latentkv.eval.recall import DISTANCES, planted_cases, random_name, score  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "src" / "latentkv" / "builtin" / "fixture"
+EOT = tf.EOT
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+def model_config(vocab_size: int, args) -> dict:
+    n = args.layers
+    cfg = tf.model_config(vocab_size, args.context, args.index_topk)
+    cfg.update(
+        {
+            "hidden_size": args.hidden,
+            "num_hidden_layers": n,
+            "num_attention_heads": args.heads,
+            "num_key_value_heads": args.heads,
+            "intermediate_size": args.dense_inter,
+            "moe_intermediate_size": args.expert_inter,
+            "n_routed_experts": args.experts,
+            "num_experts_per_tok": args.top_k,
+            "n_shared_experts": 1,
+            "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1),
+            "layer_types": ["deepseek_sparse_attention"] * n,
+            "indexer_types": ["full"] * n,
+        }
+    )
+    return cfg
+
+
+# --- data ------------------------------------------------------------------------------------
+
+KEYWORDS = set(__import__("keyword").kwlist + __import__("keyword").softkwlist + dir(__import__("builtins")))
+CONVENTIONS = {"self", "cls"}  # not names a window defines: renaming them would teach that Python has none
+IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+
+
+def rename_identifiers(text: str, rng: random.Random, n: int) -> str:
+    """Rename up to n identifiers that occur at least twice, preferring the ones whose first and last
+    occurrences are furthest apart, to fresh random names (whole words only)."""
+    spans: dict[str, list[int]] = {}
+    for m in IDENT.finditer(text):
+        w = m.group()
+        if len(w) < 3 or w in KEYWORDS or w in CONVENTIONS or w.startswith("__"):
+            continue
+        s = spans.setdefault(w, [m.start(), m.start(), 0])
+        s[1], s[2] = m.start(), s[2] + 1
+    candidates = [(s[1] - s[0], w) for w, s in spans.items() if s[2] >= 2]
+    if not candidates:
+        return text
+    candidates.sort(reverse=True)
+    pool = [w for _, w in candidates[: max(4 * n, 8)]]
+    chosen = rng.sample(pool, min(n, len(pool)))
+    mapping = {w: random_name(rng) for w in chosen}
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, chosen)) + r")\b")
+    return pattern.sub(lambda m: mapping[m.group()], text)
+
+
+def plant_line(
+    lines: list[str], name: str, rng: random.Random, def_at: int, use_at: int, indented: bool = False
+) -> list[str]:
+    """Insert `name = <int>` as line def_at and a bare use of it at use_at: unindented, as
+    `latentkv eval recall` plants it (so the use is tokenized as the definition is), or indented like
+    its neighbour (trainer versions before 3; the indent's last space then joins the name's first
+    token, `Ġk` for `k`)."""
+    value = rng.randint(0, 999)
+    nxt = lines[use_at] if use_at < len(lines) else ""
+    indent = nxt[: len(nxt) - len(nxt.lstrip(" "))] if indented else ""
+    out = lines[:use_at] + [f"{indent}{name}\n"] + lines[use_at:]
+    return out[:def_at] + [f"{name} = {value}\n"] + out[def_at:]
+
+
+def repeat_block(lines: list[str], rng: random.Random) -> list[str]:
+    """Copy a block of 8-40 consecutive lines from the first third to a line boundary in the
+    second half (code repeats itself; after renaming, only the earlier copy tells the later one's
+    names)."""
+    n = rng.randint(8, 40)
+    src = rng.randrange(0, max(1, len(lines) // 3 - n))
+    dst = rng.randrange(len(lines) // 2, max(len(lines) // 2 + 1, (3 * len(lines)) // 4))
+    return lines[:dst] + lines[src : src + n] + lines[dst:]
+
+
+def copy_segments(ids: list[int], rng: random.Random, context: int, repeat: float = 0.5) -> list[int]:
+    """A window of segments of 32-512 tokens taken in order from `ids`, each followed, with
+    probability `repeat`, by a repeat of an earlier segment (any earlier one, so the copy distance
+    ranges over the whole window): at 0.5 about a third of the tokens are exact copies, predictable
+    only by finding the earlier occurrence and reading on (what an induction head does)."""
+    out: list[int] = []
+    segments: list[list[int]] = []
+    i = 0
+    while len(out) < context and i < len(ids):
+        seg = ids[i : i + rng.randint(32, 512)]
+        i += len(seg)
+        out += seg
+        segments.append(seg)
+        if rng.random() < repeat:
+            out += segments[rng.randrange(len(segments))]
+    return out[:context]
+
+
+class Windows:
+    """Training windows of `context` tokens from the training text, renamed and planted, seeded by
+    (seed, step) so a resumed run draws exactly the batches it would have drawn."""
+
+    def __init__(self, text: str, tok, args):
+        self.text, self.tok, self.args = text, tok, args
+
+    def window(self, rng: random.Random, context: int) -> list[int]:
+        a = self.args
+        long = context > a.short_context  # the long phase copies more (see the module docstring)
+        chars = int(context * 4.2)  # the tokenizer averages ~3.5 characters per token here
+        start = rng.randrange(0, len(self.text) - chars)
+        start = self.text.find("\n", start) + 1  # whole lines
+        chunk = self.text[start : start + chars]
+        if rng.random() < (a.long_rename_prob if long else a.rename_prob):
+            chunk = rename_identifiers(chunk, rng, a.long_renames if long else a.renames)
+        lines = chunk.splitlines(keepends=True)
+        if long and rng.random() < a.repeat_prob and len(lines) > 60:
+            for _ in range(a.long_repeats):
+                lines = repeat_block(lines, rng)
+        if rng.random() < (a.long_plant_prob if long else a.plant_prob) and len(lines) > 20:
+            def_at = rng.randrange(0, max(1, len(lines) // 10))
+            use_at = rng.randrange(len(lines) // 2, len(lines) - 5)
+            lines = plant_line(lines, random_name(rng), rng, def_at, use_at, a.plant_use == "indented")
+        ids = self.tok.encode("".join(lines)).ids
+        if long and rng.random() < a.copy_prob:
+            ids = copy_segments(ids, rng, context, a.copy_repeat_prob)
+        while len(ids) < context:  # rare: a chunk of very long tokens; pad with more text
+            ids += [self.tok.token_to_id(EOT)] + self.tok.encode(
+                self.text[start + chars : start + 2 * chars]
+            ).ids
+            start += chars
+        return ids[:context]
+
+    def batch(self, step: int, batch: int, context: int) -> torch.Tensor:
+        rng = random.Random(self.args.seed * 1_000_003 + step)
+        return torch.tensor([self.window(rng, context) for _ in range(batch)], dtype=torch.long)
+
+
+def training_text(seed: int) -> tuple[str, list[str], list[str]]:
+    """(training text: its files joined by EOT lines in a seeded order, held-out texts, training texts)."""
+    root = Path(tf.sysconfig.get_paths()["stdlib"])
+    train_files, heldout_files = tf.corpus_files(root)
+    train_texts, heldout_texts = tf.read_texts(train_files), tf.read_texts(heldout_files)
+    order = list(range(len(train_texts)))
+    random.Random(seed).shuffle(order)
+    return f"\n{EOT}\n".join(train_texts[i] for i in order), heldout_texts, train_texts
+
+
+def token_counts(tok, texts: list[str]) -> list[int]:
+    """Training-split token counts (the unigram baseline of `latentkv eval ppl`)."""
+    ids = [t for s in texts for t in tok.encode(s).ids] + [tok.token_to_id(EOT)]
+    return torch.bincount(torch.tensor(ids), minlength=tok.get_vocab_size()).tolist()
+
+
+# --- fast training forward ---------------------------------------------------------------------
+# The same math as transformers' GlmMoeDsa modules (checked by `check`): attention through SDPA's
+# causal kernel instead of a dense [S, S] mask (the indexer is bypassed), experts on tokens sorted by
+# expert instead of a one-hot mask, the router in float32 outside autocast.
+
+
+def attention_forward(self, hidden_states, position_embeddings, **_):
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+    B, S, _ = hidden_states.shape
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)  # [B, H, S, Dq]
+    q_pass, q_rot = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = self.kv_a_proj_with_mqa(hidden_states).split(
+        [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+    )
+    k_pass = self.kv_a_layernorm(kv_pass).view(B, 1, S, self.kv_lora_rank)
+    k_rot = k_rot.view(B, 1, S, self.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    kv = self.kv_b_proj(k_pass).view(B, S, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
+    k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, S, *]
+    q = torch.cat([q_pass, q_rot], dim=-1)
+    k = torch.cat([k_nope, k_rot.to(k_nope.dtype).expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+    o = F.scaled_dot_product_attention(q, k, v.to(q.dtype), is_causal=True, scale=self.scaling)
+    return self.o_proj(o.transpose(1, 2).reshape(B, S, -1)), None, None
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """[T, D] tokens, [T, k] experts and weights -> [T, D]. Tokens are grouped by expert into a
+    [E, C, D] block padded to the busiest expert's count C, so each projection is one batched GEMM
+    (a loop of small per-expert GEMMs costs ~10x more on CPU); padding rows carry weight 0."""
+    T, k = top_k_index.shape
+    E = self.num_experts
+    flat = top_k_index.flatten()
+    order = flat.argsort(stable=True)  # assignments grouped by expert
+    counts = torch.bincount(flat, minlength=E)
+    C = int(counts.max())
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(T * k) - starts.repeat_interleave(counts)  # rank within its expert
+    dest = flat[order] * C + slot  # row in the [E * C] block
+    token = torch.full((E * C,), T, dtype=torch.long)  # T: the zero padding row
+    token[dest] = order // k
+    weight = torch.zeros(E * C, dtype=top_k_weights.dtype)
+    weight[dest] = top_k_weights.flatten()[order]
+    x = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])[token]
+    x = x.view(E, C, -1)  # [E, C, D]
+    gate, up = torch.bmm(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, I] each
+    y = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2)).view(E * C, -1)
+    y = y * weight[:, None].to(y.dtype)
+    out = torch.zeros(T + 1, y.shape[1], dtype=y.dtype).index_add_(0, token, y)
+    return out[:T].to(hidden_states.dtype)
+
+
+def router_forward(self, hidden_states, _orig=None):
+    with torch.autocast("cpu", enabled=False):
+        return _orig(self, hidden_states.float())
+
+
+def patch_for_training() -> dict:
+    """Swap in the fast forwards; returns the originals (for `unpatch`)."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    orig = {
+        "attn": m.GlmMoeDsaAttention.forward,
+        "experts": m.GlmMoeDsaExperts.forward,
+        "router": m.GlmMoeDsaTopkRouter.forward,
+    }
+    m.GlmMoeDsaAttention.forward = attention_forward
+    m.GlmMoeDsaExperts.forward = experts_forward
+    m.GlmMoeDsaTopkRouter.forward = lambda self, h: router_forward(self, h, _orig=orig["router"])
+    return orig
+
+
+def unpatch(orig: dict) -> None:
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    m.GlmMoeDsaAttention.forward = orig["attn"]
+    m.GlmMoeDsaExperts.forward = orig["experts"]
+    m.GlmMoeDsaTopkRouter.forward = orig["router"]
+
+
+def run_stack(layers, h: torch.Tensor, pe) -> torch.Tensor:
+    for layer in layers:
+        h, _ = layer(h, attention_mask=None, position_embeddings=pe)
+    return h
+
+
+def forward_losses(model, mtp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S] -> (next-token loss, MTP loss), with the patched (fast) modules."""
+    mm = model.model
+    pos = torch.arange(x.shape[1])[None]
+    h = mm.embed_tokens(x)
+    pe = mm.rotary_emb(h, pos)
+    h = mm.norm(run_stack(mm.layers, h, pe))  # [B, S, D]
+    main = head_loss(model.lm_head, h[:, :-1], x[:, 1:])
+    e = mm.embed_tokens(x[:, 1:])
+    m = mtp.eh_proj(torch.cat([mtp.enorm(e), mtp.hnorm(h[:, :-1])], dim=-1))  # [B, S-1, D]
+    m = run_stack([mtp.block], m, mm.rotary_emb(m, pos[:, :-1]))
+    return main, head_loss(model.lm_head, mtp.head_norm(m[:, :-1]), x[:, 2:])  # predicts x[i+2]
+
+
+def head_loss(head, h: torch.Tensor, target: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Mean cross-entropy of head(h) [B, S, V] against target [B, S], 1024 positions at a time so
+    no [B, S, V] logits tensor is ever whole."""
+    h, target = h.flatten(0, 1), target.flatten()
+    total = sum(
+        F.cross_entropy(head(h[i : i + chunk]).float(), target[i : i + chunk], reduction="sum")
+        for i in range(0, h.shape[0], chunk)
+    )
+    return total / h.shape[0]
+
+
+# --- evaluation --------------------------------------------------------------------------------
+
+
+def fast_logits(model):
+    def fn(ids: torch.Tensor) -> torch.Tensor:
+        mm = model.model
+        h = mm.embed_tokens(ids)
+        pe = mm.rotary_emb(h, torch.arange(ids.shape[1])[None])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = mm.norm(run_stack(mm.layers, h, pe))
+            return model.lm_head(h).float()
+
+    return fn
+
+
+def copy_losses(logits_of, segments: torch.Tensor) -> tuple[float, float]:
+    """Mean next-token loss on the first and on the second copy of each held-out segment [N, L]
+    repeated once. A model that copies from context (an induction head) predicts the second copy
+    far better than the first; one that does not, no better. Recall of a planted name needs this."""
+    first, second = [], []
+    L = segments.shape[1]
+    for seg in segments:
+        ids = torch.cat([seg, seg])[None]
+        nll = F.cross_entropy(logits_of(ids)[0, :-1], ids[0, 1:], reduction="none")
+        first.append(nll[: L - 1].mean().item())
+        second.append(nll[L:].mean().item())
+    return sum(first) / len(first), sum(second) / len(second)
+
+
+@torch.no_grad()
+def heldout_eval(
+    model, mtp, eval_ids: torch.Tensor, cases: list, segments: torch.Tensor | None = None
+) -> dict:
+    """Held-out next-token and MTP loss on fixed windows, planted-identifier recall, and the
+    loss on a repeated segment's first and second copy."""
+    model.eval()
+    mains, extras = [], []
+    for x in eval_ids.split(1):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a, b = forward_losses(model, mtp, x)
+        mains.append(a.item())
+        extras.append(b.item())
+    logits_of = fast_logits(model)
+    recall = {
+        d: hits / n
+        for d, (hits, n) in score(lambda ids: logits_of(torch.tensor(ids)[None])[0], cases).items()
+    }
+    out = {"loss": sum(mains) / len(mains), "mtp_loss": sum(extras) / len(extras), "recall": recall}
+    if segments is not None:
+        out["copy_first"], out["copy_second"] = copy_losses(logits_of, segments)
+    model.train()
+    return out
+
+
+def eval_windows(heldout: str, tok, n: int, context: int) -> torch.Tensor:
+    ids = tok.encode(heldout).ids
+    step = (len(ids) - context) // n
+    return torch.tensor([ids[i * step : i * step + context] for i in range(n)], dtype=torch.long)
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop rows past the checkpoint's step: a resumed run redoes them."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+        path.write_text("".join(r + "\n" for r in rows))
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def wait_quiet(quiet: Path, log) -> float:
+    """Sleep while the quiet file exists (a timed benchmark is running); returns seconds slept."""
+    if not quiet.exists():
+        return 0.0
+    t0 = time.time()
+    log(f"paused: {quiet} exists")
+    while quiet.exists():
+        time.sleep(5)
+    log(f"resumed after {time.time() - t0:.0f} s")
+    return time.time() - t0
+
+
+# --- pretraining -------------------------------------------------------------------------------
+
+
+def schedule(step: int, args) -> tuple[float, int, int]:
+    """(learning rate, batch, context) at a step: warmup + cosine to 10%; short windows first."""
+    if step < args.warmup:
+        lr = args.lr * (step + 1) / args.warmup
+    else:
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        lr = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    long = step >= int(args.short_frac * args.steps)
+    context = args.context if long else args.short_context
+    return lr, args.tokens_per_step // context, context
+
+
+def build_optimizer(model, mtp, args):
+    params = list(model.parameters()) + list(mtp.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    return params, opt
+
+
+def train_step(model, mtp, opt, params, balancer, x: torch.Tensor, lr: float, args) -> dict:
+    """One optimizer step over x [B, S], in micro-batches of about args.micro_tokens tokens (small
+    tensors stay in the allocator's heap instead of fresh page-faulted mappings)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    per = max(1, args.micro_tokens // x.shape[1])
+    mains, extras = [], []
+    for xs in x.split(per):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            main, extra = forward_losses(model, mtp, xs)
+        share = xs.shape[0] / x.shape[0]
+        ((main + args.mtp_weight * extra) * share).backward()
+        mains.append(main.item() * share)
+        extras.append(extra.item() * share)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return {
+        "loss": sum(mains),
+        "mtp_loss": sum(extras),
+        "max_load_ratio": balancer.step(),
+        "grad_norm": float(grad_norm),
+        "lr": lr,
+        "context": x.shape[1],
+    }
+
+
+def keep_heap() -> None:
+    """glibc hands every allocation over 128 KB back to the kernel when freed, so each step's
+    activations are page-faulted in again (2-3x slower elementwise ops here); keep them."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: its maximum, 32 MiB
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: give back what a step no longer needs past 1 GiB
+    libc.mallopt(-2, 64 << 20)  # M_TOP_PAD
+
+
+def load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def new_state(args, tok) -> dict:
+    cfg = model_config(tok.get_vocab_size(), args)
+    config, model, mtp = tf.build(cfg, args.seed)
+    _, opt = build_optimizer(model, mtp, args)
+    return {
+        "phase": "pretrain",
+        "step": 0,
+        "indexer_step": 0,
+        "config": cfg,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "change"},
+        "trainer_version": TRAINER_VERSION,
+        "model": model.state_dict(),
+        "mtp": mtp.state_dict(),
+        "opt": opt.state_dict(),
+        "best": None,
+        "compute_seconds": 0.0,
+        "paused_seconds": 0.0,
+    }
+
+
+def restore(state: dict):
+    """(config, model, mtp) with the checkpoint's weights, float32."""
+    config, model, mtp = tf.build(state["config"], 0)
+    model.load_state_dict(state["model"])
+    mtp.load_state_dict(state["mtp"])
+    return config, model, mtp
+
+
+def pretrain(state: dict, work: Path, windows: Windows, evals: tuple, args, log) -> None:
+    config, model, mtp = restore(state)
+    params, opt = build_optimizer(model, mtp, args)
+    opt.load_state_dict(state["opt"])
+    balancer = tf.Balancer([model, mtp], args.balance_rate)
+    model.train()
+    last_save = time.time()
+    stop = args.steps if args.stop_after is None else min(args.steps, state["step"] + args.stop_after)
+    while state["step"] < stop:
+        state["paused_seconds"] += wait_quiet(args.quiet_file, log)
+        step = state["step"]
+        lr, batch, context = schedule(step, args)
+        t0, c0 = time.time(), time.process_time()
+        row = {
+            "step": step + 1,
+            **train_step(model, mtp, opt, params, balancer, windows.batch(step, batch, context), lr, args),
+        }
+        row["seconds"] = round(time.time() - t0, 2)
+        row["cpu_seconds"] = round(time.process_time() - c0, 2)
+        state["compute_seconds"] += row["cpu_seconds"]
+        state["step"] = step + 1
+        append_jsonl(work / "history.jsonl", row)
+        if (step + 1) % args.log_every == 0 or step == 0:
+            log(
+                f"step {step + 1}/{args.steps} ctx {context}  loss {row['loss']:.3f}  mtp {row['mtp_loss']:.3f}  "
+                f"load max/mean {row['max_load_ratio']:.2f}  {row['seconds']:.1f} s/step"
+            )
+        done = state["step"] == args.steps
+        if (step + 1) % args.eval_every == 0 or done:
+            state["paused_seconds"] += wait_quiet(args.quiet_file, log)
+            ev = {"step": step + 1, **heldout_eval(model, mtp, *evals)}
+            copy = f" copy {ev['copy_first']:.2f}->{ev['copy_second']:.2f}" if "copy_first" in ev else ""
+            log(
+                f"eval step {step + 1}: loss {ev['loss']:.3f} mtp {ev['mtp_loss']:.3f}{copy} recall {ev['recall']}"
+            )
+            append_jsonl(work / "evals.jsonl", ev)
+            snapshot(state, model, mtp, opt)
+            if state["best"] is None or ev["loss"] < state["best"]["loss"]:
+                state["best"] = ev
+                save_checkpoint(work / "best.pt", state)
+            save_checkpoint(work / "last.pt", state)
+            last_save = time.time()
+        elif time.time() - last_save > args.save_minutes * 60:
+            snapshot(state, model, mtp, opt)
+            save_checkpoint(work / "last.pt", state)
+            last_save = time.time()
+    if state["step"] == args.steps:
+        state["phase"] = "indexer"
+    snapshot(state, model, mtp, opt)
+    save_checkpoint(work / "last.pt", state)
+
+
+def snapshot(state: dict, model, mtp, opt) -> None:
+    state["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["mtp"] = {k: v.detach().clone() for k, v in mtp.state_dict().items()}
+    state["opt"] = opt.state_dict()
+
+
+# --- DSA indexer distillation ------------------------------------------------------------------
+
+
+def attention_inputs(model, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (normed hidden state, q_resid) its attention sees, float32, no gradients."""
+    captured = []
+
+    def hook(module, args, kwargs):
+        captured.append(kwargs["hidden_states"].float())
+
+    handles = [
+        layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers
+    ]
+    with torch.no_grad():
+        mm = model.model
+        h = mm.embed_tokens(x)
+        pe = mm.rotary_emb(h, torch.arange(x.shape[1])[None])
+        run_stack(mm.layers, h, pe)
+    for handle in handles:
+        handle.remove()
+    out = []
+    for layer, hs in zip(model.model.layers, captured, strict=True):
+        with torch.no_grad():
+            out.append((hs, layer.self_attn.q_a_layernorm(layer.self_attn.q_a_proj(hs))))
+    return out
+
+
+def head_summed_attention(attn, hs: torch.Tensor, pe, rows: slice) -> torch.Tensor:
+    """[B, rows, S] attention probabilities of queries `rows`, summed over heads and normalised."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+    B, S, _ = hs.shape
+    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hs))).view(B, S, -1, attn.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = q.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = attn.kv_a_proj_with_mqa(hs).split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    k_pass = attn.kv_a_layernorm(kv_pass).view(B, 1, S, attn.kv_lora_rank)
+    cos, sin = pe
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(B, 1, S, -1), cos, sin)
+    k_nope = attn.kv_b_proj(k_pass).view(B, S, -1, attn.qk_nope_head_dim + attn.v_head_dim).transpose(1, 2)
+    k = torch.cat([k_nope[..., : attn.qk_nope_head_dim], k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+    q = torch.cat([q_pass, q_rot], dim=-1)[:, :, rows]
+    scores = (q @ k.transpose(-1, -2)) * attn.scaling  # [B, H, R, S]
+    causal = torch.arange(S)[None] <= torch.arange(S)[rows][:, None]
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(1)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def index_scores(idx, hs: torch.Tensor, q_resid: torch.Tensor, pe, rows: slice) -> torch.Tensor:
+    """The indexer's scores [B, rows, S] with gradients (GlmMoeDsaIndexer.forward's math; its own
+    forward runs under no_grad)."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+    B, S, _ = hs.shape
+    cos, sin = pe
+    q = idx.wq_b(q_resid[:, rows]).view(B, -1, idx.n_heads, idx.head_dim)  # [B, R, Hi, Di]
+    q_rot, q_pass = q.split([idx.qk_rope_head_dim, idx.head_dim - idx.qk_rope_head_dim], dim=-1)
+    k = idx.k_norm(idx.wk(hs)).unsqueeze(2)  # [B, S, 1, Di]
+    k_rot, k_pass = k.split([idx.qk_rope_head_dim, idx.head_dim - idx.qk_rope_head_dim], dim=-1)
+    q_rot, _ = apply_rotary_pos_emb_interleave(q_rot, q_rot, cos[:, rows], sin[:, rows], unsqueeze_dim=2)
+    _, k_rot = apply_rotary_pos_emb_interleave(k_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)  # [B, S, Di]
+    scores = F.relu(torch.einsum("brhd,bsd->brhs", q, k) * idx.softmax_scale)
+    weights = idx.weights_proj(hs[:, rows]) * idx.n_heads**-0.5  # [B, R, Hi]
+    return torch.einsum("brh,brhs->brs", weights, scores)
+
+
+def distill_indexer(state: dict, work: Path, windows: Windows, args, log) -> None:
+    """Train every layer's indexer to match its layer's head-summed attention, the rest frozen,
+    in query chunks so memory stays bounded at 4096 tokens."""
+    config, model, mtp = restore(state)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = [p for layer in model.model.layers for p in layer.self_attn.indexer.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=args.indexer_lr, weight_decay=0.0)
+    if "indexer_opt" in state:
+        opt.load_state_dict(state["indexer_opt"])
+    chunk = 512
+    while state["indexer_step"] < args.indexer_steps:
+        state["paused_seconds"] += wait_quiet(args.quiet_file, log)
+        t0, c0 = time.time(), time.process_time()
+        step = state["indexer_step"]
+        x = windows.batch(10_000_000 + step, 1, args.context)
+        inputs = attention_inputs(model, x)
+        pe = model.model.rotary_emb(inputs[0][0], torch.arange(x.shape[1])[None])
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        S = x.shape[1]
+        for layer, (hs, q_resid) in zip(model.model.layers, inputs, strict=True):
+            for r0 in range(0, S, chunk):
+                rows = slice(r0, min(S, r0 + chunk))
+                with torch.no_grad():
+                    target = head_summed_attention(layer.self_attn, hs, pe, rows)
+                scores = index_scores(layer.self_attn.indexer, hs, q_resid, pe, rows)
+                causal = torch.arange(S)[None] <= torch.arange(S)[rows][:, None]
+                logp = torch.log_softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+                kl = (target * (target.clamp_min(1e-12).log() - logp.masked_fill(~causal, 0))).sum(-1)
+                loss = kl.sum() / (S * len(inputs))
+                loss.backward()
+                total += loss.item()
+        opt.step()
+        state["indexer_step"] = step + 1
+        state["compute_seconds"] += time.process_time() - c0
+        append_jsonl(
+            work / "indexer_history.jsonl",
+            {"step": step + 1, "indexer_kl": total, "seconds": round(time.time() - t0, 2)},
+        )
+        log(f"indexer step {step + 1}/{args.indexer_steps}: KL {total:.4f}")
+        state["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        state["indexer_opt"] = opt.state_dict()
+        save_checkpoint(work / "last.pt", state)
+    state["phase"] = "done"
+    save_checkpoint(work / "last.pt", state)
+
+
+# --- export ------------------------------------------------------------------------------------
+
+
+def export(state: dict, out: Path, tok, heldout: list[str], counts: list[int], work: Path, args) -> None:
+    """The checkpoint -> a model folder (bf16 safetensors, config, tokenizer, held-out text, unigram
+    counts, training log), the layout builtin:fixture has."""
+    cfg = dict(state["config"])
+    if args.index_topk:
+        cfg["index_topk"] = args.index_topk
+    _, model, mtp = restore(state)
+    history = [json.loads(line) for line in (work / "history.jsonl").read_text().splitlines()]
+    evals_path = work / "evals.jsonl"
+    evals = [json.loads(line) for line in evals_path.read_text().splitlines()] if evals_path.exists() else []
+    indexer_path = work / "indexer_history.jsonl"
+    indexer = (
+        [json.loads(line) for line in indexer_path.read_text().splitlines()] if indexer_path.exists() else []
+    )
+    meta = {
+        "command": "tools/train_moe.py train "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in state["args"].items()),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": tf._version("transformers"),
+        "threads": state["args"].get("threads"),
+        "steps": state["step"],
+        "indexer_steps": state["indexer_step"],
+        "phase": state["phase"],
+        "compute_seconds": round(state["compute_seconds"], 1),
+        "paused_seconds": round(state["paused_seconds"], 1),
+        "tokens_seen": sum(
+            r["context"] * (state["args"]["tokens_per_step"] // r["context"])
+            for r in history[: state["step"]]
+        ),
+        "parameters": sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in mtp.parameters()),
+        "best_eval": state["best"],
+        "recipe_changes": state.get("recipe_changes", []),
+        "args": state["args"],
+        "history": history[: state["step"]],
+        "evals": evals,
+        "indexer_history": indexer,
+    }
+    tf.save(out, model, mtp, cfg, tok, heldout, counts, meta)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def parse(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train (or resume) into WORK")
+    t.add_argument(
+        "--work", type=Path, required=True, help="checkpoints and logs (resumes from WORK/last.pt)"
+    )
+    t.add_argument("--steps", type=int, default=600, help="optimizer steps (default: 600)")
+    t.add_argument("--tokens-per-step", type=int, default=8192, help="tokens per step (default: 8192)")
+    t.add_argument(
+        "--micro-tokens", type=int, default=4096, help="tokens per forward/backward (default: 4096)"
+    )
+    t.add_argument("--context", type=int, default=4096, help="long windows = max_position_embeddings")
+    t.add_argument(
+        "--short-context", type=int, default=1024, help="windows of the first part (default: 1024)"
+    )
+    t.add_argument("--short-frac", type=float, default=0.5, help="share of steps on short windows")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: 2e-3)")
+    t.add_argument("--warmup", type=int, default=60)
+    t.add_argument("--mtp-weight", type=float, default=0.3, help="weight of the MTP loss (DeepSeek-V3: 0.3)")
+    t.add_argument("--balance-rate", type=float, default=1e-2, help="router bias update per step")
+    t.add_argument("--rename-prob", type=float, default=0.8, help="share of windows with renamed identifiers")
+    t.add_argument("--renames", type=int, default=3, help="identifiers renamed per window")
+    t.add_argument("--plant-prob", type=float, default=0.3, help="share of windows with a planted name")
+    t.add_argument("--long-rename-prob", type=float, default=1.0, help="--rename-prob of the long windows")
+    t.add_argument("--long-renames", type=int, default=12, help="--renames of the long windows")
+    t.add_argument("--long-plant-prob", type=float, default=0.5, help="--plant-prob of the long windows")
+    t.add_argument(
+        "--repeat-prob", type=float, default=0.3, help="share of long windows with blocks of lines repeated"
+    )
+    t.add_argument(
+        "--long-repeats",
+        type=int,
+        default=3,
+        help="blocks of 8-40 lines repeated in such a window (default: 3)",
+    )
+    t.add_argument(
+        "--copy-prob",
+        type=float,
+        default=0.5,
+        help="share of long windows made of segments repeated token for token (default: 0.5)",
+    )
+    t.add_argument(
+        "--copy-repeat-prob",
+        type=float,
+        default=0.5,
+        help="in those windows, the chance that a segment is followed by a repeat (default: 0.5)",
+    )
+    t.add_argument(
+        "--plant-use",
+        choices=["top-level", "indented"],
+        default="top-level",
+        help="where a planted name is used: unindented, as `eval recall` plants it (default), or indented",
+    )
+    t.add_argument("--layers", type=int, default=6, help="decoder layers: 1 dense, the rest MoE (default: 6)")
+    t.add_argument("--hidden", type=int, default=256)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--dense-inter", type=int, default=768, help="layer 0's SwiGLU width")
+    t.add_argument("--experts", type=int, default=64)
+    t.add_argument("--top-k", type=int, default=8)
+    t.add_argument(
+        "--expert-inter", type=int, default=64, help="each expert's SwiGLU width (the shared one's too)"
+    )
+    t.add_argument(
+        "--index-topk", type=int, default=1024, help="DSA index_topk in the config (default: 1024)"
+    )
+    t.add_argument(
+        "--indexer-steps", type=int, default=60, help="indexer distillation steps after pretraining"
+    )
+    t.add_argument("--indexer-lr", type=float, default=1e-3)
+    t.add_argument("--eval-every", type=int, default=50)
+    t.add_argument("--eval-per-distance", type=int, default=8, help="planted-identifier cases per distance")
+    t.add_argument("--save-minutes", type=float, default=10)
+    t.add_argument(
+        "--stop-after", type=int, default=None, help="stop (checkpointed) after this many steps of this run"
+    )
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument(
+        "--change",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="on resume, change a recipe setting from this step on (recorded in the checkpoint's recipe)",
+    )
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default: 1: on a shared 2-core machine a second thread waits at every op "
+        "for a core the other jobs hold, 3-7x slower per step)",
+    )
+    t.add_argument(
+        "--quiet-file", type=Path, default=Path("/work/QUIET"), help="pause while this file exists"
+    )
+    e = sub.add_parser("export", help="write a model folder from WORK's checkpoint")
+    e.add_argument("--work", type=Path, required=True)
+    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--checkpoint", default="last", choices=["last", "best"])
+    e.add_argument("--index-topk", type=int, default=None, help="override index_topk in the config")
+    return p.parse_args(argv)
+
+
+OPERATIONAL = {
+    "work",
+    "threads",
+    "quiet_file",
+    "save_minutes",
+    "log_every",
+    "eval_every",
+    "stop_after",
+    "change",
+    "cmd",
+}
+TRAINER_VERSION = 4  # recorded with every recipe change
+# 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
+# (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5)
+
+
+def apply_changes(state: dict, args, log) -> None:
+    """Resume with the checkpoint's recipe, plus the settings this trainer version introduced (at
+    their defaults) and the explicit --change KEY=VALUE ones, recorded from the current step."""
+    for k, v in state["args"].items():  # the run's recipe is the checkpoint's, not the flags'
+        if k not in OPERATIONAL:
+            setattr(args, k, v)
+    added = {k: v for k, v in vars(args).items() if k not in state["args"] and k not in OPERATIONAL}
+    changed = {}
+    for item in args.change:
+        key, sep, value = item.partition("=")
+        key = key.replace("-", "_")
+        if not sep or key in OPERATIONAL or not hasattr(args, key):
+            raise SystemExit(f"--change {item}: expected KEY=VALUE with KEY a recipe setting")
+        old = getattr(args, key)
+        new = type(old)(value) if old is not None else value
+        setattr(args, key, new)
+        changed[key] = new
+    if added or changed:
+        state["args"].update(
+            {k: (str(v) if isinstance(v, Path) else v) for k, v in {**added, **changed}.items()}
+        )
+        entry = {
+            "step": state["step"],
+            "trainer_version": TRAINER_VERSION,
+            "added": added,
+            "changed": changed,
+        }
+        state.setdefault("recipe_changes", []).append(entry)
+        log(
+            f"recipe from step {state['step']} (trainer version {TRAINER_VERSION}): added {added} changed {changed}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    tok = load_tokenizer(FIXTURE / "tokenizer.json")
+    text, heldout, train_texts = training_text(0)
+    if args.cmd == "export":
+        state = torch.load(args.work / f"{args.checkpoint}.pt", weights_only=False)
+        export(state, args.out, tok, heldout, token_counts(tok, train_texts), args.work, args)
+        log(f"exported {args.checkpoint} (step {state['step']}, phase {state['phase']}) to {args.out}")
+        return 0
+    torch.set_num_threads(args.threads)
+    keep_heap()
+    args.work.mkdir(parents=True, exist_ok=True)
+    last = args.work / "last.pt"
+    if last.exists():
+        state = torch.load(last, weights_only=False)
+        apply_changes(state, args, log)
+        truncate_jsonl(args.work / "history.jsonl", state["step"])
+        truncate_jsonl(args.work / "evals.jsonl", state["step"])
+        truncate_jsonl(args.work / "indexer_history.jsonl", state["indexer_step"])
+        log(f"resuming {last}: phase {state['phase']}, step {state['step']}")
+    else:
+        state = new_state(args, tok)
+        log(f"new run in {args.work}")
+    patch_for_training()
+    windows = Windows(text, tok, args)
+    heldout_text = f"\n{EOT}\n".join(heldout)
+    encode = lambda text: (lambda e: (e.ids, e.offsets))(tok.encode(text))  # noqa: E731
+    cases = planted_cases(heldout_text, encode, DISTANCES, args.eval_per_distance, seed=1)
+    evals = (eval_windows(heldout_text, tok, 2, args.context), cases, eval_windows(heldout_text, tok, 4, 256))
+    if state["phase"] == "pretrain":
+        pretrain(state, args.work, windows, evals, args, log)
+    if state["phase"] == "indexer" and args.stop_after is None:
+        distill_indexer(state, args.work, windows, args, log)
+    log(f"done: {state['step']} steps, {state['compute_seconds'] / 3600:.2f} h of compute")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
