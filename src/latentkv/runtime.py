@@ -80,12 +80,7 @@ def load(
         directory = resolve(model_arg)
         check_tier(ModelConfig.from_hf(directory), engine.cache)
         if engine.compile:
-            if {engine.weight_dtype, engine.experts} - {"f32", "bf16"}:
-                raise UserError(
-                    "--compile runs f32 and bf16 weights; int8 and int4 decode eagerly (their kernels are "
-                    "torch's own ops): drop --compile"
-                )
-            check_compilable(engine.cache)
+            check_compilable(engine.cache, (engine.weight_dtype, engine.experts))
         streamer = None
         if engine.ram_gb is not None:
             model, streamer = _load_streamed(
