@@ -173,7 +173,7 @@ def llama_bench(llama: Path, model_gguf: Path, args: argparse.Namespace) -> tupl
     """One llama-bench run (-r 1, flash attention on): ({"pp512": [tok/s], "tg@D": [tok/s]} from
     its own per-repetition samples, what it says about its build and the CPU)."""
     cmd = [str(tool(llama, "llama-bench")), "-m", str(model_gguf), "-t", str(args.threads), "-fa", "1"]
-    cmd += ["-p", str(args.prefill), "-n", str(args.gen), "-d", ",".join(map(str, args.depths))]
+    cmd += ["-p", str(args.prefill), "-n", str(args.gen), "-d", ",".join(map(str, args.depths))]  # -p 0: none
     cmd += ["-r", "1", "-o", "json"]
     out: dict[str, list[float]] = {}
     about = {}
@@ -193,17 +193,17 @@ def llama_bench(llama: Path, model_gguf: Path, args: argparse.Namespace) -> tupl
 def latentkv_bench(model: Path, dtype: str, args: argparse.Namespace) -> dict:
     """{kv tier: {"pp512": [tok/s], "tg@D": [tok/s]}} from one fresh `latentkv bench decode
     --repeats 1` (one sample per number)."""
-    contexts = sorted({max(d, 1) for d in args.depths} | {args.prefill})
+    contexts = sorted({max(d, 1) for d in args.depths} | ({args.prefill} if args.prefill else set()))
     cmd = [sys.executable, "-m", "latentkv", "bench", "decode", str(model), "--weight-dtype", dtype]
     cmd += ["--threads", str(args.threads), "--kv-cache-dtype", ",".join(args.kv)]
     cmd += ["--context", ",".join(map(str, contexts)), "--decode-tokens", str(args.gen)]
-    cmd += ["--repeats", "1", "--json"]
+    cmd += ["--repeats", "1", "--json"] + (["--compile"] if args.compile else [])
     out: dict[str, dict[str, list[float]]] = {}
     for r in json.loads(run(cmd))["rows"]:
-        if r["engine"] != "latentkv" or r.get("speculative"):
+        if r["engine"] != ("latentkv+compile" if args.compile else "latentkv") or r.get("speculative"):
             continue
         tier = out.setdefault(r["kv_cache_dtype"], {})
-        if r["context"] == args.prefill:
+        if args.prefill and r["context"] == args.prefill:
             tier.setdefault(f"pp{args.prefill}", []).append(r["prefill_tps"])
         for d in args.depths:
             if r["context"] == max(d, 1):
@@ -283,8 +283,9 @@ def measure_bytes(
     model_dir: str, dtype: str, depths: list[int], tier: str, threads: int, mib: int = 1024
 ) -> dict:
     """Count the bytes one decode step reads at each depth (in this process, meant to be a fresh
-    child): every weight matrix's bytes each time the step multiplies by it (each `Linear` and
-    per-head product called, counted once per call however the format computes it inside), plus
+    child): every weight matrix's bytes each time the step multiplies by it (each `Linear`,
+    per-head product and expert called, counted once per call however the format computes it
+    inside; a layer's routed experts in one call count each expert it ran once), plus
     the KV cache's bytes (latent rows and indexer keys: all of them, an upper bound where DSA
     attends to a selection). The cache is filled with random rows (the bytes do not depend on
     them). Also the read bandwidth: a float32 torch sum over `mib` MiB with the same threads."""
@@ -292,9 +293,15 @@ def measure_bytes(
 
     from latentkv.config import CacheConfig
     from latentkv.eval.bench.common import fill_random, measured_index_bytes, predicted_kv_bytes
+    from latentkv.experts.base import Expert
     from latentkv.models.weights import load_model
     from latentkv.weights.base import FORMATS
     from latentkv.weights.heads import HeadLinears
+
+    try:  # absent from checkouts before the one-call experts (this script measures those too)
+        from latentkv.weights.swiglu import PackedExperts
+    except ImportError:
+        PackedExperts = None
 
     torch.set_num_threads(threads)
     model = load_model(Path(model_dir), dtype)
@@ -312,10 +319,18 @@ def measure_bytes(
 
         return call
 
-    for cls in {*FORMATS.values(), HeadLinears}:
+    for cls in {*FORMATS.values(), HeadLinears, Expert}:
         for name in ("__call__", "add_to"):
             if name in vars(cls):
                 setattr(cls, name, counting(vars(cls)[name]))
+    if PackedExperts is not None:
+        packed_call = PackedExperts.__call__
+
+        def packed_counting(self, x, idx, weights, by_id):
+            count[0] += int(idx.unique().numel()) * self.expert_bytes
+            return packed_call(self, x, idx, weights, by_id)
+
+        PackedExperts.__call__ = packed_counting
     out = {"weights": dtype, "kv_tier": tier, "weight_bytes": {}, "kv_bytes": {}}
     with torch.inference_mode():
         for depth in depths:
@@ -402,6 +417,12 @@ def kernel_table(out_f: int, in_f: int, rows: list[int], repeats: int = 7) -> st
     return "\n".join(lines)
 
 
+def _metric_order(item: tuple[str, dict]) -> tuple[int, int]:
+    """pp512 first, then tg@D by depth."""
+    kind, _, rest = item[0].partition("@")
+    return (0, int(kind[2:] or 0)) if kind.startswith("pp") else (1, int(rest or 0))
+
+
 def _median(cell: dict | None) -> float | None:
     return None if not cell else cell["median"]
 
@@ -426,7 +447,7 @@ def speed_table(results: list[dict], kv: list[str]) -> str:
     head += "".join(f" latentkv KV {t} | ratio |" for t in kv)
     lines = [head, "|---|---|---|---:|" + "---:|---:|" * len(kv)]
     for r in results:
-        for metric, theirs in r["llama.cpp"].items():
+        for metric, theirs in sorted(r["llama.cpp"].items(), key=_metric_order):
             cells = ""
             for t in kv:
                 ours = r["latentkv"].get(t, {}).get(metric)
@@ -449,7 +470,7 @@ def bandwidth_table(results: list[dict], traffic: dict[str, dict], kv: str) -> s
             continue
         seen.add(dtype)
         read = statistics.median(t["read_gb_s"])
-        for depth, wbytes in t["weight_bytes"].items():
+        for depth, wbytes in sorted(t["weight_bytes"].items(), key=lambda kv: int(kv[0])):
             tps = _median(r["latentkv"].get(kv, {}).get(f"tg@{depth}"))
             if tps is None:
                 continue
@@ -462,19 +483,21 @@ def bandwidth_table(results: list[dict], traffic: dict[str, dict], kv: str) -> s
     return "\n".join(lines)
 
 
-def bars(results: list[dict], kv: list[str]) -> list[str]:
+def bars(results: list[dict], kv: list[str], goals: dict[str, float] | None = None) -> list[str]:
     """One line per bar (pair x metric): met or missed by how much, at the first KV tier of --kv
-    (the others' ratios follow). Decode bars: DECODE_BARS per latentkv format; prefill: 1.0x."""
+    (the others' ratios follow). Decode bars: `goals` per latentkv format (default DECODE_BARS,
+    issue 28's for the slice); prefill: 1.0x."""
+    goals = DECODE_BARS if goals is None else goals
     lines = []
     for r in results:
-        for metric, theirs in r["llama.cpp"].items():
+        for metric, theirs in sorted(r["llama.cpp"].items(), key=_metric_order):
             ratios = {t: _ratio(_median(r["latentkv"].get(t, {}).get(metric)), _median(theirs)) for t in kv}
             ratios = {t: x for t, x in ratios.items() if x is not None}
             what = f"{r['weights']} vs {r['gguf']} {metric}"
             if kv[0] not in ratios:
                 lines.append(f"{what}: no latentkv number at KV {kv[0]}")
                 continue
-            goal = DECODE_BARS.get(r["weights"], 1.0) if metric.startswith("tg") else 1.0
+            goal = goals.get(r["weights"], 1.0) if metric.startswith("tg") else 1.0
             x = ratios[kv[0]]
             verdict = "met" if x >= goal else f"missed by {100 * (1 - x / goal):.0f}%"
             lines.append(
@@ -544,8 +567,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="count the bytes a decode step reads and measure the read bandwidth",
     )
+    p.add_argument(
+        "--compile", action="store_true", help="latentkv decodes through its compiled step (small models)"
+    )
+    p.add_argument(
+        "--goals",
+        default=",".join(f"{k}={v}" for k, v in DECODE_BARS.items()),
+        help="decode goals, latentkv / llama.cpp per latentkv format (default: issue 28's for the slice)",
+    )
     p.add_argument("--gen", type=int, default=64, help="decode tokens per run (default: 64)")
-    p.add_argument("--prefill", type=int, default=512, help="prefill tokens (default: 512)")
+    p.add_argument("--prefill", type=int, default=512, help="prefill tokens (default: 512; 0: no prefill)")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run's samples to --out's (same model, machine and settings; other depths or "
+        "pairs join the table): a long table in several short runs",
+    )
     p.add_argument(
         "--llama-cpp", type=Path, default=DEFAULT_LLAMA, help=f"llama.cpp tree (default: {DEFAULT_LLAMA})"
     )
@@ -572,10 +609,14 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"bad --depths {args.depths!r}"
     if not all(len(pair) == 2 and pair[0] in GGUF_FORMATS for pair in args.pairs):
         return f"bad --pairs: each is GGUF:LATENTKV with GGUF one of {', '.join(GGUF_FORMATS)}"
-    if min(args.depths) < 0 or args.repetitions < 1 or args.gen < 2 or args.prefill < 1 or not args.kv:
-        return "--depths must be >= 0, -r >= 1, --gen >= 2, --prefill >= 1, --kv not empty"
+    if min(args.depths) < 0 or args.repetitions < 1 or args.gen < 2 or args.prefill < 0 or not args.kv:
+        return "--depths must be >= 0, -r >= 1, --gen >= 2, --prefill >= 0, --kv not empty"
     if len(set(args.pairs)) != len(args.pairs):
         return "--pairs names a pair twice"
+    try:
+        args.goals = {k: float(v) for k, v in (g.split("=") for g in args.goals.split(",") if g)}
+    except ValueError:
+        return f"bad --goals {args.goals!r}: FORMAT=RATIO,..."
     return None
 
 
@@ -604,7 +645,9 @@ def kernels_main(argv: list[str]) -> int:
     return 0
 
 
-def run_pairs(model: Path, args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
+def run_pairs(
+    model: Path, args: argparse.Namespace, skip_memory: set[str] = frozenset()
+) -> tuple[list[dict], list[dict], dict]:
     """Both engines, round by round (every format once per round, interleaved, the first engine
     alternating): (speed results per pair, latentkv memory rows, what llama-bench said about itself)."""
     ggufs = list(dict.fromkeys(fmt for fmt, _ in args.pairs))
@@ -640,7 +683,7 @@ def run_pairs(model: Path, args: argparse.Namespace) -> tuple[list[dict], list[d
                 "latentkv": {t: {m: stat(v) for m, v in ms.items()} for t, ms in mine[dtype].items()},
             }
         )
-    memory = [latentkv_memory(model, dtype) for dtype in ours]
+    memory = [latentkv_memory(model, dtype) for dtype in ours if dtype not in skip_memory]
     return results, memory, about
 
 
@@ -679,6 +722,60 @@ def machine(llama_about: dict) -> dict:
     }
 
 
+# settings that must agree for two runs' samples to share a table
+SAME = ("model", "threads", "gen", "kv", "flash_attn", "compile")
+
+
+def combine(old: dict, new: dict) -> dict | str:
+    """`new` (this run's payload) with `old`'s samples added (--append): pairs matched by (gguf,
+    weights), samples concatenated per engine, tier and metric, every statistic recomputed;
+    memory and byte counts kept from the first run that measured them. An error line if the
+    runs cannot share a table (another model, machine or setting)."""
+    for key in SAME:
+        if old.get(key) != new.get(key):
+            return f"--append: {key} differs from the file's ({old.get(key)!r} vs {new.get(key)!r})"
+    for key in ("cpu", "llama.cpp", "torch"):
+        if old["machine"].get(key) != new["machine"].get(key):
+            return f"--append: the machine's {key} differs from the file's"
+    out = dict(new)
+    results = {(r["gguf"], r["weights"]): r for r in old["results"]}
+    for r in new["results"]:
+        into = results.setdefault((r["gguf"], r["weights"]), {**r, "llama.cpp": {}, "latentkv": {}})
+        if into is r:
+            continue
+        for metric, cell in r["llama.cpp"].items():
+            into["llama.cpp"][metric] = stat(
+                into["llama.cpp"].get(metric, {}).get("samples", []) + cell["samples"]
+            )
+        for tier, metrics in r["latentkv"].items():
+            mine = into["latentkv"].setdefault(tier, {})
+            for metric, cell in metrics.items():
+                mine[metric] = stat(mine.get(metric, {}).get("samples", []) + cell["samples"])
+    out["results"] = list(results.values())
+    have = {m["weights"] for m in old["memory"]}
+    out["memory"] = old["memory"] + [m for m in new["memory"] if m["weights"] not in have]
+    out["bytes"] = {**new["bytes"], **old["bytes"]}
+    for dtype, t in new["bytes"].items():  # depths the file's count lacks
+        for part in ("weight_bytes", "kv_bytes"):
+            out["bytes"][dtype][part] = {**t[part], **old["bytes"].get(dtype, {}).get(part, {})}
+    out["depths"] = sorted(set(old["depths"]) | set(new["depths"]))
+    out["depths_requested"] = sorted(set(old["depths_requested"]) | set(new["depths_requested"]))
+    out["prefill"] = old["prefill"] or new["prefill"]
+    out["notes"] = list(dict.fromkeys(old["notes"] + new["notes"]))
+    out["runs"] = old.get("runs", []) + new["runs"]
+    out["rounds"] = min(len(c["samples"]) for r in out["results"] for c in r["llama.cpp"].values())
+    return out
+
+
+def report(payload: dict) -> str:
+    """The tables and the bars of a payload (one run's or several appended)."""
+    results, kv, traffic = payload["results"], payload["kv"]["latentkv"], payload["bytes"]
+    text = speed_table(results, kv) + "\n\n"
+    if traffic:
+        text += bandwidth_table(results, traffic, kv[0]) + "\n\n"
+    return text + memory_table(payload["memory"]) + "\n\n" + "\n".join(payload["notes"] + payload["bars"])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--measure-memory"]:
@@ -699,29 +796,43 @@ def main(argv: list[str] | None = None) -> int:
         gguf(model, fmt, args.work, args.llama_cpp)
     if args.convert_only:
         return 0
+    name = args.model.removeprefix("builtin:").rstrip("/").split("/")[-1]
+    out = args.out or Path(__file__).parent / "results" / f"vs-llamacpp-{name}.json"
+    old = None
+    if args.append and out.is_file():
+        try:
+            old = json.loads(out.read_text())
+        except ValueError:
+            print(f"error: --append: {out} is not a results file", file=sys.stderr)
+            return 2
     requested = args.depths
     args.depths, notes = fit_depths(model, args.depths, args.gen)
-    results, memory, about = run_pairs(model, args)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    results, memory, about = run_pairs(
+        model, args, skip_memory={m["weights"] for m in (old or {}).get("memory", [])}
+    )
     traffic = {}
     if args.bytes:
         traffic = {
             dtype: latentkv_bytes(model, dtype, args) for dtype in dict.fromkeys(d for _, d in args.pairs)
         }
-    verdicts = bars(results, args.kv)
-    text = speed_table(results, args.kv) + "\n\n"
-    if traffic:
-        text += bandwidth_table(results, traffic, args.kv[0]) + "\n\n"
-    print(text + memory_table(memory) + "\n")
-    print("\n".join(notes + verdicts))
-    name = args.model.removeprefix("builtin:").rstrip("/").split("/")[-1]
-    out = args.out or Path(__file__).parent / "results" / f"vs-llamacpp-{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"threads": args.threads, "depths": args.depths, "depths_requested": requested}
     settings |= {"rounds": args.repetitions, "gen": args.gen, "prefill": args.prefill}
-    settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "flash_attn": 1}
-    settings |= {"statistic": "median of the rounds' samples, with min and max"}
-    payload = {"model": str(model), **settings, "machine": machine(about), "notes": notes, "bars": verdicts}
-    payload |= {"results": results, "memory": memory, "bytes": traffic}
+    settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "flash_attn": 1, "compile": args.compile}
+    settings |= {"statistic": "median of the rounds' samples, with min and max", "goals": args.goals}
+    run_ = {"started": started, "depths": args.depths, "pairs": [list(p) for p in args.pairs]}
+    run_ |= {"rounds": args.repetitions, "prefill": args.prefill, "bytes": args.bytes}
+    payload = {"model": str(model), **settings, "machine": machine(about), "notes": notes, "bars": []}
+    payload |= {"results": results, "memory": memory, "bytes": traffic, "runs": [run_]}
+    if old is not None:
+        merged = combine(old, payload)
+        if isinstance(merged, str):
+            print(f"error: {merged}", file=sys.stderr)
+            return 2
+        payload = merged
+    payload["bars"] = bars(payload["results"], args.kv, args.goals)
+    print(report(payload))
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0

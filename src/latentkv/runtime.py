@@ -80,12 +80,7 @@ def load(
         directory = resolve(model_arg)
         check_tier(ModelConfig.from_hf(directory), engine.cache)
         if engine.compile:
-            if {engine.weight_dtype, engine.experts} - {"f32", "bf16"}:
-                raise UserError(
-                    "--compile runs f32 and bf16 weights; int8 and int4 decode eagerly (their kernels are "
-                    "torch's own ops): drop --compile"
-                )
-            check_compilable(engine.cache)
+            check_compilable(engine.cache, (engine.weight_dtype, engine.experts))
         streamer = None
         if engine.ram_gb is not None:
             model, streamer = _load_streamed(
@@ -137,14 +132,12 @@ def _load_streamed(
     Drafting (`draft_tokens`) with a store that lacks the MTP layer's experts is refused."""
     from latentkv.config import ModelConfig
     from latentkv.experts.streamed import StreamConfig
-    from latentkv.streaming.attach import ensure_store, load_streamed, mtp_store_problem
+    from latentkv.streaming.attach import default_store_dir, ensure_store, load_streamed, mtp_store_problem
     from latentkv.streaming.planner import GIB, make_plan
 
     cfg = ModelConfig.from_hf(directory)
     length = max_model_len or min(cfg.max_position_embeddings, 4096)
-    store = ensure_store(directory, engine.experts, progress=not quiet)
-    if draft_tokens and (problem := mtp_store_problem(directory, store)) is not None:
-        raise UserError(problem)
+    store = default_store_dir(directory, engine.experts)  # planned before it is written
     plan = make_plan(
         cfg,
         directory,
@@ -158,6 +151,9 @@ def _load_streamed(
     )
     if not plan.fits:
         raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")
+    store = ensure_store(directory, engine.experts, progress=not quiet)
+    if draft_tokens and (problem := mtp_store_problem(directory, store)) is not None:
+        raise UserError(problem)
     config = StreamConfig(budget=plan.expert_cache_bytes, policy=engine.expert_policy)
     model, streamer = load_streamed(directory, store, config, engine.weight_dtype, progress=not quiet)
     if not quiet:

@@ -134,3 +134,51 @@ def test_bytes_per_decode_step_are_counted(tiny_dir):
     assert f32["weight_bytes"]["0"] <= load_model(tiny_dir, "f32").weight_bytes()
     assert 3 < f32["weight_bytes"]["0"] / counted["int8"]["weight_bytes"]["0"] < 4.1
     assert len(f32["read_gb_s"]) == 7 and min(f32["read_gb_s"]) > 0
+
+
+def _payload(vs, depth: int, samples: dict[str, list[float]], cpu: str = "Xeon") -> dict:
+    """One run's payload as main writes it: one pair, one tier."""
+    return {
+        "model": "/m",
+        "threads": 2,
+        "gen": 64,
+        "kv": {"llama.cpp": "f16", "latentkv": ["bf16"]},
+        "flash_attn": 1,
+        "compile": False,
+        "depths": [depth],
+        "depths_requested": [depth],
+        "prefill": 512 if depth == 0 else 0,
+        "machine": {"cpu": cpu, "llama.cpp": {"version": "b1"}, "torch": "2"},
+        "notes": [],
+        "bars": [],
+        "runs": [{"depths": [depth]}],
+        "memory": [{"weights": "int8", "format_bytes": 1}],
+        "bytes": {},
+        "results": [
+            {
+                "gguf": "q8_0",
+                "weights": "int8",
+                "llama.cpp": {m: vs.stat(v) for m, v in samples.items()},
+                "latentkv": {"bf16": {m: vs.stat([2 * x for x in v]) for m, v in samples.items()}},
+            }
+        ],
+    }
+
+
+def test_appended_runs_share_one_table(vs):
+    """--append: a run's samples join the file's (same pair, metric and tier), other depths join
+    the table, every statistic is recomputed, memory is kept from the first run; a run on
+    another machine is refused."""
+    first = _payload(vs, 0, {"pp512": [100.0], "tg@0": [10.0, 12.0]})
+    second = _payload(vs, 0, {"pp512": [90.0], "tg@0": [11.0]})
+    third = _payload(vs, 4096, {"tg@4096": [5.0, 6.0, 7.0]})
+    merged = vs.combine(vs.combine(first, second), third)
+    r = merged["results"][0]
+    assert r["llama.cpp"]["tg@0"] == vs.stat([10.0, 12.0, 11.0])
+    assert r["latentkv"]["bf16"]["pp512"] == vs.stat([200.0, 180.0])
+    assert r["llama.cpp"]["tg@4096"]["median"] == 6.0 and len(merged["results"]) == 1
+    assert merged["depths"] == [0, 4096] and merged["prefill"] == 512 and len(merged["runs"]) == 3
+    assert merged["rounds"] == 2 and merged["memory"] == first["memory"]
+    table = vs.speed_table(merged["results"], ["bf16"]).splitlines()
+    assert [line.split("|")[3].strip() for line in table[2:]] == ["pp512", "tg@0", "tg@4096"]
+    assert "cpu" in vs.combine(first, _payload(vs, 0, {"tg@0": [1.0]}, cpu="EPYC"))

@@ -54,7 +54,11 @@ def test_generate_says_which_kernels(capsys):
     assert "bf16 (experts int4) weights" in err and "weights: int4" in err and kernel in err
 
 
-def test_compile_refuses_quantized_weights_in_one_line(capsys):
+def test_compile_refuses_quantized_weights_without_the_kernels_in_one_line(capsys, torch_ops, monkeypatch):
+    from latentkv.weights import native
+
+    monkeypatch.setattr(native, "unavailable", lambda: "OSError: no C++ compiler")
     code = main(["generate", "builtin:tiny", "--prompt", "a", "--weight-dtype", "int8", "--compile"])
     err = capsys.readouterr().err
-    assert code == 2 and "--compile runs f32 and bf16 weights" in err
+    assert code == 2 and "--compile runs int8 and int4 weights through latentkv's own kernels" in err
+    assert "no C++ compiler" in err and "Traceback" not in err

@@ -251,3 +251,132 @@ def test_no_compiler_means_torchs_ops_and_a_reason(monkeypatch):
     monkeypatch.setattr(native, "COMPILERS", ("no-such-c++-compiler",))
     with pytest.raises(OSError, match="no C\\+\\+ compiler"):
         native._build()
+
+
+def _linear_bound(x: torch.Tensor, lin, isa: int) -> torch.Tensor:
+    """|kernel - float64| for x [M, K] (or its magnitudes) through an int8/int4 Linear."""
+    w64 = lin.dequantize().double()
+    n, k = w64.shape
+    if isinstance(lin, int4.Int4Linear):
+        group = lin.group_size
+        sz = lin.scale_zeros[:, :n].double()  # [groups, n, 2]
+        s, z = (sz[..., j].T.repeat_interleave(group, dim=1)[:, :k] for j in (0, 1))
+        q = ((w64 - z) / s).round() + 8
+        mags = torch.maximum(s.abs() * (q - 8).abs() + z.abs(), s.abs() * q + (z - 8 * s).abs())
+        groups = sz.shape[0]
+        return _bounds(x, mags, isa, group, groups * group, k + 2 * groups + 4)[0]
+    return _bounds(x, w64.abs(), isa, 256, -(-k // 256) * 256, k + 2)[0]
+
+
+def _expert(x: torch.Tensor, gate_up, down, isa: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """down(silu(gate(x)) * up(x)) in float64 over the dequantized matrices, and the bound of
+    the kernel's result: the first product's bound carried through silu (slope within [-0.1,
+    1.1], |silu(g)| <= |g|) and the product with up, 8 ulps for the activation's own roundings,
+    then the second product's bound over the activation's largest values."""
+    gate, up = (x.double() @ gate_up.dequantize().double().T).chunk(2, dim=-1)
+    bg, bu = _linear_bound(x, gate_up, isa).chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    dh = 1.1 * bg * (up.abs() + bu) + gate.abs() * bu + 8 * EPS * (gate.abs() + bg) * (up.abs() + bu)
+    wd = down.dequantize().double()
+    return h @ wd.T, dh @ wd.abs().T + _linear_bound(h.abs() + dh, down, isa)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(("d", "i"), [(128, 64), (96, 80), (200, 128)])
+def test_a_swiglu_expert_in_one_call(isa, fmt, d, i):
+    """down(silu(gate(x)) * up(x)) through `expert_int8` / `expert_int4` against float64 over the
+    dequantized matrices (x and the activation in float64), with and without the residual."""
+    kernels = native.with_isa(isa)
+    g, seed = _gen()
+    gate_up = make_linear(torch.randn(2 * i, d, generator=g) * 0.1, fmt)
+    down = make_linear(torch.randn(d, i, generator=g) * 0.1, fmt)
+    run = kernels.expert_int8 if fmt == "int8" else kernels.expert_int4
+    for m in (1, 3, 8):
+        x = torch.randn(m, d, generator=g)
+        want, bound = _expert(x, gate_up, down, isa)
+        y = run(x, gate_up, down)
+        assert not (why := _within(y, want, bound)), f"seed {seed} m {m}: {why}"
+        residual = torch.randn(m, d, generator=g)
+        assert torch.equal(run(x, gate_up, down, residual), residual + y), f"seed {seed}"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_an_expert_takes_the_one_call_path_at_decode(fmt, monkeypatch):
+    """Expert.__call__ runs the one-call kernel for int8/int4 matrices within the decode row
+    limit, and its result matches the three-step path (each product through its Linear): both
+    within their bound of float64."""
+    from latentkv.experts.base import Expert
+    from latentkv.weights import swiglu
+
+    g, seed = _gen()
+    expert = Expert(
+        make_linear(torch.randn(160, 96, generator=g) * 0.1, fmt),
+        make_linear(torch.randn(96, 80, generator=g) * 0.1, fmt),
+    )
+    x, residual = torch.randn(2, 96, generator=g), torch.randn(2, 96, generator=g)
+    assert swiglu.fused_swiglu(expert.gate_up, expert.down, 2) is not None
+    fused = expert(x, residual)
+    monkeypatch.setattr("latentkv.experts.base.fused_swiglu", lambda *a: None)
+    steps = expert(x, residual)
+    _, bound = _expert(x, expert.gate_up, expert.down, native.kernels().isa)
+    # two results each within `bound` of float64, and each + residual rounded once more
+    why = _within(fused, steps.double(), 2 * bound + 2 * EPS * (residual.abs().double() + steps.abs()))
+    assert not why, f"seed {seed}: {why}"
+    mixed = Expert(expert.gate_up, make_linear(torch.randn(96, 80, generator=g), "bf16"))
+    assert swiglu.fused_swiglu(mixed.gate_up, mixed.down, 2) is None
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_layers_experts_in_one_call(fmt, rows):
+    """PackedExperts (`moe_int8` / `moe_int4`) over a layer's stacked experts: the router's
+    weighted sum of each picked expert's own output (Expert.__call__, the one-call expert), added
+    in the MoE layer's order (a lone token: the router's; a batch: by expert id), bit for bit."""
+    from latentkv.experts.base import Expert
+    from latentkv.weights.swiglu import PackedExperts
+
+    g, seed = _gen()
+    E, k, d, i = 6, 3, 96, 64
+    experts = [
+        Expert(
+            make_linear(torch.randn(2 * i, d, generator=g) * 0.1, fmt),
+            make_linear(torch.randn(d, i, generator=g) * 0.1, fmt),
+        )
+        for _ in range(E)
+    ]
+    packed = PackedExperts.of([e.gate_up for e in experts], [e.down for e in experts])
+    assert packed is not None
+    x = torch.randn(rows, d, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, generator=g)
+    by_id = rows > 1
+    want = torch.zeros(rows, d)
+    for r in range(rows):
+        order = sorted(range(k), key=lambda j: int(idx[r, j])) if by_id else range(k)
+        for j in order:
+            want[r] += experts[int(idx[r, j])](x[r : r + 1])[0] * weights[r, j]
+    got = packed(x, idx, weights, by_id)
+    assert torch.equal(got, want), f"seed {seed}: {float((got - want).abs().max()):.3g}"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(("h", "n", "k", "s"), [(4, 64, 96, 1), (8, 96, 130, 3), (16, 512, 192, 1)])
+def test_every_head_in_one_call(fmt, h, n, k, s):
+    """HeadLinears over int8/int4 heads: one `heads_int8` / `heads_int4` call gives each head's
+    own product exactly (the same kernel per head), and float64 over the dequantized heads."""
+    from latentkv.weights.heads import HeadLinears
+
+    g, seed = _gen()
+    heads = HeadLinears.from_float(torch.randn(h, n, k, generator=g), fmt)
+    assert heads._packed is not None
+    x = torch.randn(h, s, k, generator=g)
+    y = heads(x)
+    assert y.shape == (h, s, n) and y.dtype == torch.float32
+    assert torch.equal(y, torch.stack([head(x[i]) for i, head in enumerate(heads.heads)])), f"seed {seed}"
+    isa = native.kernels().isa
+    for i, head in enumerate(heads.heads):
+        want = x[i].double() @ head.dequantize().double().T
+        assert not (why := _within(y[i], want, _linear_bound(x[i], head, isa))), (
+            f"seed {seed} head {i}: {why}"
+        )

@@ -79,8 +79,9 @@ def chat_format(loaded, plain: bool):
 def run(args: argparse.Namespace) -> int:
     if args.session is not None:
         check_name(args.session)
-    if args.max_tokens < 1:
-        raise UserError("--max-tokens must be >= 1")
+    from latentkv.config import check_tokens
+
+    check_tokens("--max-tokens", args.max_tokens)
     sampling = sampling_params(args)
     engine = engine_config(args)
     args.speculative_config = speculative_config(args, args.model)

@@ -19,7 +19,9 @@ Contract (what a store may rely on, and what the MoE layer promises):
   - `prefetch(ids)` is advice (e.g. the next layer's router run early); it returns at once.
   - `stacked` is the whole layer as two stacked tensors when the store keeps them resident in
     a plain dtype (f32, bf16): the MoE layer's fast paths (every expert at once, gathered
-    experts) read it. A store without it (streamed, or packed formats) is served through `run`.
+    experts) read it. `packed` is the whole layer's routed part as one kernel call when the
+    store keeps int8/int4 experts resident (`weights.swiglu.PackedExperts`: the same sum as `run`
+    gives the layer, bit for bit). A store with neither (streamed) is served through `run`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.weights.base import Linear
+from latentkv.weights.swiglu import PackedExperts, fused_swiglu
 
 
 @dataclass
@@ -46,7 +49,11 @@ class Expert:
         self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
     ) -> torch.Tensor:
         """x [N, D] -> [N, D] (plus `residual` [N, D] if given). `decode` (one token per
-        sequence) changes nothing here: a dense MLP has one path; the MoE layer picks by it."""
+        sequence) changes nothing here: a dense MLP has one path; the MoE layer picks by it.
+        int8 and int4 experts run as one kernel call where they can (`weights.swiglu`)."""
+        fused = fused_swiglu(self.gate_up, self.down, x.shape[0])
+        if fused is not None and (residual is None or residual.shape == x.shape):
+            return fused(x, residual)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down.add_to(residual, F.silu(gate) * up)
 
@@ -93,6 +100,7 @@ class ExpertStore(Protocol):
 
     num_experts: int
     stacked: StackedExperts | None  # the whole layer stacked, when resident in a plain dtype
+    packed: PackedExperts | None  # the whole layer in one call, when resident int8/int4
 
     def run(self, x: torch.Tensor, jobs: Sequence[Job]) -> Iterator[tuple[int, torch.Tensor]]:
         """(job.expert, expert(job's rows of x)) for every job (distinct experts), in any order:
@@ -118,6 +126,7 @@ class LocalStore:
 
     num_experts: int
     stacked: StackedExperts | None = None
+    packed: PackedExperts | None = None
     # Ask for at most this many experts at once (None: all of a pass's): a store reading from
     # disk beside a bounded cache must not hold a long prompt's whole layer at once.
     at_once: int | None = None

@@ -10,9 +10,12 @@ What it costs and guarantees:
     its on-disk cache, so later processes compile faster). `compile_decode` warms the graph
     up on a scratch cache so no request pays for it; DSA models warm a second graph for
     contexts past `index_topk`.
-  - Sizes are dynamic in the context length (cache buffers and RoPE tables are marked so),
-    and buffers grow before the compiled call, so one graph serves every length.
+  - Sizes are dynamic in the context length only (cache buffers and RoPE tables are marked so;
+    every other size is a constant of the graph), and buffers grow before the compiled call, so
+    one graph serves every length.
   - A C++ compiler must be installed (inductor builds its CPU kernels with it).
+  - int8 and int4 weights trace as latentkv's own kernels (`weights/native`): one call per
+    matrix, and a layer's resident routed experts in one call.
   - Prefill and batched decode (the server) stay eager. Logits are not bit-identical to the
     eager step (fused reductions round differently); they agree within float32 rounding
     (tests compare against eager and against transformers).
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from latentkv.kv.codecs.tiers import COMPILABLE, TIERS
+from latentkv.weights import native
 
 if TYPE_CHECKING:
     from latentkv.config import CacheConfig, ModelConfig
@@ -63,8 +67,16 @@ def _cxx() -> str | None:
 COMPILABLE_TIERS = COMPILABLE
 
 
-def check_compilable(cache: CacheConfig | None) -> None:
-    """Raise CompileUnavailable unless a step over this cache tier can be compiled here."""
+def check_compilable(cache: CacheConfig | None, formats: tuple[str | None, ...] = ()) -> None:
+    """Raise CompileUnavailable unless a step over this cache tier (and weights in `formats`)
+    can be compiled here. int8 and int4 trace as latentkv's kernels (one call per matrix, and a
+    layer's resident experts in one call): without them (torch's ops) the experts' Python
+    would break the graph at every layer, so they are refused."""
+    if {"int8", "int4"} & set(formats) and native.kernels() is None:
+        raise CompileUnavailable(
+            "--compile runs int8 and int4 weights through latentkv's own kernels, which are not "
+            f"available here ({native.unavailable()}): drop --compile, or use f32/bf16 weights"
+        )
     tier = cache.kv_cache_dtype if cache is not None else "f32"
     if not TIERS[tier].compilable or (cache is not None and cache.recent_window):
         raise CompileUnavailable(
@@ -84,8 +96,11 @@ class CompiledDecode:
     def __init__(self, model: _Model, cache: CacheConfig | None = None):
         check_compilable(cache)
         self.model = model
-        # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% a step)
-        self._step = torch.compile(model._forward, dynamic=True, options={"cpp_wrapper": True})
+        # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% a step).
+        # dynamic=None: only the dimensions marked dynamic (the cache buffers' and RoPE tables'
+        # lengths) are symbolic; with dynamic=True every weight's size became a graph input read
+        # back per step (143 inputs on builtin:tiny, ~17% of its step).
+        self._step = torch.compile(model._forward, dynamic=None, options={"cpp_wrapper": True})
 
     def __call__(
         self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool

@@ -19,8 +19,11 @@ from the store's form and the batch's shape (each path is tested against `groupe
                   EVERY_EXPERT_MAX_BYTES: all tokens through all stacked experts
     gathered      small experts: each token's k experts copied out of the stacked tensors and
                   run as one batched matmul (`gather_one` for a lone token)
+    packed        resident int8/int4 experts (a lone token, a batch, a short prompt): the routed
+                  part in one kernel call (`weights.swiglu.PackedExperts`), the same sum as
+                  one by one / grouped give, bit for bit
     one by one    a lone token through its k experts in turn (big experts)
-    grouped       otherwise (prefill, packed or streamed experts): one matmul per hit expert
+    grouped       otherwise (prefill, streamed experts): one matmul per hit expert
                   over the tokens routed to it
 """
 
@@ -142,6 +145,9 @@ class MoE:
         if N == 1 and self._gather:
             out = _gather_one(self.experts.stacked, x, idx[0], weights[0])
             return self._finish(x, out, None, residual)
+        packed = self.experts.packed
+        if packed is not None and packed.max_rows >= N:  # int8/int4 resident: one call
+            return self._finish(x, packed(x, idx, weights, by_id=N > 1), None, residual)
         if N == 1:
             return self._finish(x, *self._one_by_one(x, idx[0], weights[0]), residual)
         return self._finish(x, *self._grouped(x, idx, weights), residual)
@@ -168,6 +174,9 @@ class MoE:
         if every and self._every is not None:
             return self._fused_every(x, idx, weights, residual)
         if stacked is None:
+            packed = self.experts.packed
+            if packed is not None and packed.max_rows >= B:  # the grouped pass in one call
+                return self._finish(x, packed(x, idx, weights, by_id=True), None, residual)
             return self._finish(x, *self._grouped(x, idx, weights), residual)
         if every and self.experts.num_experts * stacked.expert_bytes <= EVERY_EXPERT_MAX_BYTES:
             mix = torch.zeros(B, self.experts.num_experts, device=x.device).scatter_(1, idx, weights)

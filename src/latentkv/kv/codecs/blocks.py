@@ -276,6 +276,9 @@ class SearchedBlockCodec(Codec):
         self.code_bytes = self.blocks * self.block_bytes
         self.scale_count = 0
         self.table = level_table(name)
+        # the end levels as Python floats: read from the table per call, they broke a compiled
+        # step's graph (a tensor-to-float conversion)
+        self._low, self._high = float(self.table[0]), float(self.table[-1])
         self._mids = (self.table[1:] + self.table[:-1]) / 2
         self._top = self.table.abs().max()
         signs = (1.0, -1.0) if name in ("q4s", "q5s") else (1.0,)  # either side may take -8 (-16)
@@ -312,7 +315,7 @@ class SearchedBlockCodec(Codec):
         if self.name == "wq4":
             return self.table[self._level_index(v)]
         below = torch.floor(v)
-        return (below + (v > below + 0.5)).clamp_(float(self.table[0]), float(self.table[-1]))
+        return (below + (v > below + 0.5)).clamp_(self._low, self._high)
 
     def _level_index(self, v: torch.Tensor) -> torch.Tensor:
         """The index of the nearest level to each v (int64), the lower one on a tie: the number
@@ -321,7 +324,7 @@ class SearchedBlockCodec(Codec):
         to an end level); wq4: a comparison with each of its 15 midpoints."""
         if self.name == "wq4":
             return (v.unsqueeze(-1) > self._mids).sum(dim=-1)
-        low, high = float(self.table[0]), float(self.table[-1])
+        low, high = self._low, self._high
         below = torch.floor(v)
         return (below + (v > below + 0.5)).clamp_(low, high).sub_(low).to(torch.int64)
 

@@ -77,6 +77,28 @@ class Kernels:
             x, packed, scale_zeros, group_size, out_features, residual, self.isa
         )
 
+    def expert_int8(self, x, gate_up, down, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A SwiGLU expert in one call: down(silu(gate(x)) * up(x)) (+ residual), gate_up and
+        down `Int8Linear`s (gate rows first)."""
+        return torch.ops.latentkv.expert_int8(
+            x, gate_up.q, gate_up.scale, down.q, down.scale, residual, self.isa
+        )
+
+    def expert_int4(self, x, gate_up, down, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The same with `Int4Linear`s of one group size."""
+        return torch.ops.latentkv.expert_int4(
+            x,
+            gate_up.packed,
+            gate_up.scale_zeros,
+            gate_up.out_features,
+            down.packed,
+            down.scale_zeros,
+            down.out_features,
+            gate_up.group_size,
+            residual,
+            self.isa,
+        )
+
 
 def isa_for(capability: str) -> int:
     """The kernels' vector path for one of torch's CPU capabilities (unknown: plain C++)."""
@@ -186,3 +208,27 @@ def _register_fakes() -> None:
     @torch.library.register_fake("latentkv::int4_mm")
     def _int4(x, packed, scale_zeros, group_size, out_features, residual, isa):
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("latentkv::expert_int8")
+    def _expert8(x, gu_q, gu_scale, dn_q, dn_scale, residual, isa):
+        return x.new_empty(x.shape[0], dn_q.shape[0])
+
+    @torch.library.register_fake("latentkv::moe_int8")
+    def _moe8(x, idx, weights, gu_q, gu_scale, dn_q, dn_scale, by_id, isa):
+        return x.new_empty(x.shape[0], dn_q.shape[1])
+
+    @torch.library.register_fake("latentkv::moe_int4")
+    def _moe4(x, idx, weights, gu, gu_sz, gu_rows, dn, dn_sz, dn_rows, group_size, by_id, isa):
+        return x.new_empty(x.shape[0], dn_rows)
+
+    @torch.library.register_fake("latentkv::heads_int8")
+    def _heads8(x, q, scale, isa):
+        return x.new_empty(x.shape[0], x.shape[1], q.shape[1])
+
+    @torch.library.register_fake("latentkv::heads_int4")
+    def _heads4(x, packed, scale_zeros, group_size, out_features, isa):
+        return x.new_empty(x.shape[0], x.shape[1], out_features)
+
+    @torch.library.register_fake("latentkv::expert_int4")
+    def _expert4(x, gu_packed, gu_sz, gu_rows, dn_packed, dn_sz, dn_rows, group_size, residual, isa):
+        return x.new_empty(x.shape[0], dn_rows)

@@ -27,11 +27,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -63,6 +66,7 @@ struct Int8Args {
   int64_t ldy;
   const float* res;  // nullptr: no residual
   int64_t ldr;
+  int64_t N_rows;  // rows of q
 };
 
 struct Int4Args {
@@ -596,29 +600,16 @@ const float* residual_of(const std::optional<at::Tensor>& r, int64_t M, int64_t 
 // Rows per thread chunk: small matrices run on the calling thread (a parallel region costs more).
 int64_t grain(int64_t bytes_per_unit) { return std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, bytes_per_unit)); }
 
-at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                   const std::optional<at::Tensor>& residual, int64_t isa) {
-  check_isa(isa);
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.stride(1) == 1, "q must be int8 [N, ldq]");
-  const int64_t N = q.size(0);
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kBFloat16 &&
-                  scale.is_contiguous(),
-              "scale must be bfloat16 [N]");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= q.size(1) && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "x must be float32 [M, K <= ", q.size(1), "] with unit column stride");
-  const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
-  Int8Args a{x.data_ptr<float>(), M, K, x.stride(0), q.data_ptr<int8_t>(), q.stride(0),
-             reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>()), y.data_ptr<float>(), N,
-             nullptr, 0};
-  a.res = residual_of(residual, M, N, &a.ldr);
-  if (M == 0 || N == 0) return y;
+// y = x @ q^T * scale (+ residual) over raw buffers (a.y written).
+void run_int8(const Int8Args& a, int64_t isa) {
+  if (a.M == 0 || a.N_rows == 0) return;
   X16 xq;
 #if LKV_X86
-  if (isa == 3) xq = quantize_x16(a.x, M, K, a.ldx, XGROUP8, (K + XGROUP8 - 1) / XGROUP8 * XGROUP8);
+  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, XGROUP8, (a.K + XGROUP8 - 1) / XGROUP8 * XGROUP8);
 #endif
+  const int64_t N = a.N_rows;
   // units of 4 rows
-  at::parallel_for(0, (N + 3) / 4, grain(4 * K * std::max<int64_t>(1, M / 4)), [&](int64_t u0, int64_t u1) {
+  at::parallel_for(0, (N + 3) / 4, grain(4 * a.K * std::max<int64_t>(1, a.M / 4)), [&](int64_t u0, int64_t u1) {
     const int64_t n0 = u0 * 4, n1 = std::min(N, u1 * 4);
 #if LKV_X86
     if (isa == 3) return int8_vnni(a, xq, n0, n1);
@@ -627,13 +618,58 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 #endif
     int8_generic(a, n0, n1);
   });
-  return y;
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zeros,
-                   int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& residual,
-                   int64_t isa) {
-  check_isa(isa);
+// y = x @ W~^T (+ residual) over raw buffers (a.y written; a.xsum is filled here).
+void run_int4(Int4Args& a, std::vector<float>& xsum, int64_t isa) {
+  if (a.M == 0) return;
+  xsum.assign(a.M * a.groups, 0.0f);
+  a.xsum = xsum.data();
+  X16 xq;
+#if LKV_X86
+  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, a.G, a.Kp);
+#endif
+  if (isa != 3)
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t g = 0; g < a.groups; ++g) {
+        float s = 0.0f;
+        for (int64_t k = g * a.G; k < std::min(a.K, (g + 1) * a.G); ++k) s += a.x[m * a.ldx + k];
+        xsum[m * a.groups + g] = s;
+      }
+  at::parallel_for(0, a.Np / BLOCK, grain(BLOCK * a.Kp / 2 * std::max<int64_t>(1, a.M / 4)), [&](int64_t b0, int64_t b1) {
+#if LKV_X86
+    if (isa == 3) return int4_vnni(a, xq, b0, b1);
+    if (isa == 2) return int4_avx512(a, b0, b1);
+    if (isa == 1) return int4_avx2(a, b0, b1);
+#endif
+    int4_generic(a, b0, b1);
+  });
+}
+
+// One int8 / int4 matrix as the ops receive it, checked once.
+struct Int8Matrix {
+  const int8_t* q;
+  int64_t N, ldq;
+  const uint16_t* scale;
+};
+
+Int8Matrix int8_matrix(const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.stride(1) == 1, "q must be int8 [N, ldq]");
+  const int64_t N = q.size(0);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kBFloat16 &&
+                  scale.is_contiguous(),
+              "scale must be bfloat16 [N]");
+  return {q.data_ptr<int8_t>(), N, q.stride(0), reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>())};
+}
+
+struct Int4Matrix {
+  const uint8_t* packed;
+  int64_t Np, Kp, G, groups, N;
+  const uint16_t* sz;
+};
+
+Int4Matrix int4_matrix(const at::Tensor& packed, const at::Tensor& scale_zeros, int64_t group_size,
+                       int64_t out_features) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "packed must be uint8 [Np, Kp / 2]");
   const int64_t Np = packed.size(0), Kp = 2 * packed.size(1);
@@ -647,35 +683,312 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               "scale_zeros must be bfloat16 [", groups, ", ", Np, ", 2]");
   TORCH_CHECK(out_features > Np - BLOCK && out_features <= Np, "out_features ", out_features,
               " does not fit ", Np, " packed rows");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= Kp && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "x must be float32 [M, K <= ", Kp, "] with unit column stride");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  at::Tensor y = at::empty({M, N}, x.options());
+  return {packed.data_ptr<uint8_t>(), Np, Kp, group_size, groups, out_features,
+          reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr<at::BFloat16>())};
+}
+
+void check_x(const at::Tensor& x, int64_t max_k) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= max_k && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be float32 [M, K <= ", max_k, "] with unit column stride");
+}
+
+// y [M, N] (row stride ldy) = x [M, K] through one matrix, residual optional.
+void product8(const Int8Matrix& w, const float* x, int64_t M, int64_t K, int64_t ldx, float* y, int64_t ldy,
+              const float* res, int64_t ldr, int64_t isa) {
+  Int8Args a{x, M, K, ldx, w.q, w.ldq, w.scale, y, ldy, res, ldr, w.N};
+  run_int8(a, isa);
+}
+
+void product4(const Int4Matrix& w, const float* x, int64_t M, int64_t K, int64_t ldx, float* y, int64_t ldy,
+              const float* res, int64_t ldr, int64_t isa) {
+  std::vector<float> xsum;
+  Int4Args a{x, M, K, ldx, w.packed, w.Kp, w.sz, w.Np, w.G, w.N, nullptr, w.groups, y, ldy, res, ldr};
+  run_int4(a, xsum, isa);
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                   const std::optional<at::Tensor>& residual, int64_t isa) {
+  check_isa(isa);
+  const Int8Matrix w = int8_matrix(q, scale);
+  check_x(x, w.ldq);
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, w.N}, x.options());
+  int64_t ldr = 0;
+  const float* res = residual_of(residual, M, w.N, &ldr);
+  product8(w, x.data_ptr<float>(), M, K, x.stride(0), y.data_ptr<float>(), w.N, res, ldr, isa);
+  return y;
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zeros,
+                   int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& residual,
+                   int64_t isa) {
+  check_isa(isa);
+  const Int4Matrix w = int4_matrix(packed, scale_zeros, group_size, out_features);
+  check_x(x, w.Kp);
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, w.N}, x.options());
+  int64_t ldr = 0;
+  const float* res = residual_of(residual, M, w.N, &ldr);
+  product4(w, x.data_ptr<float>(), M, K, x.stride(0), y.data_ptr<float>(), w.N, res, ldr, isa);
+  return y;
+}
+
+// ---- a SwiGLU expert in one call --------------------------------------------------------------
+// down(silu(gate(x)) * up(x)) for the rows of x, gate_up [2I, D] (gate rows first) and down
+// [D, I] of one format: the two products with the activation between them in a scratch buffer,
+// no tensor per step. silu(g) = g / (1 + exp(-g)), exp as the C library computes it.
+
+void silu_mul(float* h, int64_t M, int64_t I, float* act) {
+  // h [M, 2I] (gate | up) -> act [M, I]
+  at::parallel_for(0, M * I, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / I, j = i % I;
+      const float g = h[m * 2 * I + j], u = h[m * 2 * I + I + j];
+      act[i] = g / (1.0f + std::exp(-g)) * u;
+    }
+  });
+}
+
+using Product = std::function<void(const float* x, int64_t K, int64_t ldx, float* y, const float* res, int64_t ldr)>;
+
+at::Tensor swiglu(const at::Tensor& x, int64_t I, int64_t D, const Product& gate_up, const Product& down,
+                  const std::optional<at::Tensor>& residual) {
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, D}, x.options());
+  int64_t ldr = 0;
+  const float* res = residual_of(residual, M, D, &ldr);
   if (M == 0) return y;
+  std::vector<float> h(M * 2 * I), act(M * I);
+  gate_up(x.data_ptr<float>(), x.size(1), x.stride(0), h.data(), nullptr, 0);
+  silu_mul(h.data(), M, I, act.data());
+  down(act.data(), I, I, y.data_ptr<float>(), res, ldr);
+  return y;
+}
+
+at::Tensor expert_int8(const at::Tensor& x, const at::Tensor& gu_q, const at::Tensor& gu_scale,
+                       const at::Tensor& dn_q, const at::Tensor& dn_scale,
+                       const std::optional<at::Tensor>& residual, int64_t isa) {
+  check_isa(isa);
+  const Int8Matrix gu = int8_matrix(gu_q, gu_scale), dn = int8_matrix(dn_q, dn_scale);
+  TORCH_CHECK(gu.N % 2 == 0 && gu.N / 2 <= dn.ldq, "gate_up has ", gu.N, " rows, down ", dn.ldq, " columns");
+  check_x(x, gu.ldq);
+  const int64_t M = x.size(0), I = gu.N / 2;
+  auto product = [M, isa](const Int8Matrix& w, int64_t ldy) {
+    return [w, ldy, M, isa](const float* xp, int64_t K, int64_t ldx, float* y, const float* res, int64_t ldr) {
+      product8(w, xp, M, K, ldx, y, ldy, res, ldr, isa);
+    };
+  };
+  return swiglu(x, I, dn.N, product(gu, 2 * I), product(dn, dn.N), residual);
+}
+
+at::Tensor expert_int4(const at::Tensor& x, const at::Tensor& gu_packed, const at::Tensor& gu_sz,
+                       int64_t gu_rows, const at::Tensor& dn_packed, const at::Tensor& dn_sz, int64_t dn_rows,
+                       int64_t group_size, const std::optional<at::Tensor>& residual, int64_t isa) {
+  check_isa(isa);
+  const Int4Matrix gu = int4_matrix(gu_packed, gu_sz, group_size, gu_rows);
+  const Int4Matrix dn = int4_matrix(dn_packed, dn_sz, group_size, dn_rows);
+  TORCH_CHECK(gu.N % 2 == 0 && gu.N / 2 <= dn.Kp, "gate_up has ", gu.N, " rows, down ", dn.Kp, " columns");
+  check_x(x, gu.Kp);
+  const int64_t M = x.size(0), I = gu.N / 2;
+  auto product = [M, isa](const Int4Matrix& w, int64_t ldy) {
+    return [w, ldy, M, isa](const float* xp, int64_t K, int64_t ldx, float* y, const float* res, int64_t ldr) {
+      product4(w, xp, M, K, ldx, y, ldy, res, ldr, isa);
+    };
+  };
+  return swiglu(x, I, dn.N, product(gu, 2 * I), product(dn, dn.N), residual);
+}
+
+// ---- a layer's routed experts in one call -----------------------------------------------------
+// out[n] = sum over the token's k experts, in a fixed order, of w[n, j] * expert_e(x[n]): each
+// expert computed once over the rows routed to it (ascending token order), its output multiplied
+// by the router weight and added, exactly as the MoE layer adds a store's outputs (`y * w`, then
+// `out + that`): by expert id (`by_id`, the grouped pass) or in the router's column order (a lone
+// token). Every expert's matrices are one slice of the stacked tensors.
+
+using ExpertRun = std::function<void(int64_t e, const float* x, int64_t n, int64_t ldx, float* y)>;
+
+at::Tensor moe(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, int64_t E, int64_t D,
+               bool by_id, const ExpertRun& run_expert) {
+  TORCH_CHECK(idx.dim() == 2 && idx.scalar_type() == at::kLong && idx.size(0) == x.size(0),
+              "idx must be int64 [N, k]");
+  TORCH_CHECK(w.sizes() == idx.sizes() && w.scalar_type() == at::kFloat, "weights must be float32 [N, k]");
+  const at::Tensor ic = idx.contiguous(), wc = w.contiguous();
+  const int64_t N = idx.size(0), k = idx.size(1), ldx = x.stride(0);
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  const float* wp = wc.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  std::vector<float> xsum(M * groups, 0.0f);
-  Int4Args a{xp, M, K, x.stride(0), packed.data_ptr<uint8_t>(), Kp,
-             reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr<at::BFloat16>()), Np, group_size, N,
-             xsum.data(), groups, y.data_ptr<float>(), N, nullptr, 0};
-  a.res = residual_of(residual, M, N, &a.ldr);
+  std::vector<std::vector<int64_t>> rows(E);  // tokens routed to each expert, ascending
+  std::vector<int64_t> slot(N * k);           // (token, column) -> row of its expert's output
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ip[n * k + j];
+      TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range [0, ", E, ")");
+      TORCH_CHECK(rows[e].empty() || rows[e].back() != n, "token ", n, " routed twice to expert ", e);
+      slot[n * k + j] = static_cast<int64_t>(rows[e].size());
+      rows[e].push_back(n);
+    }
+  std::vector<std::vector<float>> out_e(E);
+  std::vector<float> gathered;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(rows[e].size());
+    if (n == 0) continue;
+    out_e[e].resize(n * D);
+    if (N == 1) {
+      run_expert(e, xp, 1, ldx, out_e[e].data());
+      continue;
+    }
+    gathered.resize(n * x.size(1));
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(gathered.data() + r * x.size(1), xp + rows[e][r] * ldx, x.size(1) * sizeof(float));
+    run_expert(e, gathered.data(), n, x.size(1), out_e[e].data());
+  }
+  at::Tensor out = at::zeros({N, D}, x.options());
+  float* op = out.data_ptr<float>();
+  std::vector<int64_t> order(k);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t j = 0; j < k; ++j) order[j] = j;
+    if (by_id) std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ip[n * k + a] < ip[n * k + b]; });
+    float* on = op + n * D;
+    for (int64_t j : order) {
+      const int64_t e = ip[n * k + j];
+      const float* y = out_e[e].data() + slot[n * k + j] * D;
+      const float wt = wp[n * k + j];
+      for (int64_t d = 0; d < D; ++d) {
+        const float t = y[d] * wt;
+        on[d] = on[d] + t;
+      }
+    }
+  }
+  return out;
+}
+
+at::Tensor moe_int8(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, const at::Tensor& gu_q,
+                    const at::Tensor& gu_scale, const at::Tensor& dn_q, const at::Tensor& dn_scale, bool by_id,
+                    int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(gu_q.dim() == 3 && dn_q.dim() == 3 && gu_q.size(0) == dn_q.size(0) && gu_scale.dim() == 2 &&
+                  dn_scale.dim() == 2,
+              "stacked experts must be gate_up q [E, 2I, ldq], scale [E, 2I], down q [E, D, ldq], scale [E, D]");
+  const int64_t E = gu_q.size(0);
+  std::vector<Int8Matrix> gus, dns;
+  for (int64_t e = 0; e < E; ++e) {
+    gus.push_back(int8_matrix(gu_q[e], gu_scale[e]));
+    dns.push_back(int8_matrix(dn_q[e], dn_scale[e]));
+  }
+  TORCH_CHECK(E > 0 && gus[0].N % 2 == 0 && gus[0].N / 2 <= dns[0].ldq, "gate_up and down do not fit");
+  check_x(x, gus[0].ldq);
+  const int64_t I = gus[0].N / 2, D = dns[0].N, K = x.size(1);
+  return moe(x, idx, w, E, D, by_id, [&](int64_t e, const float* xp, int64_t n, int64_t ldx, float* y) {
+    std::vector<float> h(n * 2 * I), act(n * I);
+    product8(gus[e], xp, n, K, ldx, h.data(), 2 * I, nullptr, 0, isa);
+    silu_mul(h.data(), n, I, act.data());
+    product8(dns[e], act.data(), n, I, I, y, D, nullptr, 0, isa);
+  });
+}
+
+at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, const at::Tensor& gu_packed,
+                    const at::Tensor& gu_sz, int64_t gu_rows, const at::Tensor& dn_packed, const at::Tensor& dn_sz,
+                    int64_t dn_rows, int64_t group_size, bool by_id, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(gu_packed.dim() == 3 && dn_packed.dim() == 3 && gu_packed.size(0) == dn_packed.size(0) &&
+                  gu_sz.dim() == 4 && dn_sz.dim() == 4,
+              "stacked experts must be packed [E, Np, Kp / 2] with scale_zeros [E, groups, Np, 2]");
+  const int64_t E = gu_packed.size(0);
+  std::vector<Int4Matrix> gus, dns;
+  for (int64_t e = 0; e < E; ++e) {
+    gus.push_back(int4_matrix(gu_packed[e], gu_sz[e], group_size, gu_rows));
+    dns.push_back(int4_matrix(dn_packed[e], dn_sz[e], group_size, dn_rows));
+  }
+  TORCH_CHECK(E > 0 && gu_rows % 2 == 0 && gu_rows / 2 <= dns[0].Kp, "gate_up and down do not fit");
+  check_x(x, gus[0].Kp);
+  const int64_t I = gu_rows / 2, D = dn_rows, K = x.size(1);
+  return moe(x, idx, w, E, D, by_id, [&](int64_t e, const float* xp, int64_t n, int64_t ldx, float* y) {
+    std::vector<float> h(n * 2 * I), act(n * I);
+    product4(gus[e], xp, n, K, ldx, h.data(), 2 * I, nullptr, 0, isa);
+    silu_mul(h.data(), n, I, act.data());
+    product4(dns[e], act.data(), n, I, I, y, D, nullptr, 0, isa);
+  });
+}
+
+// ---- one product per attention head, all heads in one call ---------------------------------
+// x [H, S, K] -> [H, S, N]: head h's rows through head h's matrix (MLA's W_UK^T and W_UV), the
+// heads split over the threads (each head's product on one thread: they are small).
+
+void int8_rows(const Int8Args& a, int64_t isa) {
   X16 xq;
 #if LKV_X86
-  if (isa == 3) xq = quantize_x16(xp, M, K, a.ldx, group_size, Kp);
+  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, XGROUP8, (a.K + XGROUP8 - 1) / XGROUP8 * XGROUP8);
+  if (isa == 3) return int8_vnni(a, xq, 0, a.N_rows);
+  if (isa == 2) return int8_avx512(a, 0, a.N_rows);
+  if (isa == 1) return int8_avx2(a, 0, a.N_rows);
+#endif
+  int8_generic(a, 0, a.N_rows);
+}
+
+void int4_rows(Int4Args& a, int64_t isa) {
+  std::vector<float> xsum(a.M * a.groups, 0.0f);
+  a.xsum = xsum.data();
+  X16 xq;
+#if LKV_X86
+  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, a.G, a.Kp);
 #endif
   if (isa != 3)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t g = 0; g < a.groups; ++g) {
         float s = 0.0f;
-        for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) s += xp[m * a.ldx + k];
-        xsum[m * groups + g] = s;
+        for (int64_t k = g * a.G; k < std::min(a.K, (g + 1) * a.G); ++k) s += a.x[m * a.ldx + k];
+        xsum[m * a.groups + g] = s;
       }
-  at::parallel_for(0, Np / BLOCK, grain(BLOCK * Kp / 2 * std::max<int64_t>(1, M / 4)), [&](int64_t b0, int64_t b1) {
 #if LKV_X86
-    if (isa == 3) return int4_vnni(a, xq, b0, b1);
-    if (isa == 2) return int4_avx512(a, b0, b1);
-    if (isa == 1) return int4_avx2(a, b0, b1);
+  if (isa == 3) return int4_vnni(a, xq, 0, a.Np / BLOCK);
+  if (isa == 2) return int4_avx512(a, 0, a.Np / BLOCK);
+  if (isa == 1) return int4_avx2(a, 0, a.Np / BLOCK);
 #endif
-    int4_generic(a, b0, b1);
+  int4_generic(a, 0, a.Np / BLOCK);
+}
+
+at::Tensor heads_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(q.dim() == 3 && scale.dim() == 2 && x.dim() == 3 && x.size(0) == q.size(0),
+              "heads: x [H, S, K], q [H, N, ldq], scale [H, N]");
+  const int64_t H = q.size(0), S = x.size(1), K = x.size(2);
+  std::vector<Int8Matrix> w;
+  for (int64_t h = 0; h < H; ++h) w.push_back(int8_matrix(q[h], scale[h]));
+  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK(xc.scalar_type() == at::kFloat && H > 0 && K <= w[0].ldq, "x must be float32 [H, S, K <= ldq]");
+  const int64_t N = w[0].N;
+  at::Tensor y = at::empty({H, S, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      Int8Args a{xp + h * S * K, S, K, K, w[h].q, w[h].ldq, w[h].scale, yp + h * S * N, N, nullptr, 0, N};
+      int8_rows(a, isa);
+    }
+  });
+  return y;
+}
+
+at::Tensor heads_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zeros,
+                      int64_t group_size, int64_t out_features, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(packed.dim() == 3 && scale_zeros.dim() == 4 && x.dim() == 3 && x.size(0) == packed.size(0),
+              "heads: x [H, S, K], packed [H, Np, Kp / 2], scale_zeros [H, groups, Np, 2]");
+  const int64_t H = packed.size(0), S = x.size(1), K = x.size(2);
+  std::vector<Int4Matrix> w;
+  for (int64_t h = 0; h < H; ++h) w.push_back(int4_matrix(packed[h], scale_zeros[h], group_size, out_features));
+  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK(xc.scalar_type() == at::kFloat && H > 0 && K <= w[0].Kp, "x must be float32 [H, S, K <= Kp]");
+  const int64_t N = out_features;
+  at::Tensor y = at::empty({H, S, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      Int4Args a{xp + h * S * K, S, K, K, w[h].packed, w[h].Kp, w[h].sz, w[h].Np, w[h].G, N, nullptr, w[h].groups,
+                 yp + h * S * N, N, nullptr, 0};
+      int4_rows(a, isa);
+    }
   });
   return y;
 }
@@ -687,12 +1000,34 @@ bool has_isa(int64_t isa) { return isa >= 0 && isa <= 3 && cpu_has(isa); }
 TORCH_LIBRARY(latentkv, m) {
   m.def("int8_mm(Tensor x, Tensor q, Tensor scale, Tensor? residual, int isa) -> Tensor");
   m.def(
+      "expert_int8(Tensor x, Tensor gate_up_q, Tensor gate_up_scale, Tensor down_q, Tensor down_scale, "
+      "Tensor? residual, int isa) -> Tensor");
+  m.def(
+      "expert_int4(Tensor x, Tensor gate_up_packed, Tensor gate_up_scale_zeros, int gate_up_rows, "
+      "Tensor down_packed, Tensor down_scale_zeros, int down_rows, int group_size, Tensor? residual, "
+      "int isa) -> Tensor");
+  m.def(
       "int4_mm(Tensor x, Tensor packed, Tensor scale_zeros, int group_size, int out_features, "
       "Tensor? residual, int isa) -> Tensor");
+  m.def(
+      "moe_int8(Tensor x, Tensor idx, Tensor weights, Tensor gate_up_q, Tensor gate_up_scale, Tensor down_q, "
+      "Tensor down_scale, bool by_id, int isa) -> Tensor");
+  m.def(
+      "moe_int4(Tensor x, Tensor idx, Tensor weights, Tensor gate_up_packed, Tensor gate_up_scale_zeros, "
+      "int gate_up_rows, Tensor down_packed, Tensor down_scale_zeros, int down_rows, int group_size, bool by_id, "
+      "int isa) -> Tensor");
+  m.def("heads_int8(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
+  m.def("heads_int4(Tensor x, Tensor packed, Tensor scale_zeros, int group_size, int out_features, int isa) -> Tensor");
   m.def("has_isa(int isa) -> bool", &has_isa);
 }
 
 TORCH_LIBRARY_IMPL(latentkv, CPU, m) {
   m.impl("int8_mm", &int8_mm);
   m.impl("int4_mm", &int4_mm);
+  m.impl("expert_int8", &expert_int8);
+  m.impl("expert_int4", &expert_int4);
+  m.impl("moe_int8", &moe_int8);
+  m.impl("moe_int4", &moe_int4);
+  m.impl("heads_int8", &heads_int8);
+  m.impl("heads_int4", &heads_int4);
 }
