@@ -164,14 +164,12 @@ def _load_streamed(
     Drafting (`draft_tokens`) with a store that lacks the MTP layer's experts is refused."""
     from latentkv.config import ModelConfig
     from latentkv.experts.streamed import StreamConfig
-    from latentkv.streaming.attach import ensure_store, load_streamed, mtp_store_problem
+    from latentkv.streaming.attach import default_store_dir, ensure_store, load_streamed, mtp_store_problem
     from latentkv.streaming.planner import GIB, make_plan
 
     cfg = ModelConfig.from_hf(directory)
     length = max_model_len or min(cfg.max_position_embeddings, 4096)
-    store = ensure_store(directory, engine.experts, progress=not quiet)
-    if draft_tokens and (problem := mtp_store_problem(directory, store)) is not None:
-        raise UserError(problem)
+    store = default_store_dir(directory, engine.experts)  # planned before it is written
     plan = make_plan(
         cfg,
         directory,
@@ -185,6 +183,9 @@ def _load_streamed(
     )
     if not plan.fits:
         raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")
+    store = ensure_store(directory, engine.experts, progress=not quiet)
+    if draft_tokens and (problem := mtp_store_problem(directory, store)) is not None:
+        raise UserError(problem)
     config = StreamConfig(budget=plan.expert_cache_bytes, policy=engine.expert_policy)
     model, streamer = load_streamed(directory, store, config, engine.weight_dtype, progress=not quiet)
     if not quiet:

@@ -84,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
         return status
     if args.session is not None:
         check_name(args.session)
-    if args.max_tokens < 1:
-        raise UserError("--max-tokens must be >= 1")
+    from latentkv.config import check_tokens
+
+    check_tokens("--max-tokens", args.max_tokens)
     sampling = sampling_params(args)
     engine = engine_config(args)
     args.speculative_config = speculative_config(args, args.model)

@@ -29,6 +29,8 @@ from latentkv.commands.common import (
     speculative_config,
 )
 from latentkv.commands.session import add_session_arguments, check_name
+from latentkv.config import check_tokens
+from latentkv.engine.request import context_problem
 from latentkv.errors import UserError
 from latentkv.runtime import experts_line, load
 
@@ -57,8 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return status
     if args.session is not None:
         check_name(args.session)  # before the weights load
-    if args.max_tokens < 0:
-        raise UserError("--max-tokens must be >= 0")
+    check_tokens("--max-tokens", args.max_tokens, low=0)
     sampling = sampling_params(args)
     if args.prompt is not None:
         check_text(args.prompt, "--prompt")  # before the weights load
@@ -74,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(args.prompt)
     else:
         prompt = parse_ids(args.prompt_ids)
+    if problem := context_problem(
+        len(prompt), args.max_tokens, model.cfg.max_position_embeddings, "--max-tokens"
+    ):
+        raise UserError(problem)  # as the server answers a request that does not fit
     args.constraint = _constraint(grammar, loaded)
     conv = _open_session(args, loaded, engine.cache)
     try:

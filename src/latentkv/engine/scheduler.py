@@ -56,6 +56,7 @@ step is retried one sequence at a time to find it); the worker and the other req
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import traceback
@@ -79,6 +80,7 @@ from latentkv.engine.request import (
     TokenEvent,
     check_group_size,
     check_room,
+    failure_code,
     validate_request,
 )
 from latentkv.engine.sampling import SamplingParams, sample
@@ -95,6 +97,8 @@ from latentkv.kv.slots import SlotPool
 if TYPE_CHECKING:
     from latentkv.cluster.head import Cluster
     from latentkv.experts.streamed import ExpertStreamer
+
+log = logging.getLogger("latentkv.engine")
 
 
 @dataclass
@@ -330,10 +334,9 @@ class Scheduler:
             try:
                 self._step(admitted)
             except Exception as exc:  # noqa: BLE001 - a bug here must not leave clients waiting forever
-                traceback.print_exc()
                 for seq in admitted + self._running:
                     if not seq.finished:
-                        self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                        self._fail(seq, exc)
                 self._outbox.flush()
         self._finish_all("cancelled")
 
@@ -388,9 +391,19 @@ class Scheduler:
             self._finish(seq, "error", str(exc), refused="invalid" if not seq.generated else None)
             return None
         except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
+            self._fail(seq, exc)
             return None
+
+    def _fail(self, seq: _Sequence, exc: Exception) -> None:
+        """Finish `seq` with reason "error": a damaged expert store or a refusing disk is one log
+        line and a `Finished.code` (the server's 503); anything else is a bug, with its traceback."""
+        code = failure_code(exc)
+        if code is None:
+            traceback.print_exception(exc)
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+        else:
+            log.error("request failed (%s): %s", code, exc)
+            self._finish(seq, "error", str(exc), code=code)
 
     def _admit(self, admitted: list[_Sequence]) -> None:
         """Start the admitted requests: open (or resume) each one's cache, prefill what is not
@@ -520,8 +533,7 @@ class Scheduler:
             self._finish(seq, "error", str(exc), refused="unavailable")
             return None
         except Exception as exc:  # noqa: BLE001
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
+            self._fail(seq, exc)
             return None
 
     def _verify_step(self) -> None:
@@ -562,8 +574,7 @@ class Scheduler:
             self._finish(seq, "error", str(exc), refused="unavailable")
             return None
         except Exception as exc:  # noqa: BLE001
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
+            self._fail(seq, exc)
             return None
 
     def _settle(
@@ -608,7 +619,12 @@ class Scheduler:
             seq.pending = token
 
     def _finish(
-        self, seq: _Sequence, reason: str, error: str | None = None, refused: str | None = None
+        self,
+        seq: _Sequence,
+        reason: str,
+        error: str | None = None,
+        refused: str | None = None,
+        code: str | None = None,
     ) -> None:
         """The request leaves: save its session (unless it failed), free its slot, tell the client."""
         if seq.finished:
@@ -620,8 +636,8 @@ class Scheduler:
             self._running.remove(seq)
         if self._pool is not None and seq.cache is not None:
             self._pool.release(seq.cache)
-        if seq.session is not None:
-            error = self._close_session(seq, save=reason != "error") or error
+        if seq.session is not None and (failed := self._close_session(seq, save=reason != "error")):
+            error, code = failed
         name = seq.handle.request.session
         with self._cond:
             self._busy_sessions.discard(name)
@@ -639,19 +655,26 @@ class Scheduler:
                 decode_seconds=seq.decode_seconds,
                 queued_seconds=seq.queued_seconds,
                 refused=refused,
+                code=code if error else None,
             )
         )
 
-    def _close_session(self, seq: _Sequence, save: bool) -> str | None:
-        """Save the cache's rows (prompt + every generated token fed back) and close the file."""
+    def _close_session(self, seq: _Sequence, save: bool) -> tuple[str, str | None] | None:
+        """Save the cache's rows (prompt + every generated token fed back) and close the file;
+        (error, Finished.code) when saving failed (the file keeps its last commit)."""
         session, seq.session = seq.session, None
         try:
             if save:
                 sessions.save(session, seq.prompt + seq.generated, seq.cache)
             return None
         except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            return f"saving session {seq.handle.request.session!r} failed: {exc}"
+            code = failure_code(exc)
+            text = f"saving session {seq.handle.request.session!r} failed: {exc}"
+            if code is None:
+                traceback.print_exception(exc)
+            else:
+                log.error("%s", text)
+            return text, code
         finally:
             session.close()
 

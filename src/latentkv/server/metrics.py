@@ -389,3 +389,19 @@ def _experts(out: _Families, snapshot: dict) -> None:
     table = EXPERT_METRICS + (DRAFT_EXPERT_METRICS if snapshot.get("draft_asked") else ())
     for name, kind, help_text, key in table:
         (out.counter if kind == "counter" else out.gauge)(name, help_text, snapshot[key])
+    if (store := snapshot.get("store")) is not None:
+        out.gauge(
+            "latentkv_expert_store_degraded",
+            "1 while experts of the store are damaged or unreadable (see /health), else 0",
+            int(store["degraded"]),
+        )
+        out.gauge(
+            "latentkv_expert_damaged",
+            "Experts found damaged or unreadable and not yet read back whole",
+            len(store["damaged"]),
+        )
+        out.counter(
+            "latentkv_expert_read_failures_total",
+            "Expert reads that failed (a damaged extent, a layer file gone, an I/O error)",
+            store["read_failures"],
+        )

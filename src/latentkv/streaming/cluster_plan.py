@@ -229,18 +229,18 @@ def format_cluster_plan(p: ClusterPlan) -> str:
 def usage_load(store: Path | None) -> dict[int, list[float]] | None:
     """Expected uses per token of each expert, from the usage history beside the expert store
     at `store`; None when there is none (or it has seen no token)."""
-    import json
-
-    from latentkv.experts.history import FILE_NAME
+    from latentkv import fs
+    from latentkv.experts.history import FILE_NAME, MAX_BYTES, MAX_DEPTH
 
     if store is None:
         return None
     try:
-        body = json.loads((Path(store) / FILE_NAME).read_bytes())["usage"]
+        raw = fs.read_bounded(Path(store) / FILE_NAME, MAX_BYTES, "reading the usage history")
+        body = fs.load_json(raw, MAX_DEPTH)["usage"]
         tokens = int(body["tokens"])
         layers = (
             {int(k): [int(c) / tokens for c in v] for k, v in body["layers"].items()} if tokens > 0 else None
         )
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (fs.DiskError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
     return layers
