@@ -243,24 +243,17 @@ def test_kv_inspect_of_a_directory_or_device_is_one_line(capsys, tmp_path, make,
     assert f"is {kind}, not a KV file" in err
 
 
-def test_kv_inspect_without_permission_is_one_line(capsys, tmp_path, monkeypatch):
-    """(The tests may run as root, which reads anything: the open's refusal is simulated.)"""
-    import os
+def test_kv_inspect_without_permission_is_one_line(capsys, tmp_path):
+    """(The tests may run as root, which reads anything: the refusal comes through fs's seam.)"""
+    import errno
 
-    from latentkv.kv import store_file
+    from latentkv import fs
 
     path = tmp_path / "secret.kv"
     path.write_bytes(b"x" * 100)
-    real_open = os.open
-
-    def denied(name, flags, *args):
-        if str(name) == str(path):
-            raise PermissionError(13, "Permission denied", str(name))
-        return real_open(name, flags, *args)
-
-    monkeypatch.setattr(store_file.os, "open", denied)
-    err = _refused(capsys, "kv", "inspect", str(path))
-    assert "Permission denied" in err and str(path) in err
+    with fs.inject("open", path, errno.EACCES):
+        err = _refused(capsys, "kv", "inspect", str(path))
+    assert f"{path}: permission denied while opening the KV file: check its permissions" in err
 
 
 # --- the refusal note names the flags that resume the file ----------------------------------------

@@ -6,17 +6,19 @@ top-level module or package of latentkv; docs/architecture.md draws them):
 
     0  __init__ (version), errors, config,       what everything may use
        progress (a stage's progress on stderr)
-    1  tokenizer, chat_template                  text in and out; no model
-    2  kv, weights                               KV codecs, caches, the KV file; weight formats (Linear)
-    3  attention, experts                        attention backends over kv; expert stores over weights
-    4  models                                    a forward pass over a Batch, through the seams above
-    5  streaming                                 experts streamed from disk into a model: attach, convert, plan
-    6  runtime                                   load a model + tokenizer for running
-    7  engine                                    generation, sampling, the scheduler, its process
-    8  eval, server                              leaves that use the engine (siblings: neither imports the other)
-    9  commands                                  the CLI's subcommands (serve starts the server)
-    10 cli                                       argparse -> commands
-    11 __main__                                  `python -m latentkv`
+    1  fs                                        the one way to touch the file system (DiskError)
+    2  tokenizer, chat_template                  text in and out; no model
+    3  kv, weights                               KV codecs, caches, the KV file; weight formats (Linear)
+    4  attention, experts                        attention backends over kv; expert stores over weights
+    5  models                                    a forward pass over a Batch, through the seams above
+    6  streaming                                 experts streamed from disk into a model: attach, convert, plan
+    7  cluster                                   experts over several ranks (torch.distributed): head, workers
+    8  runtime                                   load a model + tokenizer for running
+    9  engine                                    generation, sampling, the scheduler, its process
+    10 eval, server                              leaves that use the engine (siblings: neither imports the other)
+    11 commands                                  the CLI's subcommands (serve starts the server)
+    12 cli                                       argparse -> commands
+    13 __main__                                  `python -m latentkv`
 
 A unit may import its own modules and units of lower layers, never a unit of its own layer or
 above. Circles are checked between units and between modules (a package's `__init__` is the
@@ -37,11 +39,13 @@ SRC = Path(latentkv.__file__).parent
 
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "errors", "config", "progress"),
+    ("fs",),
     ("tokenizer", "chat_template"),
     ("kv", "weights"),
     ("attention", "experts"),
     ("models",),
     ("streaming",),
+    ("cluster",),
     ("runtime",),
     ("engine",),
     ("eval", "server"),

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from latentkv import version
-from latentkv.errors import UserError
+from latentkv.errors import Unavailable, UserError
 
 COMMANDS = {
     "demo": ("latentkv.commands.demo", "run the bundled model end to end"),
@@ -48,10 +48,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from latentkv.config import ConfigError, cluster_env, quiet_torch_for_cluster
+
+    quiet_torch_for_cluster()
+    code = _main(argv)
+    try:
+        clustered = cluster_env() is not None
+    except ConfigError:
+        clustered = False
+    if clustered:  # a rank of a cluster: end without tearing its gloo groups down
+        from latentkv.cluster.rendezvous import end_process
+
+        return end_process(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
+        return 2
+    if (refusal := _not_distributed(args)) is not None:
+        print(f"latentkv {args.command}: error: {refusal}", file=sys.stderr)
         return 2
     module = importlib.import_module(args._module)
     try:
@@ -65,11 +84,36 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Unavailable as exc:  # a cluster rank was lost mid-run: nothing the flags could fix
+        print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         if not _explained(exc):
             raise
         print(f"latentkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+# The commands that run expert-parallel when started by torchrun (WORLD_SIZE > 1).
+DISTRIBUTED = {("generate",), ("chat",), ("serve",), ("bench", "decode")}
+
+
+def _not_distributed(args: argparse.Namespace) -> str | None:
+    """Why this command does not run under torchrun (WORLD_SIZE > 1), or None."""
+    from latentkv.config import ConfigError, cluster_env
+
+    try:
+        if cluster_env() is None:
+            return None
+    except ConfigError as exc:
+        return str(exc)
+    name = (args.command, getattr(args, "bench", None)) if args.command == "bench" else (args.command,)
+    if name in DISTRIBUTED:
+        return None
+    return (
+        f"`latentkv {' '.join(name)}` does not run expert-parallel (WORLD_SIZE > 1 starts a cluster: "
+        "generate, chat, serve and bench decode do); run it without torchrun"
+    )
 
 
 def _explained(exc: Exception) -> bool:

@@ -7,6 +7,7 @@ rest of the stack reads. This is the only module that reads environment variable
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -482,10 +483,8 @@ class CacheConfig:
         if self.group_size is not None:
             if name not in GROUPED_KV_CACHE_DTYPES:
                 raise ConfigError(f"--kv-group-size applies to fp8, tq* and polar* tiers only, not to {name}")
-            if self.group_size < 1:
-                raise ConfigError(f"--kv-group-size must be positive (got {self.group_size})")
-        if self.recent_window < 0:
-            raise ConfigError(f"--kv-recent-window must be 0 (off) or positive (got {self.recent_window})")
+            check_number("--kv-group-size", self.group_size, 1, MAX_DIM, integer=True)
+        check_number("--kv-recent-window", self.recent_window, 0, MAX_CONTEXT, integer=True, note="0 is off")
 
 
 def parse_kv_cache_dtypes(text: str) -> list[str]:
@@ -543,6 +542,7 @@ class EngineConfig:
     expert_dtype: str | None = None  # routed experts' format; None: the same as weight_dtype
     ram_gb: float | None = None  # stream routed experts from disk within this RAM budget (GiB)
     expert_policy: str = "lru"  # the expert cache's eviction policy when streaming
+    cluster: ClusterConfig | None = None  # expert-parallel over a cluster (started by torchrun)
 
     def __post_init__(self) -> None:
         for flag, name in (("weight", self.weight_dtype), ("expert", self.expert_dtype or self.weight_dtype)):
@@ -550,10 +550,12 @@ class EngineConfig:
                 raise ConfigError(f"unknown {flag} dtype {name!r}; choose from {', '.join(WEIGHT_DTYPES)}")
         if self.threads is not None:
             check_threads(self.threads)
-        if self.ram_gb is not None and not self.ram_gb > 0:
-            raise ConfigError(f"--ram-gb must be positive (got {self.ram_gb})")
+        if self.ram_gb is not None:
+            check_gib("--ram-gb", self.ram_gb)
         if self.ram_gb is not None and self.compile:
             raise ConfigError("--compile does not apply to streamed experts (--ram-gb): drop one of them")
+        if self.cluster is not None and self.compile:
+            raise ConfigError("--compile does not apply to a cluster (experts on several ranks): drop it")
 
     @property
     def experts(self) -> str:
@@ -587,6 +589,7 @@ class ServerConfig:
     engine_process: bool = True  # the model and scheduler in a child process (engine/remote.py)
     pin_cpus: bool = False  # with engine_process: the engine and the HTTP process on separate CPUs
     speculative_draft_tokens: int = 0  # --speculative mtp --draft-tokens N; 0: no drafting
+    request_timeout_s: float = 30.0  # a request's headers, then its body, must arrive within this (408)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -595,14 +598,62 @@ class ServerConfig:
             raise ConfigError(f"--port must be in 0..65535 (got {self.port})")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("--api-key is empty (leave it out to serve without a key)")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
-        if self.max_queue < 1:
-            raise ConfigError(f"--max-queue must be >= 1 (got {self.max_queue})")
+        check_number("--max-num-seqs", self.max_num_seqs, 1, MAX_SEQS, integer=True)
+        check_number("--max-queue", self.max_queue, 1, MAX_QUEUE, integer=True)
         if not 0 <= self.speculative_draft_tokens <= 8:
             raise ConfigError(f"--draft-tokens must be in 1..8 (got {self.speculative_draft_tokens})")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"--max-model-len must be >= 2 (got {self.max_model_len})")
+        if self.max_model_len is not None:
+            check_number("--max-model-len", self.max_model_len, 2, MAX_CONTEXT, integer=True)
+        check_number("--request-timeout", self.request_timeout_s, 0, 3600, above=True, unit=" s")
+
+
+# --- numeric flags that size memory or count tokens: one check -----------------------------------
+
+MAX_GIB = 1 << 16  # 64 TiB: past the memory of any one machine (--ram-gb, --vram-gb)
+MAX_SEQS = 1 << 12  # sequences decoded together
+MAX_QUEUE = 1 << 20  # requests waiting
+
+
+def check_number(
+    flag: str,
+    value: float,
+    low: float,
+    high: float,
+    *,
+    integer: bool = False,
+    above: bool = False,
+    unit: str = "",
+    note: str = "",
+) -> float:
+    """`value` if it is a finite number (an integer when `integer`) in [low, high] (or (low,
+    high] when `above`), else ConfigError, one line naming the flag: for every numeric flag
+    that sizes memory or counts tokens (--ram-gb, window sizes, token counts), so nan, inf,
+    1e999 or 2**63 is refused here rather than overflowing (or allocating) further down."""
+    ok = (isinstance(value, int) or (not integer and isinstance(value, float))) and not isinstance(
+        value, bool
+    )
+    ok = ok and math.isfinite(value) and (low < value if above else low <= value) and value <= high
+    if not ok:
+        kind = "an integer" if integer else "a number"
+        span = f"above {_n(low)} and at most {_n(high)}" if above else f"from {_n(low)} to {_n(high)}"
+        shown = repr(value) if len(repr(value)) <= 24 else f"{repr(value)[:21]}..."
+        why = f" ({note})" if note else ""
+        raise ConfigError(f"{flag} must be {kind} {span}{unit}{why} (got {shown})")
+    return value
+
+
+def _n(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def check_gib(flag: str, value: float) -> float:
+    """A memory budget in GiB: positive, finite, at most MAX_GIB."""
+    return check_number(flag, value, 0, MAX_GIB, above=True, unit=" GiB")
+
+
+def check_tokens(flag: str, value: int, low: int = 1, high: int = MAX_CONTEXT) -> int:
+    """A token count (a context, a window, tokens to generate): an integer in [low, high]."""
+    return int(check_number(flag, value, low, high, integer=True))
 
 
 def env_api_key() -> str | None:
@@ -659,3 +710,85 @@ def hf_hub_cache() -> Path:
 def sessions_dir() -> Path:
     """Where `--session NAME` keeps its KV files when --kv-dir is not given: cache_root()/sessions."""
     return cache_root() / "sessions"
+
+
+# --- a cluster of ranks (expert parallelism, docs/distributed.md) ----------------------------
+
+DEFAULT_CLUSTER_TIMEOUT_S = 60.0  # a rank that does not answer within this is lost
+DEFAULT_CLUSTER_START_TIMEOUT_S = 900.0  # start-up: every rank joins (and writes its share) within this
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """This process's place in a cluster started by torchrun (or anything that sets torch's
+    env:// variables): `world_size` ranks, rank 0 the head. Built by `cluster_from_env`."""
+
+    world_size: int
+    rank: int
+    master_addr: str
+    master_port: int
+    local_world_size: int = 1  # ranks on this machine (they share its memory)
+    agent_store: bool = False  # torchrun's agent hosts the rendezvous store (rank 0 connects to it)
+    timeout_s: float = DEFAULT_CLUSTER_TIMEOUT_S
+    start_timeout_s: float = DEFAULT_CLUSTER_START_TIMEOUT_S
+    secret: str | None = None  # a token every rank must present at start-up
+    placement: Path | None = None  # a placement file (`latentkv plan --nodes N --placement-out`)
+    head_experts: bool = True  # the head owns a share of the experts
+    disk_gbps: float | None = None  # this rank's disk read speed; None: measured
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ConfigError(f"a cluster needs WORLD_SIZE >= 2 (got {self.world_size})")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"RANK must be in 0..{self.world_size - 1} (got {self.rank})")
+        if not 0 < self.master_port <= 65535:
+            raise ConfigError(f"MASTER_PORT must be in 1..65535 (got {self.master_port})")
+        if not self.master_addr:
+            raise ConfigError("MASTER_ADDR is empty: the head's address (torchrun --master-addr)")
+        if not self.timeout_s > 0 or not self.start_timeout_s > 0:
+            raise ConfigError("--cluster-timeout and --cluster-start-timeout must be positive")
+        if self.secret is not None and not self.secret:
+            raise ConfigError("the cluster secret is empty (leave it out to run without one)")
+        if self.disk_gbps is not None and not self.disk_gbps > 0:
+            raise ConfigError(f"--disk-gbps must be positive (got {self.disk_gbps})")
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+
+def cluster_env(environ: dict[str, str] | None = None) -> dict[str, int | str | bool] | None:
+    """torch's env:// variables (what torchrun sets): None unless WORLD_SIZE > 1. ConfigError for
+    values that are not what torchrun would set."""
+    env = os.environ if environ is None else environ
+    raw = env.get("WORLD_SIZE", "").strip()
+    if not raw:
+        return None
+    try:
+        world = int(raw)
+        if world <= 1:
+            return None
+        out: dict[str, int | str | bool] = {"world_size": world, "rank": int(env.get("RANK", ""))}
+        out["master_port"] = int(env.get("MASTER_PORT", ""))
+        out["local_world_size"] = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    except ValueError:
+        raise ConfigError(
+            "WORLD_SIZE, RANK and MASTER_PORT must be integers (torchrun sets them; "
+            f"got WORLD_SIZE={raw!r}, RANK={env.get('RANK')!r}, MASTER_PORT={env.get('MASTER_PORT')!r})"
+        ) from None
+    out["master_addr"] = env.get("MASTER_ADDR", "").strip()
+    out["agent_store"] = env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
+    return out
+
+
+def env_cluster_secret() -> str | None:
+    """LATENTKV_CLUSTER_SECRET, an alias of --cluster-secret (keeps it out of the process list)."""
+    return os.environ.get("LATENTKV_CLUSTER_SECRET") or None
+
+
+def quiet_torch_for_cluster() -> None:
+    """Under torchrun (WORLD_SIZE > 1), before torch is imported: torch's C++ warnings off. A rank
+    that goes away makes the store and gloo log stack frames on every other rank; latentkv says
+    what happened in one line instead. An explicit TORCH_CPP_LOG_LEVEL is kept."""
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -18,3 +18,8 @@ def user_message(exc: BaseException) -> str:
     if isinstance(exc, (UserError, ValueError)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+class Unavailable(RuntimeError):
+    """A part the engine needs is gone for now (a cluster rank that stopped answering): requests
+    in flight fail with this message, and the server answers 503 until it is back."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from latentkv.errors import UserError
 
 if TYPE_CHECKING:
+    from latentkv.cluster.head import Cluster
     from latentkv.config import CacheConfig, EngineConfig, ModelConfig
     from latentkv.experts.streamed import ExpertStreamer
     from latentkv.models.model import Model
@@ -44,9 +45,14 @@ class Loaded:
     directory: Path
     seconds: float
     streamer: ExpertStreamer | None = None  # the experts stream from disk (--ram-gb)
+    cluster: Cluster | None = None  # the head of a cluster: the other ranks hold experts too
 
     def close(self) -> None:
-        """Stop expert reads and save the usage history (streamed runs)."""
+        """Stop expert reads and save the usage history (streamed runs); a cluster's head tells
+        the workers it is ending."""
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
         if self.streamer is not None:
             self.streamer.close()
             self.streamer = None
@@ -81,8 +87,12 @@ def load(
         check_tier(ModelConfig.from_hf(directory), engine.cache)
         if engine.compile:
             check_compilable(engine.cache, (engine.weight_dtype, engine.experts))
-        streamer = None
-        if engine.ram_gb is not None:
+        streamer = cluster = None
+        if engine.cluster is not None:
+            model, streamer, cluster = _load_head(
+                directory, model_arg, engine, quiet, max_model_len, max_num_seqs, draft_tokens
+            )
+        elif engine.ram_gb is not None:
             model, streamer = _load_streamed(
                 directory, engine, quiet, max_model_len, max_num_seqs, draft_tokens
             )
@@ -98,7 +108,29 @@ def load(
         _report_load(model_arg, model, engine, seconds)
     if engine.compile:
         model.compile_decode(engine.cache, progress=not quiet)
-    return Loaded(model, tokenizer, directory, seconds, streamer)
+    return Loaded(model, tokenizer, directory, seconds, streamer, cluster)
+
+
+def _load_head(
+    directory: Path,
+    model_arg: str,
+    engine: EngineConfig,
+    quiet: bool,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    draft_tokens: int,
+):
+    """The head of a cluster (torchrun, WORLD_SIZE > 1): (model, its own streamer, the cluster)."""
+    from latentkv.cluster.load import load_head
+    from latentkv.cluster.rendezvous import StoreGone
+    from latentkv.config import ModelConfig
+
+    length = max_model_len or min(ModelConfig.from_hf(directory).max_position_embeddings, 4096)
+    try:
+        model, head = load_head(directory, model_arg, engine, quiet, length, max_num_seqs, draft_tokens)
+    except (StoreGone, TimeoutError) as exc:
+        raise UserError(f"the cluster did not start: {exc}") from None
+    return model, head.streamer, head.cluster
 
 
 def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: float) -> None:
@@ -132,14 +164,12 @@ def _load_streamed(
     Drafting (`draft_tokens`) with a store that lacks the MTP layer's experts is refused."""
     from latentkv.config import ModelConfig
     from latentkv.experts.streamed import StreamConfig
-    from latentkv.streaming.attach import ensure_store, load_streamed, mtp_store_problem
+    from latentkv.streaming.attach import default_store_dir, ensure_store, load_streamed, mtp_store_problem
     from latentkv.streaming.planner import GIB, make_plan
 
     cfg = ModelConfig.from_hf(directory)
     length = max_model_len or min(cfg.max_position_embeddings, 4096)
-    store = ensure_store(directory, engine.experts, progress=not quiet)
-    if draft_tokens and (problem := mtp_store_problem(directory, store)) is not None:
-        raise UserError(problem)
+    store = default_store_dir(directory, engine.experts)  # planned before it is written
     plan = make_plan(
         cfg,
         directory,
@@ -153,6 +183,9 @@ def _load_streamed(
     )
     if not plan.fits:
         raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")
+    store = ensure_store(directory, engine.experts, progress=not quiet)
+    if draft_tokens and (problem := mtp_store_problem(directory, store)) is not None:
+        raise UserError(problem)
     config = StreamConfig(budget=plan.expert_cache_bytes, policy=engine.expert_policy)
     model, streamer = load_streamed(directory, store, config, engine.weight_dtype, progress=not quiet)
     if not quiet:

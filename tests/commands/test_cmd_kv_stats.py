@@ -169,8 +169,8 @@ def test_the_table(capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--ram-gb", "0"], "--ram-gb must be positive"),
-        (["--rows", "0"], "at least 1"),
+        (["--ram-gb", "0"], "--ram-gb must be a number above 0"),
+        (["--rows", "0"], "--rows must be an integer from 1"),
         (["--kv-cache-dtype", "int4"], "unknown --kv-cache-dtype 'int4'"),
         (["--kv-group-size", "8", "--kv-cache-dtype", "bf16"], "applies to fp8, tq* and polar* tiers"),
     ],

@@ -176,7 +176,7 @@ def test_demo_takes_a_tier(capsys):
             "--kv-group-size applies to fp8, tq* and polar* tiers",
         ),
         (["--kv-cache-dtype", "fp8", "--kv-group-size", "5"], "must divide the row width 32"),
-        (["--kv-cache-dtype", "fp8", "--kv-group-size", "0"], "--kv-group-size must be positive"),
+        (["--kv-cache-dtype", "fp8", "--kv-group-size", "0"], "--kv-group-size must be an integer from 1 to"),
         (["--kv-cache-dtype", "tq9"], "unknown --kv-cache-dtype 'tq9'; choose from f32"),
     ],
 )

@@ -64,7 +64,7 @@ def test_generate_with_a_recent_window_and_a_mixed_tier(capsys):
     [
         (
             ["--kv-cache-dtype", "tq4", "--kv-recent-window", "-1"],
-            "--kv-recent-window must be 0 (off) or positive",
+            "--kv-recent-window must be an integer from 0",
         ),
         (
             ["--kv-cache-dtype", "tq4", "--kv-group-size", "5"],

@@ -29,7 +29,9 @@ def test_names_are_plain_file_names_and_the_folder_is_private(tmp_path):
     assert path == tmp_path / "new" / "s.kv"
     assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match="cannot create the session folder"):
+    with pytest.raises(
+        ValueError, match="file exists and is not a directory.*while creating the session folder"
+    ):
         session_path("s", tmp_path / "file")
 
 

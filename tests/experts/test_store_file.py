@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from latentkv import fs
 from latentkv.experts import reader as reader_mod
 from latentkv.experts.reader import ExpertReader
 from latentkv.experts.store_file import (
@@ -262,18 +263,43 @@ def test_a_newer_major_version_is_refused_with_advice(store):
         read_manifest(directory)
 
 
-def test_an_interrupted_conversion_leaves_no_manifest(tmp_path):
+def test_an_interrupted_rewrite_leaves_the_old_store_whole(tmp_path):
     d = tmp_path / "experts"
-    _write(d)
+    truth = _write(d)
+    before = sorted(p.name for p in d.iterdir())
     with pytest.raises(ExpertFileError, match="refusing to overwrite"):
         ExpertStoreWriter(d, FP)
-    w = ExpertStoreWriter(d, FP, replace=True)  # rewriting drops the old manifest first
+    w = ExpertStoreWriter(d, FP, replace=True)
     with w.layer(1, 3, _layout(1)) as lw:
         for e in range(3):
             lw.write(e, _payload(1, e, _layout(1)))
-    # no finish(): the process died here
+    # no finish(), no abort(): the process died here, its new layer file still under a temporary name
+    assert any(p.name.startswith(".layer-0001.lkx.") for p in d.iterdir())
+    with ExpertReader(d) as r:  # the old store, as it was
+        assert bytes(r.read(1, 2).view("up.weight")) == truth[1, 2][2]
+    w._unlock()  # (the dead process's lock goes with it)
+    ExpertStoreWriter(d, FP, replace=True).abort()  # the next writer sweeps what the dead one left
+    assert sorted(p.name for p in d.iterdir()) == before
+
+
+def test_a_failed_conversion_removes_what_it_wrote(tmp_path):
+    d = tmp_path / "experts"
+    with pytest.raises(RuntimeError, match="boom"), ExpertStoreWriter(d, FP) as w:
+        with w.layer(1, 3, _layout(1)) as lw:
+            for e in range(3):
+                lw.write(e, _payload(1, e, _layout(1)))
+        with w.layer(3, 2, _layout(3)) as lw:
+            lw.write(0, _payload(3, 0, _layout(3)))
+            raise RuntimeError("boom")
+    assert not d.exists()  # the folder it made, gone with what it wrote
     with pytest.raises(ExpertFileError, match="missing"):
         read_manifest(d)
+
+
+def test_one_writer_per_folder(tmp_path):
+    with ExpertStoreWriter(tmp_path, FP), pytest.raises(ExpertFileError, match="another process is writing"):
+        ExpertStoreWriter(tmp_path, FP)
+    ExpertStoreWriter(tmp_path, FP).abort()  # free again
 
 
 def test_experts_are_written_in_order_with_their_layout_sizes(tmp_path):
@@ -331,27 +357,17 @@ def test_plain_pread_fallback_reads_and_drops_the_cache(store, monkeypatch):
     assert (entry.offset(1), entry.layout.stride, os.POSIX_FADV_DONTNEED) in dropped
 
 
-def test_o_direct_refused_at_read_time_falls_back_once(store, monkeypatch):
+def test_o_direct_refused_at_read_time_falls_back_once(store):
     directory, truth = store
-    real = reader_mod._preadv_all
-    calls = []
-
-    def refuse_direct(fd, buf, offset):
-        if fd in direct_fds:
-            calls.append(fd)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, buf, offset)
-
-    monkeypatch.setattr(reader_mod, "_preadv_all", refuse_direct)
     with ExpertReader(directory, FP, direct=None) as r:
         f = r._file(1)
         if f.direct_fd is None:
             pytest.skip("no O_DIRECT here: nothing to fall back from")
-        direct_fds = {f.direct_fd}
-        ext = r.read(1, 0)
-        assert [bytes(ext.view(t.name)) for t in ext.layout.tensors] == truth[1, 0]
-        r.read(1, 1)
-        assert len(calls) == 1 and not r.uses_direct(1) and "EINVAL" in r.notes[0]
+        with fs.inject("direct_read", directory, errno.EINVAL) as fault:
+            ext = r.read(1, 0)
+            assert [bytes(ext.view(t.name)) for t in ext.layout.tensors] == truth[1, 0]
+            r.read(1, 1)
+        assert fault.hits == 1 and not r.uses_direct(1) and "EINVAL" in r.notes[0]
 
 
 def test_read_buffers_are_reused_only_once_nothing_views_them(store):

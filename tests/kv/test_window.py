@@ -213,7 +213,7 @@ def test_no_window_is_the_plain_packed_reader():
 
 
 def test_config_refuses_a_negative_window():
-    with pytest.raises(ConfigError, match="--kv-recent-window must be 0"):
+    with pytest.raises(ConfigError, match="--kv-recent-window must be an integer from 0"):
         CacheConfig("tq4", recent_window=-1)
     with pytest.raises(ValueError, match="name the tier"):
         PackedLatentCache(LAYOUT, *codecs("tq4-r8", None))

@@ -21,7 +21,8 @@ PROMPT = [5, 17, 99, 3, 42, 7, 250, 18]
 
 def _engine_pid(server_pid: int) -> int:
     """The server's spawned child (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    tasks = Path(f"/proc/{server_pid}/task").iterdir()  # a restarted engine is its starter thread's child
+    children = [c for task in tasks for c in (task / "children").read_text().split()]
     for pid in map(int, children):
         if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
             return pid
@@ -68,7 +69,7 @@ def test_both_modes_answer_alike_and_stopping_the_server_stops_the_engine(tmp_pa
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child pids from /proc (Linux)")
-def test_a_dead_engine_ends_streams_with_an_error_and_the_server_says_503(tmp_path, serve):
+def test_a_dead_engine_ends_streams_with_an_error_and_is_started_again(tmp_path, serve):
     server = serve("builtin:tiny", tmp_path / "server.log", "--max-model-len", "1024")
     try:
         engine = _engine_pid(server.process.pid)
@@ -89,12 +90,21 @@ def test_a_dead_engine_ends_streams_with_an_error_and_the_server_says_503(tmp_pa
             assert len(events) < 1000  # it ended early, not after max_tokens
             health = http.get("/health")
             assert health.status_code == 503
-            assert "engine process stopped" in health.json()["error"]["message"]
+            assert "engine process stopped (killed by signal 9 (SIGKILL)); restarting it" in health.text
             again = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-            assert again.status_code == 503
+            assert again.status_code == 503 and again.headers["retry-after"] == "5"
             assert again.json()["error"]["message"].startswith("the model stopped serving")
+            assert again.json()["error"]["code"] == "engine_stopped"
+            deadline = time.monotonic() + 120  # a new engine process loads the model again
+            while http.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, http.get("/health").text
+                time.sleep(0.2)
+            assert _engine_pid(server.process.pid) != engine
+            again = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert again.status_code == 200, again.text
     finally:
         server.stop()
+    assert "Traceback" not in server.log_text()
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child pids from /proc (Linux)")

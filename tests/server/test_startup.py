@@ -75,7 +75,7 @@ def test_unknown_routes_are_404_in_the_error_shape():
     [
         (["--max-model-len", "999999"], "exceeds the model's context"),
         (["--kv-cache-dtype", "q3_k"], "unknown --kv-cache-dtype"),
-        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be an integer from 1 to"),
         (["--port", "70000"], "--port must be in 0..65535"),
     ],
 )

@@ -24,12 +24,14 @@ from pathlib import Path
 
 from latentkv.chat_template import ChatTemplateError, PlainFormat, TemplateFormat, special_tokens
 from latentkv.commands.common import (
+    add_cluster_arguments,
     add_model_arguments,
     add_sampling_arguments,
     add_speculative_arguments,
     check_speculative,
     draft_tokens,
     engine_config,
+    run_as_worker,
     sampling_params,
     speculative_config,
 )
@@ -58,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write one JSON object per turn on stdout (user, reply, finish_reason, stats) instead of streaming text",
     )
+    add_cluster_arguments(p)
 
 
 def chat_format(loaded, plain: bool):
@@ -77,10 +80,13 @@ def chat_format(loaded, plain: bool):
 
 
 def run(args: argparse.Namespace) -> int:
+    if (status := run_as_worker(args)) is not None:
+        return status
     if args.session is not None:
         check_name(args.session)
-    if args.max_tokens < 1:
-        raise UserError("--max-tokens must be >= 1")
+    from latentkv.config import check_tokens
+
+    check_tokens("--max-tokens", args.max_tokens)
     sampling = sampling_params(args)
     engine = engine_config(args)
     args.speculative_config = speculative_config(args, args.model)
@@ -113,6 +119,7 @@ class Chat:
     def __init__(self, loaded, fmt, conv, sampling, args: argparse.Namespace):
         self.model = loaded.model
         self.streamer = loaded.streamer  # experts streamed from disk (--ram-gb), or None
+        self.cluster = loaded.cluster  # the head of a cluster (torchrun), or None
         self.tokenizer = loaded.tokenizer
         self.fmt = fmt
         self.conv = conv
@@ -198,7 +205,12 @@ class Chat:
             f"({stats.prompt_tps:.1f} tok/s), generated {stats.generated_tokens} ({stats.decode_tps:.1f} tok/s), "
             f"{len(self.conv.tokens)} tokens in the conversation]"
         )
-        if self.streamer is not None:
+        if self.cluster is not None:
+            from latentkv.cluster.head import describe
+
+            for line in describe(self.cluster.report(self.streamer)):
+                say(f"[{line}]")
+        elif self.streamer is not None:
             from latentkv.runtime import experts_line
 
             say(f"[{experts_line(self.streamer)}]")
@@ -246,6 +258,7 @@ class Chat:
             "conversation_tokens": len(self.conv.tokens),
             "reused_tokens": self.conv.resumed_tokens,
             "stats": stats.as_dict(),
+            **({"cluster": self.cluster.report(self.streamer)} if self.cluster is not None else {}),
         }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from latentkv.errors import UserError
 
@@ -240,6 +241,7 @@ def engine_config(args: argparse.Namespace):
             compile=getattr(args, "compile", False),
             ram_gb=getattr(args, "ram_gb", None),
             expert_policy=getattr(args, "expert_cache_policy", "lru"),
+            cluster=cluster_config(args) if hasattr(args, "cluster_timeout") else None,
         )
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None
@@ -390,3 +392,116 @@ def emit(payload: dict, args: argparse.Namespace, table) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(payload, indent=1) + "\n")
     print(json.dumps(payload, indent=1) if args.json else table(payload))
+
+
+# --- a cluster (torchrun: WORLD_SIZE > 1; docs/distributed.md) ------------------------------
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a rank of a cluster; they apply when torchrun (or torch's env:// variables,
+    WORLD_SIZE > 1) starts the command."""
+    g = p.add_argument_group(
+        "cluster",
+        "started by torchrun (WORLD_SIZE > 1) the command runs expert-parallel: rank 0 runs the model, "
+        "every rank streams its share of the experts within its own --ram-gb (docs/distributed.md)",
+    )
+    g.add_argument(
+        "--cluster-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a rank that does not answer within S seconds is lost: the requests in flight fail (default: 60)",
+    )
+    g.add_argument(
+        "--cluster-start-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="every rank joins (and writes its share of the experts, on first use) within S seconds (default: 900)",
+    )
+    g.add_argument(
+        "--cluster-secret",
+        default=None,
+        metavar="TOKEN",
+        help="refuse a rank that does not present the same token at start-up (default: "
+        "$LATENTKV_CLUSTER_SECRET, else none). It keeps out a stray process, not an attacker: the "
+        "traffic is neither authenticated nor encrypted, run it on a trusted LAN only",
+    )
+    g.add_argument(
+        "--placement",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="which rank owns which expert: FILE from `latentkv plan MODEL --nodes N --placement-out FILE` "
+        "(default: the head places them by expected load, each rank's budget and disk speed); every rank "
+        "must be given the same FILE",
+    )
+    g.add_argument(
+        "--no-head-experts",
+        action="store_true",
+        help="the head (rank 0) owns no experts: the workers hold them all",
+    )
+    g.add_argument(
+        "--disk-gbps",
+        type=float,
+        default=None,
+        metavar="S",
+        help="this rank's disk read speed for placement (default: measured once on its expert store)",
+    )
+
+
+def cluster_config(args: argparse.Namespace):
+    """This process's ClusterConfig when torch's env:// variables say WORLD_SIZE > 1, else None
+    (and a cluster flag without them is refused)."""
+    from latentkv.config import ClusterConfig, ConfigError, cluster_env, env_cluster_secret
+
+    try:
+        env = cluster_env()
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    flags = {
+        "timeout_s": getattr(args, "cluster_timeout", None),
+        "start_timeout_s": getattr(args, "cluster_start_timeout", None),
+        "secret": getattr(args, "cluster_secret", None) or env_cluster_secret(),
+        "placement": getattr(args, "placement", None),
+        "disk_gbps": getattr(args, "disk_gbps", None),
+    }
+    no_head = getattr(args, "no_head_experts", False)
+    if env is None:
+        given = [
+            f
+            for f in ("cluster_timeout", "cluster_start_timeout", "cluster_secret", "placement", "disk_gbps")
+            if getattr(args, f, None) is not None
+        ] + (["no_head_experts"] if no_head else [])
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UserError(f"{flag} applies to a cluster: start the command with torchrun (WORLD_SIZE > 1)")
+        return None
+    try:
+        return ClusterConfig(
+            **env, **{k: v for k, v in flags.items() if v is not None}, head_experts=not no_head
+        )
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+
+
+def run_as_worker(args: argparse.Namespace) -> int | None:
+    """On a worker rank of a cluster: serve the head until it ends and return the exit status.
+    None on the head, or without a cluster (the command runs as usual)."""
+    cfg = cluster_config(args)
+    if cfg is None or cfg.is_head:
+        return None
+    from latentkv.cluster.worker import run_worker
+    from latentkv.config import ConfigError, EngineConfig, env_threads
+
+    try:  # a worker holds experts only: no KV tier, no dense weights
+        engine = EngineConfig(
+            weight_dtype=str(args.weight_dtype).split(",")[0].strip(),
+            expert_dtype=getattr(args, "expert_dtype", None),
+            threads=args.threads if args.threads is not None else env_threads(),
+            ram_gb=getattr(args, "ram_gb", None),
+            expert_policy=getattr(args, "expert_cache_policy", "lru"),
+        )
+    except (ConfigError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    return run_worker(cfg, args.model, engine)

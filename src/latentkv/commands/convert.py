@@ -33,6 +33,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
 
 
+def _check_out(out: Path) -> None:
+    """OUT must be new, or an empty folder (it is written beside it and renamed onto it last)."""
+    from latentkv import fs
+
+    try:
+        if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+            raise UserError(f"{out} exists and is not an empty directory; give a new directory")
+    except OSError as exc:
+        raise fs.error(exc, out, "checking the output folder") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -52,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.weight_dtype is None and not from_gguf:
         raise UserError("--weight-dtype is required (f32, bf16, int8 or int4) for a safetensors checkpoint")
     weight_dtype = args.weight_dtype or "f32"
-    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-        raise UserError(f"{args.out} exists and is not an empty directory; give a new directory")
+    _check_out(args.out)
     t0 = time.perf_counter()
     try:
         manifest = convert(Path(source), args.out, weight_dtype, args.expert_dtype, progress=not args.json)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from latentkv.commands.common import (
+    add_cluster_arguments,
     add_model_arguments,
     add_sampling_arguments,
     add_speculative_arguments,
@@ -23,10 +24,13 @@ from latentkv.commands.common import (
     draft_tokens,
     engine_config,
     parse_ids,
+    run_as_worker,
     sampling_params,
     speculative_config,
 )
 from latentkv.commands.session import add_session_arguments, check_name
+from latentkv.config import check_tokens
+from latentkv.engine.request import context_problem
 from latentkv.errors import UserError
 from latentkv.runtime import experts_line, load
 
@@ -47,13 +51,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_session_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_cluster_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if (status := run_as_worker(args)) is not None:
+        return status
     if args.session is not None:
         check_name(args.session)  # before the weights load
-    if args.max_tokens < 0:
-        raise UserError("--max-tokens must be >= 0")
+    check_tokens("--max-tokens", args.max_tokens, low=0)
     sampling = sampling_params(args)
     if args.prompt is not None:
         check_text(args.prompt, "--prompt")  # before the weights load
@@ -69,10 +75,16 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(args.prompt)
     else:
         prompt = parse_ids(args.prompt_ids)
+    if problem := context_problem(
+        len(prompt), args.max_tokens, model.cfg.max_position_embeddings, "--max-tokens"
+    ):
+        raise UserError(problem)  # as the server answers a request that does not fit
     args.constraint = _constraint(grammar, loaded)
     conv = _open_session(args, loaded, engine.cache)
     try:
-        return _generate(args, model, tokenizer, prompt, sampling, engine.cache, conv, loaded.streamer)
+        return _generate(
+            args, model, tokenizer, prompt, sampling, engine.cache, conv, loaded.streamer, loaded.cluster
+        )
     finally:
         if conv is not None:
             conv.close()
@@ -127,7 +139,9 @@ def _open_session(args: argparse.Namespace, loaded, cache_config):
     return conv
 
 
-def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config, conv, streamer=None) -> int:
+def _generate(
+    args, model, tokenizer, prompt: list[int], sampling, cache_config, conv, streamer=None, cluster=None
+) -> int:
     from latentkv.engine.generate import GenerationStats, stream_generate
 
     cache = conv.cache if conv is not None else model.make_cache(cache_config)
@@ -173,6 +187,8 @@ def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config,
             out["session"] = conv.report()
         if streamer is not None:
             out["experts"] = streamer.snapshot()
+        if cluster is not None:
+            out["cluster"] = cluster.report(streamer)
         print(json.dumps(out, indent=1))
     else:
         print()
@@ -181,8 +197,13 @@ def _generate(args, model, tokenizer, prompt: list[int], sampling, cache_config,
             line = f"{conv.resume_line()} | {line} | saved: {conv.saved_tokens} tokens to {conv.path}"
         print(line, file=sys.stderr)
         print(f"KV tier: {describe_tier(cache)}", file=sys.stderr)
-        if streamer is not None:
+        if streamer is not None and cluster is None:
             print(experts_line(streamer), file=sys.stderr)
+        if cluster is not None:
+            from latentkv.cluster.head import describe
+
+            for line in describe(cluster.report(streamer)):
+                print(line, file=sys.stderr)
     return 0
 
 

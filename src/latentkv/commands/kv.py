@@ -64,12 +64,12 @@ def run(args: argparse.Namespace) -> int:
     if args.kv == "inspect":
         return _run_inspect(args)
     from latentkv.commands.common import cache_configs
+    from latentkv.config import check_gib, check_tokens
     from latentkv.eval import kvstats
 
-    if args.ram_gb <= 0:
-        raise UserError(f"--ram-gb must be positive, got {args.ram_gb:g}")
-    if args.rows < 1 or args.tokens < 1:
-        raise UserError("--rows and --tokens must be at least 1")
+    check_gib("--ram-gb", args.ram_gb)
+    check_tokens("--rows", args.rows, high=1 << 24)
+    check_tokens("--tokens", args.tokens)
     caches = cache_configs(args, default="all")
     real = None
     if args.model is None:

@@ -91,12 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from latentkv.config import ConfigError, ModelConfig
+    from latentkv.config import MAX_SEQS, ConfigError, ModelConfig, check_number, check_tokens
     from latentkv.models.loader import CheckpointError
     from latentkv.models.registry import ModelNotFound, resolve
 
-    if args.max_model_len < 1 or args.max_num_seqs < 1:
-        raise UserError("--max-model-len and --max-num-seqs must be at least 1")
+    check_tokens("--max-model-len", args.max_model_len)
+    check_number("--max-num-seqs", args.max_num_seqs, 1, MAX_SEQS, integer=True)
     cluster = args.nodes is not None
     if args.vram_gb is not None and (cluster or not args.vram_gb > 0):
         raise UserError(
@@ -170,6 +170,8 @@ def _gpu(args, cfg, model_dir: Path, rams, cache, draft_tokens: int) -> int:
 
 def per_rank(text: str | None, flag: str, nodes: int) -> list[float] | None:
     """A flag's value for each of `nodes` ranks: one positive number for all, or one per rank."""
+    from latentkv.config import MAX_GIB, check_number
+
     if text is None:
         return None
     try:
@@ -178,8 +180,8 @@ def per_rank(text: str | None, flag: str, nodes: int) -> list[float] | None:
         raise UserError(
             f"{flag} must be a number or a comma-separated list of numbers (got {text!r})"
         ) from None
-    if any(not v > 0 or v != v or v == float("inf") for v in values):
-        raise UserError(f"{flag} must be positive (got {text})")
+    for v in values:  # a budget (GiB) or a disk speed (GB/s): positive, finite, within reason
+        check_number(flag, v, 0, MAX_GIB, above=True)
     if len(values) == 1:
         return values * nodes
     if len(values) != nodes:

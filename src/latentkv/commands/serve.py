@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 from latentkv.commands.common import (
+    add_cluster_arguments,
     add_model_arguments,
     add_speculative_arguments,
     engine_config,
+    run_as_worker,
     speculative_config,
 )
 from latentkv.errors import UserError
@@ -88,11 +90,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_speculative_arguments(p)
     p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a request's headers, and then its body, may take to arrive; a client slower than "
+        "that gets 408 and its connection is closed (default: 30)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
     )
+    add_cluster_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if (status := run_as_worker(args)) is not None:
+        return status
     uvicorn = _import_server_deps()
     config = server_config(args)
     from latentkv.server.app import create_app
@@ -106,9 +119,16 @@ def run(args: argparse.Namespace) -> int:
 
     state = ServerState(config, on_failure=stop)
     app = create_app(state)
+    from latentkv.server.timeouts import protocol
+
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            http=protocol(config.request_timeout_s),
         )
     )
     print(
@@ -153,6 +173,7 @@ def server_config(args: argparse.Namespace):
             engine_process=args.engine_process,
             pin_cpus=args.pin_cpus,
             speculative_draft_tokens=spec.draft_tokens if spec is not None else 0,
+            request_timeout_s=args.request_timeout,
         )
     except ConfigError as exc:
         raise UserError(str(exc)) from None

@@ -97,12 +97,13 @@ class Conversation:
 
     def end_turn(self, ids: list[int]) -> None:
         """Save the cache's rows; `ids` may run past them (the last sampled token has no row yet)."""
+        from latentkv.fs import DiskError
         from latentkv.kv.store_header import KVFileError
 
         t0 = time.perf_counter()
         try:
             self.saved_tokens = sessions.save(self.session, ids, self.cache)
-        except KVFileError as exc:
+        except (KVFileError, DiskError) as exc:
             raise UserError(f"session {self.name!r}: saving failed: {exc}") from None
         self.save_seconds = time.perf_counter() - t0
 

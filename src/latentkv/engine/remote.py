@@ -20,7 +20,8 @@ Messages over one multiprocessing Pipe (pickled tuples):
     child -> parent   ("ready", SchedulerStats) or ("failed", message)    once, after loading
                       ("events", [(id, TokenEvent | Finished), ...], SchedulerStats)
                                              once per scheduler step, in order
-                      ("stats", SchedulerStats)    after each command
+                      ("stats", SchedulerStats)    after each command, and every
+                                             HEALTH_EVERY_S while the expert store is degraded
                       ("refused", id, message, kind)    a submit the child's scheduler refused
                                              (kind: "invalid" | "queue_full" | "closed", so the
                                              server answers 400 / 429 / 503, never 500)
@@ -38,19 +39,25 @@ waits for the child. Both count open requests (submitted, Finished not yet seen)
 max_num_seqs + max_queue; the parent sees a Finished only after the child, so its count is
 never below the child's and the child does not refuse what the parent accepted. Should it
 refuse anyway, the Finished says why (`refused`) and the client still gets 400/429/503.
-If the child dies, every open request ends with an error and later submits raise
-SchedulerClosed; the child exits when the parent's end of the pipe closes.
+If the child dies (killed, out of memory), every open request ends with an error (`Finished.code`
+"engine_stopped": the server's 503) and a new child is started and loads the model again;
+meanwhile submits raise SchedulerClosed (503 with the reason). Sessions lose nothing: a turn is
+saved before its request finishes. A child that dies RESTARTS times within RESTART_WINDOW_S is
+not started again (`failure` says to restart the server). The child exits when the parent's end
+of the pipe closes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import multiprocessing
 import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 
 from latentkv.config import ServerConfig
@@ -69,7 +76,10 @@ from latentkv.engine.scheduler import Scheduler
 from latentkv.errors import user_message
 from latentkv.runtime import load
 
+log = logging.getLogger("latentkv.engine")
 SHUTDOWN_TIMEOUT_S = 60  # for the child to finish its requests and save their sessions
+RESTARTS, RESTART_WINDOW_S = 3, 600  # an engine process that dies more often is not started again
+HEALTH_EVERY_S = 2.0  # while the expert store is degraded, the child's stats (and health) this often
 
 
 class EngineFailed(RuntimeError):
@@ -104,31 +114,12 @@ class EngineProcess:
         self._wake = threading.Condition()  # RequestHandle.cancel notifies it; nothing waits on it here
         # (engine CPUs, HTTP CPUs), or None: placement left to the OS
         self.cpus = cpu_split(config.engine.threads) if config.pin_cpus else None
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        engine_cpus = None if self.cpus is None else self.cpus[0]
-        self._process = context.Process(
-            target=_engine_main,
-            args=(child, config, max_model_len, engine_cpus),
-            name="latentkv-engine",
-            daemon=True,
-        )
-        self._process.start()  # the child starts with this process's CPUs and then takes its own
-        child.close()
+        self._config = config
+        self._restarts: list[float] = []  # when the engine process was started again
+        self.restarting = False  # the engine process died and a new one is loading
+        self._start_child()
         if self.cpus is not None:
             _pin_process(self.cpus[1])
-        try:
-            kind, payload = self._conn.recv()
-        except (EOFError, OSError):
-            self._process.join(5)
-            raise EngineFailed(
-                f"the engine process exited while loading (exit code {self._process.exitcode})"
-            ) from None
-        if kind != "ready":
-            self._process.join(5)
-            raise EngineFailed(payload)
-        self._stats: SchedulerStats = payload
-        if self.cpus is not None:
             engine_cpus, http_cpus = (",".join(map(str, c)) for c in self.cpus)
             print(
                 f"latentkv serve: engine process on CPU {engine_cpus}, HTTP on CPU {http_cpus} (--pin-cpus)",
@@ -136,6 +127,35 @@ class EngineProcess:
             )
         self._reader = threading.Thread(target=self._read, name="latentkv-engine-reader", daemon=True)
         self._reader.start()
+
+    def _start_child(self) -> None:
+        """Start the engine process and wait until it serves (EngineFailed if it cannot)."""
+        context = multiprocessing.get_context("spawn")
+        conn, child = context.Pipe()
+        engine_cpus = None if self.cpus is None else self.cpus[0]
+        process = context.Process(
+            target=_engine_main,
+            args=(child, self._config, self.max_model_len, engine_cpus),
+            name="latentkv-engine",
+            daemon=True,
+        )
+        process.start()  # the child starts with this process's CPUs and then takes its own
+        child.close()
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            process.join(5)
+            conn.close()
+            raise EngineFailed(
+                f"the engine process exited while loading ({_exit(process.exitcode)})"
+            ) from None
+        if kind != "ready":
+            process.join(5)
+            conn.close()
+            raise EngineFailed(payload)
+        with self._send_lock:
+            self._process, self._conn = process, conn
+        self._stats: SchedulerStats = payload
 
     # --- the EngineClient interface ------------------------------------------------------
 
@@ -197,7 +217,51 @@ class EngineProcess:
                 return False
 
     def _read(self) -> None:
-        """The reader thread: deliver each step's events, one wake-up per event loop per step."""
+        """The reader thread: deliver each step's events; if the engine process dies, end the
+        open requests with an error and start it again (at most RESTARTS times in RESTART_WINDOW_S)."""
+        while True:
+            self._pump()
+            if self._closing:
+                break
+            self._process.join(1)  # for its exit code; not under the lock submitters take
+            stopped = f"the engine process stopped ({_exit(self._process.exitcode)})"
+            self.failure, self.restarting = f"{stopped}; restarting it", True
+            self._end_open(stopped)
+            if not self._may_restart():
+                self.failure = (
+                    f"{stopped}, {RESTARTS} times in {RESTART_WINDOW_S // 60} minutes: restart the server"
+                )
+                break
+            log.error("%s; restarting it (open requests ended with an error)", stopped)
+            try:
+                self._start_child()
+            except EngineFailed as exc:
+                self.failure = f"{stopped}, and starting it again failed: {exc}"
+                break
+            finally:
+                self.restarting = False
+            log.error("the engine process serves again")
+            self.failure = None
+        self._end_open(self.failure or "the engine process stopped")
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+        if len(self._restarts) >= RESTARTS:
+            return False
+        self._restarts.append(now)
+        return True
+
+    def _end_open(self, why: str) -> None:
+        """The engine process is gone: nobody will finish the open requests but this."""
+        with self._lock:
+            open_ids = list(self._handles)
+        for rid in open_ids:
+            self._end(rid, "cancelled" if self._closing else "error", why, code="engine_stopped")
+        self._outbox.flush()
+
+    def _pump(self) -> None:
+        """Deliver each step's events, one wake-up per event loop per step, until the pipe ends."""
         try:
             while True:
                 message = self._conn.recv()
@@ -226,23 +290,27 @@ class EngineProcess:
                 self._outbox.flush()
         except (EOFError, OSError):
             pass
-        if not self._closing:
-            self._process.join(1)  # for its exit code; not under the lock submitters take
-            self.failure = f"the engine process stopped (exit code {self._process.exitcode})"
-        with self._lock:
-            open_ids = list(self._handles)
-        for rid in open_ids:  # the child is gone: nobody will finish these
-            self._end(
-                rid, "cancelled" if self._closing else "error", self.failure or "the engine process stopped"
-            )
-        self._outbox.flush()
 
-    def _end(self, rid: int, reason: str, error: str | None, refused: str | None = None) -> None:
+    def _end(
+        self, rid: int, reason: str, error: str | None, refused: str | None = None, code: str | None = None
+    ) -> None:
         with self._lock:
             handle = self._handles.pop(rid, None)
         if handle is not None:
             prompt = len(handle.request.prompt)
-            handle.emit(Finished(reason, prompt, 0, 0, None, error=error, refused=refused))
+            code = code if reason == "error" else None
+            handle.emit(Finished(reason, prompt, 0, 0, None, error=error, refused=refused, code=code))
+
+
+def _exit(code: int | None) -> str:
+    """How a process ended, in words: 'exit code 1', 'killed by signal 9 (SIGKILL)'."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "?"
+        return f"killed by signal {-code} ({name})"
+    return f"exit code {code}"
 
 
 def refusal_kind(exc: Exception) -> str:
@@ -281,10 +349,32 @@ def _pin_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
+STATS_PUSH_S = 2.0  # a cluster's head sends its stats this often, so /health sees a lost rank
+
+
+def _push_stats(send, scheduler: Scheduler) -> None:
+    while True:
+        time.sleep(STATS_PUSH_S)
+        send(("stats", scheduler.stats()))
+
+
+def _thread_locks_for_progress() -> None:
+    """tqdm's progress bars (the first --ram-gb run converts experts with one) lock with a
+    threading lock here, not its default process-shared semaphore: a semaphore of an engine
+    process that is SIGKILLed is never released, and the resource tracker warns about it (with a
+    source line) when the server stops."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int] | None = None) -> None:
     """The child: load the model, run a Scheduler whose events go down the pipe, obey commands.
     `cpus`: run on these (`cpu_split`), with one torch thread each."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    _thread_locks_for_progress()
     if cpus is not None:
         _pin_process(cpus)
     send_lock = threading.Lock()
@@ -323,8 +413,16 @@ def _engine_main(conn, config: ServerConfig, max_model_len: int, cpus: list[int]
         send(("failed", user_message(exc)))
         return
     send(("ready", scheduler.stats()))
+    if loaded.cluster is not None:  # a rank can be lost (or come back) while nothing runs
+        threading.Thread(
+            target=_push_stats, args=(send, scheduler), name="latentkv-stats", daemon=True
+        ).start()
     while True:
         try:
+            if not conn.poll(HEALTH_EVERY_S):
+                if scheduler.streamer is not None and scheduler.streamer.health.degraded:
+                    send(("stats", scheduler.stats()))  # rechecks the damage: /health sees a repair
+                continue
             message = conn.recv()
         except (EOFError, OSError):
             break

@@ -49,6 +49,23 @@ class Finished:
     queued_seconds: float = 0.0  # from submission to admission (waiting for a slot or its session)
     # never run: "invalid" | "queue_full" | "closed" | "session" (the server's 400/429/503/409)
     refused: str | None = None
+    # with reason "error", a failure of the machine rather than of the request (the server's 503):
+    # "expert_store_damaged" (an expert the model needed is damaged or unreadable on disk) or
+    # "storage_unavailable" (the disk refused a session file: full, read-only, failing)
+    code: str | None = None
+
+
+def failure_code(exc: BaseException) -> str | None:
+    """`Finished.code` for an exception a request failed with: a damaged expert store or a disk
+    that refused (said in one line, no traceback), else None (a bug: logged with its traceback)."""
+    from latentkv.experts.store_file import ExpertFileError
+    from latentkv.fs import DiskError
+
+    if isinstance(exc, ExpertFileError):
+        return "expert_store_damaged"
+    if isinstance(exc, DiskError):
+        return "storage_unavailable"
+    return None
 
 
 class QueueFull(Exception):
@@ -77,6 +94,20 @@ def validate_request(request: Request, vocab: int, max_model_len: int, sessions:
         check_session_name(request.session)
         if not sessions:
             raise ValueError("sessions need the scheduler's model_dir (the KV file records the weights)")
+
+
+def context_problem(
+    prompt_len: int, max_tokens: int, max_model_len: int, knob: str = "max_tokens"
+) -> str | None:
+    """Why a prompt of `prompt_len` tokens cannot have `max_tokens` more within `max_model_len`
+    (None when it can): the words of the server's 400 and of `latentkv generate`'s refusal."""
+    if prompt_len + max_tokens <= max_model_len:
+        return None
+    return (
+        f"this model's maximum context length is {max_model_len} tokens; the request needs "
+        f"{prompt_len + max_tokens} ({prompt_len} in the prompt + {max_tokens} to generate). "
+        f"Shorten the prompt or lower {knob}."
+    )
 
 
 def check_group_size(count: int, max_num_seqs: int, max_queue: int) -> None:
@@ -110,4 +141,6 @@ class SchedulerStats:
     kv_bytes_capacity: int  # what max_num_seqs caches of max_model_len tokens hold
     kv_cache_dtype: str
     experts: dict | None = None  # ExpertStreamer.snapshot() when the experts stream from disk
+    # a cluster's head: {"status", "serving", "reason", "advice", "epoch", "ranks": [per-rank records]}
+    cluster: dict | None = None
     speculative: dict | None = None  # `SpeculativeStats.as_dict()` over every request, when drafting

@@ -56,9 +56,11 @@ step is retried one sequence at a time to find it); the worker and the other req
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,6 +80,7 @@ from latentkv.engine.request import (
     TokenEvent,
     check_group_size,
     check_room,
+    failure_code,
     validate_request,
 )
 from latentkv.engine.sampling import SamplingParams, sample
@@ -88,10 +91,14 @@ from latentkv.engine.speculative import (
     check_model,
     draft_together,
 )
+from latentkv.errors import Unavailable
 from latentkv.kv.slots import SlotPool
 
 if TYPE_CHECKING:
+    from latentkv.cluster.head import Cluster
     from latentkv.experts.streamed import ExpertStreamer
+
+log = logging.getLogger("latentkv.engine")
 
 
 @dataclass
@@ -135,6 +142,8 @@ class Scheduler:
         sink: Sink | None = None,
         streamer: ExpertStreamer | None = None,
         speculative: SpeculativeConfig | None = None,
+        cluster: Cluster | None = None,
+        on_shutdown: Callable[[], None] | None = None,
         grammars: Grammars | None = None,
     ):
         """`sink`: deliver every step's events to this callable as [(handle, event), ...] instead
@@ -158,6 +167,8 @@ class Scheduler:
         self.kv_dir = Path(kv_dir) if kv_dir is not None else None
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.streamer = streamer
+        self.cluster = cluster  # the head of a cluster: its status and every rank's telemetry in stats
+        self._on_shutdown = on_shutdown  # after the worker stops (the server's: `Loaded.close`)
         # sessions need the weights' fingerprint for the KV file header, hence model_dir
         self._sessions = (
             sessions.SessionFiles(model, cache_config, self.model_dir, self.kv_dir) if model_dir else None
@@ -211,6 +222,8 @@ class Scheduler:
             model_dir=loaded.directory,
             sink=sink,
             streamer=loaded.streamer,
+            cluster=loaded.cluster,
+            on_shutdown=loaded.close,
             speculative=(
                 SpeculativeConfig(draft_tokens=config.speculative_draft_tokens)
                 if config.speculative_draft_tokens
@@ -240,6 +253,9 @@ class Scheduler:
             thread.join()
         else:  # never started: nothing runs, finish what was queued here
             self._finish_all("cancelled")
+        hook, self._on_shutdown = self._on_shutdown, None
+        if hook is not None:  # a cluster's workers are told the head ends; the usage history is saved
+            hook()
         if self.grammars is not None:
             self.grammars.close()
 
@@ -287,7 +303,15 @@ class Scheduler:
                 kv_cache_dtype=self.cache_config.kv_cache_dtype,
                 experts=self.streamer.snapshot() if self.streamer is not None else None,
                 speculative=self._spec_snapshot,
+                cluster=self._cluster_stats(),
             )
+
+    def _cluster_stats(self) -> dict | None:
+        """The cluster's status and every rank's latest telemetry (no network: the cluster's
+        monitor refreshes the workers' records every few seconds)."""
+        if self.cluster is None:
+            return None
+        return {**self.cluster.status(), "ranks": self.cluster.report(self.streamer, refresh=False)}
 
     def _validate(self, request: Request) -> None:
         validate_request(request, self.model.cfg.vocab_size, self.max_model_len, self._sessions is not None)
@@ -310,10 +334,9 @@ class Scheduler:
             try:
                 self._step(admitted)
             except Exception as exc:  # noqa: BLE001 - a bug here must not leave clients waiting forever
-                traceback.print_exc()
                 for seq in admitted + self._running:
                     if not seq.finished:
-                        self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                        self._fail(seq, exc)
                 self._outbox.flush()
         self._finish_all("cancelled")
 
@@ -361,13 +384,26 @@ class Scheduler:
         except sessions.SessionUnavailable as exc:  # not a failure of the model: the client is told 409
             self._finish(seq, "error", str(exc), refused="session")
             return None
+        except Unavailable as exc:  # a cluster rank is gone: the client is told 503, with the reason
+            self._finish(seq, "error", str(exc), refused="unavailable")
+            return None
         except GrammarError as exc:  # the request's grammar, not the model: the client is told 400
             self._finish(seq, "error", str(exc), refused="invalid" if not seq.generated else None)
             return None
         except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
+            self._fail(seq, exc)
             return None
+
+    def _fail(self, seq: _Sequence, exc: Exception) -> None:
+        """Finish `seq` with reason "error": a damaged expert store or a refusing disk is one log
+        line and a `Finished.code` (the server's 503); anything else is a bug, with its traceback."""
+        code = failure_code(exc)
+        if code is None:
+            traceback.print_exception(exc)
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+        else:
+            log.error("request failed (%s): %s", code, exc)
+            self._finish(seq, "error", str(exc), code=code)
 
     def _admit(self, admitted: list[_Sequence]) -> None:
         """Start the admitted requests: open (or resume) each one's cache, prefill what is not
@@ -393,6 +429,9 @@ class Scheduler:
                 hidden = list(h.split([len(todo) for _, todo in together]))
             else:
                 logits, hidden = self.model.prefill_batch(prompts, caches), [None] * len(together)
+        except Unavailable as exc:
+            self._fail_unavailable([seq for seq, _ in together], exc)
+            return True
         except Exception:  # noqa: BLE001 - the caller prefills each on its own, which finds the culprit
             return False
         seconds = time.perf_counter() - t0
@@ -470,6 +509,9 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             rows = list(self.model.decode_batch(tokens, [s.cache for s in seqs], self._pool))
+        except Unavailable as exc:  # the whole step is lost (no retry: its caches are half written)
+            self._fail_unavailable(seqs, exc)
+            return
         except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
             rows = [self._decode_alone(s) for s in seqs]
         seconds = time.perf_counter() - t0
@@ -478,12 +520,20 @@ class Scheduler:
                 seq.decode_seconds += seconds
                 self._guarded(seq, self._advance, logits)
 
+    def _fail_unavailable(self, seqs: list[_Sequence], exc: Unavailable) -> None:
+        """A step that needed a lost cluster rank: every sequence in it fails (503 with the
+        reason; their session files keep the last saved turn)."""
+        for seq in seqs:
+            self._finish(seq, "error", str(exc), refused="unavailable")
+
     def _decode_alone(self, seq: _Sequence) -> torch.Tensor | None:
         try:
             return self.model.decode_batch(torch.tensor([seq.pending]), [seq.cache])[0]
+        except Unavailable as exc:
+            self._finish(seq, "error", str(exc), refused="unavailable")
+            return None
         except Exception as exc:  # noqa: BLE001
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
+            self._fail(seq, exc)
             return None
 
     def _verify_step(self) -> None:
@@ -506,6 +556,9 @@ class Scheduler:
             logits, h = self.model.verify_batch(segments, [s.cache for s in seqs])
             sizes = [len(seg) for seg in segments]
             outs = list(zip(logits.split(sizes), h.split(sizes), strict=True))
+        except Unavailable as exc:
+            self._fail_unavailable(seqs, exc)
+            return
         except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
             outs = [self._verify_alone(s, seg) for s, seg in zip(seqs, segments, strict=True)]
         seconds = time.perf_counter() - t0
@@ -517,9 +570,11 @@ class Scheduler:
     def _verify_alone(self, seq: _Sequence, segment: torch.Tensor):
         try:
             return self.model.verify_batch([segment], [seq.cache])
+        except Unavailable as exc:
+            self._finish(seq, "error", str(exc), refused="unavailable")
+            return None
         except Exception as exc:  # noqa: BLE001
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
+            self._fail(seq, exc)
             return None
 
     def _settle(
@@ -564,7 +619,12 @@ class Scheduler:
             seq.pending = token
 
     def _finish(
-        self, seq: _Sequence, reason: str, error: str | None = None, refused: str | None = None
+        self,
+        seq: _Sequence,
+        reason: str,
+        error: str | None = None,
+        refused: str | None = None,
+        code: str | None = None,
     ) -> None:
         """The request leaves: save its session (unless it failed), free its slot, tell the client."""
         if seq.finished:
@@ -576,8 +636,8 @@ class Scheduler:
             self._running.remove(seq)
         if self._pool is not None and seq.cache is not None:
             self._pool.release(seq.cache)
-        if seq.session is not None:
-            error = self._close_session(seq, save=reason != "error") or error
+        if seq.session is not None and (failed := self._close_session(seq, save=reason != "error")):
+            error, code = failed
         name = seq.handle.request.session
         with self._cond:
             self._busy_sessions.discard(name)
@@ -595,19 +655,26 @@ class Scheduler:
                 decode_seconds=seq.decode_seconds,
                 queued_seconds=seq.queued_seconds,
                 refused=refused,
+                code=code if error else None,
             )
         )
 
-    def _close_session(self, seq: _Sequence, save: bool) -> str | None:
-        """Save the cache's rows (prompt + every generated token fed back) and close the file."""
+    def _close_session(self, seq: _Sequence, save: bool) -> tuple[str, str | None] | None:
+        """Save the cache's rows (prompt + every generated token fed back) and close the file;
+        (error, Finished.code) when saving failed (the file keeps its last commit)."""
         session, seq.session = seq.session, None
         try:
             if save:
                 sessions.save(session, seq.prompt + seq.generated, seq.cache)
             return None
         except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            return f"saving session {seq.handle.request.session!r} failed: {exc}"
+            code = failure_code(exc)
+            text = f"saving session {seq.handle.request.session!r} failed: {exc}"
+            if code is None:
+                traceback.print_exception(exc)
+            else:
+                log.error("%s", text)
+            return text, code
         finally:
             session.close()
 

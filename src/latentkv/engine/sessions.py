@@ -57,14 +57,15 @@ def check_session_name(name: object) -> str:
 
 def session_path(name: str, kv_dir: Path | None) -> Path:
     """DIR/NAME.kv, creating DIR (private to the user); ValueError for a bad name or folder."""
+    from latentkv import fs
     from latentkv.config import sessions_dir
 
     check_session_name(name)
     directory = Path(kv_dir) if kv_dir is not None else sessions_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:  # a file in its place included
-        raise ValueError(f"cannot create the session folder {directory}: {exc}") from None
+        fs.make_dirs(directory, "creating the session folder", mode=0o700)
+    except fs.DiskError as exc:  # a file in its place included
+        raise ValueError(str(exc)) from None
     return directory / f"{name}{SUFFIX}"
 
 

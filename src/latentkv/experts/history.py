@@ -13,18 +13,20 @@ file. A file that is damaged, of another version, or of another model is ignored
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import hashlib
 import json
-import os
-import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from latentkv import fs
 
 FORMAT = "latentkv-expert-usage"
 VERSION = 1
 FILE_NAME = "usage.json"
+MAX_BYTES = 64 << 20  # bounds on the file (untrusted): a count per expert of every layer
+MAX_DEPTH = 8
 
 
 def _canonical(obj: dict) -> bytes:
@@ -47,16 +49,21 @@ class UsageHistory:
         for e in ids:
             row[e] += 1
 
-    def hot_set(self, budget: int, expert_bytes: Mapping[int, int]) -> list[tuple[int, int]]:
+    def hot_set(
+        self,
+        budget: int,
+        expert_bytes: Mapping[int, int],
+        only: Mapping[int, Collection[int]] | None = None,
+    ) -> list[tuple[int, int]]:
         """The most used (layer, expert) pairs, most used first, whose bytes fit in `budget`;
-        only layers that `expert_bytes` names."""
+        only layers that `expert_bytes` names (and with `only`, only the experts it lists)."""
         ranked = sorted(
             (
                 (c, layer, e)
                 for layer, row in self.counts.items()
                 if layer in expert_bytes
                 for e, c in enumerate(row)
-                if c > 0
+                if c > 0 and (only is None or e in only.get(layer, ()))
             ),
             key=lambda t: (-t[0], t[1], t[2]),
         )
@@ -78,26 +85,11 @@ class UsageHistory:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write crash-safely: temp file, fsync, rename over the old one, fsync the folder."""
-        path = Path(path)
+        """Write crash-safely: temp file, fsync, rename over the old one, fsync the folder.
+        DiskError (one line) when the disk refuses; the old file is then left as it was."""
         body = self.to_json()
         data = json.dumps({"usage": body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()}).encode()
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            with contextlib.suppress(OSError):
-                fd = os.open(path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        fs.write_atomic(path, data, "saving the experts' usage history")
 
     @classmethod
     def load(
@@ -106,10 +98,12 @@ class UsageHistory:
         """(the history at `path`, None), or (an empty history, why the file was ignored)."""
         empty = cls(fingerprint, dict(experts))
         try:
-            outer = json.loads(Path(path).read_bytes())
-        except FileNotFoundError:
-            return empty, None
-        except (OSError, ValueError) as exc:
+            outer = fs.load_json(fs.read_bounded(path, MAX_BYTES, "reading the usage history"), MAX_DEPTH)
+        except fs.DiskError as exc:
+            if exc.errno == errno.ENOENT:
+                return empty, None
+            return empty, f"{exc}; starting a new usage history"
+        except ValueError as exc:
             return empty, f"{path}: unreadable usage history ({exc}); starting a new one"
         problem = _problem(outer, fingerprint, experts)
         if problem:

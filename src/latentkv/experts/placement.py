@@ -20,11 +20,16 @@ names it, and a worker started with another placement is refused at start-up.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from latentkv import fs
+
+MAX_FILE_BYTES = 256 << 20  # a placement (untrusted): an owner per expert of every layer
 
 FORMAT = "latentkv-placement"
 VERSION = 1
@@ -120,16 +125,19 @@ class Placement:
         return placement
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Write it crash-safely (DiskError, one line, when the disk refuses)."""
+        fs.write_atomic(path, (json.dumps(self.to_json(), indent=1) + "\n").encode(), "saving the placement")
 
     @classmethod
     def load(cls, path: str | Path) -> Placement:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise PlacementError(f"no placement file at {path}") from None
-        except (OSError, ValueError) as exc:
+            raw = fs.load_json(fs.read_bounded(path, MAX_FILE_BYTES, "reading the placement"), 8)
+        except fs.DiskError as exc:
+            if exc.errno == errno.ENOENT:
+                raise PlacementError(f"no placement file at {path}") from None
+            raise PlacementError(str(exc)) from None
+        except ValueError as exc:
             raise PlacementError(f"{path}: cannot read it as JSON ({exc})") from None
         if isinstance(raw, dict) and "placement" in raw and "owners" not in raw:
             raw = raw["placement"]  # a `plan --json` output holds it under "placement"

@@ -6,6 +6,12 @@ counted once: in our buffer); otherwise a plain pread followed by posix_fadvise(
 range, which drops the page-cache copy for the same reason. Buffers are anonymous mmaps (page
 aligned, as O_DIRECT needs) from a `BufferPool`, reused once the last view of them goes; reads
 run on a `PriorityPool`, a pass's own before predictions' (`latentkv.experts.pools`).
+
+Layer files are opened through `latentkv.fs` (regular files only, never a blocking open). A read
+that fails (a damaged extent, a layer file gone, replaced by a folder or a FIFO, an I/O error)
+raises with the expert's name and retires that layer's open file, so the next read opens the
+path again: a store repaired in place (`latentkv experts convert ... --force`) is picked up
+without a restart.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from latentkv import fs
 from latentkv.experts.pools import BufferPool, PriorityPool
 from latentkv.experts.store_file import (
     ALIGN,
+    ExpertDamaged,
     ExpertFileError,
+    ExpertUnreadable,
     ExtentLayout,
     LayerEntry,
     Manifest,
@@ -63,25 +72,36 @@ class ReadStats:
     direct_reads: int = 0
 
 
+DOING = "reading the expert store"
+
+
 class _LayerFile:
+    """A layer file's descriptors (plain, and O_DIRECT where taken), counted by the reads using
+    them: a retired file closes once its last read is done (never under a read in flight)."""
+
     def __init__(self, path: Path, entry: LayerEntry, seed: bytes, direct: bool | None):
         self.path, self.entry = path, entry
-        self.fd = os.open(path, os.O_RDONLY)
+        self.users = 0
+        self.retired = False
+        self.fd = fs.open_regular(path, os.O_RDONLY, DOING)
+        self.direct_fd: int | None = None
         try:
-            check_layer_header(os.pread(self.fd, ALIGN, 0), entry, seed, path)
+            check_layer_header(fs.pread(self.fd, ALIGN, 0, path, DOING), entry, seed, path)
+            if direct is not False and O_DIRECT:
+                self.direct_fd = self._open_direct(direct)
         except BaseException:
             os.close(self.fd)
             raise
-        self.direct_fd: int | None = None
-        if direct is not False and O_DIRECT:
-            try:
-                self.direct_fd = os.open(path, os.O_RDONLY | O_DIRECT)
-            except OSError:
-                if direct:
-                    os.close(self.fd)
-                    raise ExpertFileError(
-                        f"{path}: O_DIRECT was asked for but this file system refuses it"
-                    ) from None
+
+    def _open_direct(self, required: bool | None) -> int | None:
+        try:
+            return fs.open_regular(self.path, os.O_RDONLY | O_DIRECT, DOING)
+        except fs.DiskError:
+            if required:
+                raise ExpertFileError(
+                    f"{self.path}: O_DIRECT was asked for but this file system refuses it"
+                ) from None
+            return None
 
     def close(self) -> None:
         for fd in (self.fd, self.direct_fd):
@@ -134,7 +154,9 @@ class ExpertReader:
         return self._pool.submit(0 if urgent else 1, self.read, layer, expert)
 
     def read(self, layer: int, expert: int) -> Extent:
-        """One expert, read and verified now (on the calling thread)."""
+        """One expert, read and verified now (on the calling thread). ExpertDamaged when its
+        bytes fail their check, ExpertUnreadable when its layer file cannot be read; either
+        retires the layer's open file (the next read opens the path again)."""
         entry = self.entry(layer)
         if not entry.holds(expert):
             has = f"has {entry.n_experts} experts" if entry.ids is None else "is in this share of the experts"
@@ -142,15 +164,27 @@ class ExpertReader:
                 f"{expert_name(layer, expert)}: not in the expert store at {self.directory} "
                 f"(layer {layer} {has}{'' if entry.ids is None else ': not this one'})"
             )
-        f = self._file(layer)
         stride, offset = entry.layout.stride, entry.offset(expert)
-        buf = self.buffers.acquire(stride)
-        t0 = time.perf_counter()
-        got, direct = self._pread(f, buf, offset)
-        t1 = time.perf_counter()
-        payload = memoryview(buf)[: min(got, entry.layout.length)]
-        verify_extent(self.seed, entry, expert, payload, f.path, self.manifest.checksum)
-        t2 = time.perf_counter()
+        f = None
+        try:
+            f = self._acquire(layer)
+            buf = self.buffers.acquire(stride)
+            t0 = time.perf_counter()
+            got, direct = self._pread(f, buf, offset)
+            t1 = time.perf_counter()
+            payload = memoryview(buf)[: min(got, entry.layout.length)]
+            verify_extent(self.seed, entry, expert, payload, f.path, self.manifest.checksum)
+            t2 = time.perf_counter()
+        except (ExpertDamaged, ExpertFileError, fs.DiskError) as exc:
+            self._retire(layer, f)
+            if isinstance(exc, ExpertDamaged):
+                raise
+            text = str(exc)
+            name = expert_name(layer, expert)
+            raise ExpertUnreadable(text if text.startswith(name) else f"{name}: {text}") from None
+        finally:
+            if f is not None:
+                self._release(f)
         with self._lock:
             s = self.stats
             s.reads += 1
@@ -163,8 +197,8 @@ class ExpertReader:
     def _pread(self, f: _LayerFile, buf: mmap.mmap, offset: int) -> tuple[int, bool]:
         if f.direct_fd is not None:
             try:
-                return _preadv_all(f.direct_fd, buf, offset), True
-            except OSError as exc:
+                return fs.preadv(f.direct_fd, buf, offset, f.path, DOING, stop_at=ALIGN, direct=True), True
+            except fs.DiskError as exc:
                 if exc.errno != errno.EINVAL or self.direct:
                     raise
                 with self._lock:  # this file system took the open but not the read: stop trying
@@ -172,27 +206,54 @@ class ExpertReader:
                         os.close(f.direct_fd)
                         f.direct_fd = None
                         self.notes.append(f"{f.path}: O_DIRECT reads refused (EINVAL); using pread")
-        got = _preadv_all(f.fd, buf, offset)
+        got = fs.preadv(f.fd, buf, offset, f.path, DOING, stop_at=ALIGN)
         if self.drop_cache and FADV_DONTNEED is not None:
             os.posix_fadvise(f.fd, offset, len(buf), FADV_DONTNEED)
         return got, False
 
     def _file(self, layer: int) -> _LayerFile:
+        with self._lock:
+            return self._open(layer)
+
+    def _open(self, layer: int) -> _LayerFile:
+        """(Under the lock) the layer's open file, opened now if there is none."""
         f = self._files.get(layer)
         if f is None:
-            with self._lock:
-                f = self._files.get(layer)
-                if f is None:
-                    entry = self.entry(layer)
-                    f = _LayerFile(self.directory / entry.file, entry, self.seed, self.direct)
-                    self._files[layer] = f
+            entry = self.entry(layer)
+            f = _LayerFile(self.directory / entry.file, entry, self.seed, self.direct)
+            self._files[layer] = f
         return f
+
+    def _acquire(self, layer: int) -> _LayerFile:
+        with self._lock:
+            f = self._open(layer)
+            f.users += 1
+            return f
+
+    def _release(self, f: _LayerFile) -> None:
+        with self._lock:
+            f.users -= 1
+            if f.retired and f.users == 0:
+                f.close()
+
+    def _retire(self, layer: int, f: _LayerFile | None) -> None:
+        """Stop using the layer's open file (closed once its reads are done)."""
+        with self._lock:
+            current = self._files.get(layer)
+            if current is not None and (f is None or current is f):
+                del self._files[layer]
+                current.retired = True
+                if current.users == 0:
+                    current.close()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        with self._lock:
+            for f in self._files.values():
+                f.retired = True
+                if f.users == 0:
+                    f.close()
+            self._files.clear()
         self.buffers.close()
 
     def __enter__(self) -> ExpertReader:
@@ -200,17 +261,3 @@ class ExpertReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _preadv_all(fd: int, buf: mmap.mmap, offset: int) -> int:
-    """Fill buf from offset (fewer bytes only at the end of the file); the byte count.
-
-    A short read that stops off a 4 KiB boundary is the end of the file (and O_DIRECT could not
-    continue from there anyway)."""
-    view, got = memoryview(buf), 0
-    while got < len(buf):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        got += n
-        if n == 0 or got % ALIGN:
-            break
-    return got

@@ -16,8 +16,14 @@ from latentkv.experts.store_file import ExpertFileError, ExpertStoreWriter, Mani
 SHARE_META = "share"  # the manifest meta key: {"rank": R, "nodes": N, "placement": digest}
 
 
-def share_meta(rank: int, nodes: int, placement: str) -> dict:
-    return {SHARE_META: {"rank": rank, "nodes": nodes, "placement": placement}}
+def share_meta(rank: int, nodes: int, placement: str, owners: dict | None = None) -> dict:
+    """The manifest meta of rank `rank`'s share of the placement named `placement`; `owners`
+    (the whole placement, `Placement.to_json()`) lets a head adopt the placement a share was
+    written for."""
+    meta: dict = {SHARE_META: {"rank": rank, "nodes": nodes, "placement": placement}}
+    if owners is not None:
+        meta["placement"] = owners
+    return meta
 
 
 def share_of(manifest: Manifest) -> dict | None:

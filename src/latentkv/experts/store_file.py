@@ -14,21 +14,35 @@ manifest's `checksum` (XXH3-128 by default, SHA-256 in stores written before 1.1
 seed binds it to the model fingerprint, so a flipped bit, a truncated file, an extent of another
 layer or of another model is refused with the expert's name and never computed on.
 
-The writer holds one expert at a time; the manifest is published last (temp file, fsync,
-rename, fsync the folder), so an interrupted conversion leaves no manifest and is refused.
+The writer holds one expert at a time and writes each layer file under a temporary name; once
+every layer is written and fsynced it drops the old manifest (if any), renames the layer files
+into place and publishes the manifest last (temp file, fsync, rename, fsync the folder). So an
+interrupted conversion leaves either the old store, intact, or no manifest (refused, never
+misread), and a failed one (a full disk, a read-only one) removes every file it wrote. All file
+access goes through `latentkv.fs`.
+
+The manifest is untrusted input: at most MAX_MANIFEST_BYTES, nested at most MAX_JSON_DEPTH
+deep, and every count and size bounded (layers, experts, tensors, dims, extent bytes) before
+anything is sized from it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import hashlib
 import json
 import os
-import secrets
 import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from latentkv import fs
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks
+    fcntl = None  # type: ignore[assignment]
 
 MAGIC = b"\x89LKX\r\n\x1a\n"  # PNG-style, like the KV file: catches text-mode damage
 FORMAT = "latentkv-experts"
@@ -57,6 +71,15 @@ DTYPE_BYTES = {
     "uint8": 1,
     "float8_e4m3fn": 1,
 }
+# Bounds on a manifest (untrusted): far past any real model (DeepSeek-V3: 58 MoE layers of 256
+# experts of 3 tensors, 44 MB each in f32), small enough that nothing sized from them overflows.
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_JSON_DEPTH = 16  # the manifest nests 6 deep
+MAX_LAYERS = 1 << 13
+MAX_EXPERTS = 1 << 16
+MAX_TENSORS = 64
+MAX_DIMS = 8
+MAX_EXTENT_BYTES = 1 << 34
 
 
 class ExpertFileError(ValueError):
@@ -65,6 +88,11 @@ class ExpertFileError(ValueError):
 
 class ExpertDamaged(ExpertFileError):
     """One expert's extent fails its check (bit flip, truncation, another model's bytes)."""
+
+
+class ExpertUnreadable(ExpertFileError):
+    """An expert's layer file cannot be read: missing, not a regular file, an I/O error, or a
+    header of another layer or model (the message names the expert and says why)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +163,10 @@ class ExtentLayout:
 
     @classmethod
     def from_json(cls, d: dict) -> ExtentLayout:
-        specs = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["offset"]) for t in d["tensors"])
+        tensors = d["tensors"]
+        if not isinstance(tensors, list) or not 0 < len(tensors) <= MAX_TENSORS:
+            raise ExpertFileError(f"a layout needs 1 to {MAX_TENSORS} tensors")
+        specs = tuple(TensorSpec(t["name"], t["dtype"], _shape(t["shape"]), t["offset"]) for t in tensors)
         layout = cls(specs, d.get("meta", {}))
         layout.validate(d.get("length"), d.get("stride"))
         return layout
@@ -143,11 +174,18 @@ class ExtentLayout:
     def validate(self, length: int | None = None, stride: int | None = None) -> None:
         end = 0
         for t in self.tensors:
-            if t.dtype not in DTYPE_BYTES or t.offset % TENSOR_ALIGN or t.offset < end:
+            if (
+                t.dtype not in DTYPE_BYTES
+                or not _is_int(t.offset)
+                or t.offset % TENSOR_ALIGN
+                or not end <= t.offset <= MAX_EXTENT_BYTES
+            ):
                 raise ExpertFileError(f"tensor {t.name}: bad dtype or offset ({t.dtype}, {t.offset})")
-            if any(not isinstance(d, int) or d < 0 for d in t.shape):
+            if any(not _is_int(d) or d < 0 for d in t.shape):
                 raise ExpertFileError(f"tensor {t.name}: bad shape {t.shape}")
             end = t.offset + t.nbytes
+            if end > MAX_EXTENT_BYTES:
+                raise ExpertFileError(f"tensor {t.name}: {end} bytes is beyond any expert")
         if (length, stride) != (None, None) and (length, stride) != (self.length, self.stride):
             raise ExpertFileError(
                 f"layout says {length}/{stride} bytes, its tensors make {self.length}/{self.stride}"
@@ -222,14 +260,29 @@ class LayerEntry:
 
     @classmethod
     def from_json(cls, d: dict) -> LayerEntry:
-        ids = d.get("ids")
+        layer, checks, ids, total = d["layer"], d["checks"], d.get("ids"), d.get("total")
+        if not _is_int(layer) or not 0 <= layer < MAX_LAYERS:
+            raise ExpertFileError(f"layer index {layer!r:.40} is not in 0..{MAX_LAYERS - 1}")
+        if not isinstance(checks, list) or len(checks) > MAX_EXPERTS:
+            raise ExpertFileError(f"layer {layer}: at most {MAX_EXPERTS} expert checks, got {len(checks)}")
+        if not all(isinstance(c, str) and len(c) == 2 * CHECK_BYTES for c in checks):
+            raise ExpertFileError(f"layer {layer}: an expert check is not {2 * CHECK_BYTES} hex digits")
+        if ids is not None and (
+            not isinstance(ids, list)
+            or not all(_is_int(e) for e in ids)
+            or not _is_int(total)
+            or not 0 <= total <= MAX_EXPERTS
+        ):
+            raise ExpertFileError(
+                f"layer {layer}: a share's ids and total must be integers up to {MAX_EXPERTS}"
+            )
         entry = cls(
-            int(d["layer"]),
+            layer,
             str(d["file"]),
             ExtentLayout.from_json(d["layout"]),
-            tuple(d["checks"]),
-            None if ids is None else tuple(int(e) for e in ids),
-            None if ids is None else int(d["total"]),
+            tuple(checks),
+            None if ids is None else tuple(ids),
+            None if ids is None else total,
         )
         if Path(entry.file).name != entry.file or not entry.file.endswith(".lkx"):
             raise ExpertFileError(f"layer {entry.layer}: file name {entry.file!r} is not a plain .lkx name")
@@ -294,6 +347,8 @@ class Manifest:
                 f"unknown checksum {d.get('checksum')!r} or alignment {d.get('alignment')!r} in the manifest"
             )
         layers = {}
+        if not isinstance(d["layers"], list) or len(d["layers"]) > MAX_LAYERS:
+            raise ExpertFileError(f"the manifest's layers must be a list of at most {MAX_LAYERS}")
         for raw in d["layers"]:
             entry = LayerEntry.from_json(raw)
             if entry.layer in layers:
@@ -306,6 +361,16 @@ class Manifest:
                 "a share lists its experts and is version 2, a full store is version 1"
             )
         return manifest
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shape(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_DIMS:
+        raise ExpertFileError(f"a tensor shape must be a list of at most {MAX_DIMS} sizes")
+    return tuple(value)
 
 
 def expert_name(layer: int, expert: int) -> str:
@@ -365,13 +430,15 @@ def read_manifest(directory: str | Path, fingerprint: str | None = None) -> Mani
     """Parse and verify DIR/manifest.json; a fingerprint that differs from `fingerprint` is refused."""
     path = Path(directory) / MANIFEST
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ExpertFileError(
-            f"{path} is missing: no expert store here (or its conversion did not finish)"
-        ) from None
+        raw = fs.read_bounded(path, MAX_MANIFEST_BYTES, "reading the expert store's manifest")
+    except fs.DiskError as exc:
+        if exc.errno == errno.ENOENT:
+            raise ExpertFileError(
+                f"{path} is missing: no expert store here (or its conversion did not finish)"
+            ) from None
+        raise ExpertFileError(str(exc)) from None
     try:
-        outer = json.loads(raw)
+        outer = fs.load_json(raw, MAX_JSON_DEPTH)
         body = outer["manifest"]
         ok = hashlib.sha256(_canonical(body)).hexdigest() == outer["sha256"]
     except (ValueError, KeyError, TypeError) as exc:
@@ -396,7 +463,7 @@ def read_manifest(directory: str | Path, fingerprint: str | None = None) -> Mani
 
 
 class ExpertStoreWriter:
-    """Writes an expert store layer by layer, expert by expert; `finish` publishes the manifest.
+    """Writes an expert store layer by layer, expert by expert; `finish` publishes it.
 
     with ExpertStoreWriter(dir, fingerprint) as w:
         for layer in moe_layers:
@@ -404,7 +471,14 @@ class ExpertStoreWriter:
                 for e in range(n_experts):
                     lw.write(e, [gate_bytes, gate_scale_bytes, ...])  # the layout's order
         w.finish()
+
+    Layer files are written under temporary names and renamed into place by `finish`, so the
+    store already in the folder (`replace`) stays whole until the new one is complete. Leaving
+    the block without `finish` (an error) removes every file this writer wrote. One writer per
+    folder at a time (an advisory lock on the folder); DiskError, one line, when the disk refuses.
     """
+
+    DOING = "writing the expert store"
 
     def __init__(
         self,
@@ -418,19 +492,20 @@ class ExpertStoreWriter:
         if checksum not in CHECKSUMS:
             raise ValueError(f"unknown extent checksum {checksum!r}; known: {', '.join(CHECKSUMS)}")
         self.checksum = checksum
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        manifest = self.directory / MANIFEST
-        if manifest.exists():
-            if not replace:
-                raise ExpertFileError(f"{manifest} exists: refusing to overwrite an expert store")
-            manifest.unlink()  # from here on a crash leaves no manifest: refused, never misread
-            _sync_dir(self.directory)
+        self._made = fs.missing_parents(directory)  # folders to take back if nothing is written
+        self.directory = fs.make_dirs(directory, self.DOING)
+        self.replace = replace
+        if os.path.lexists(self.directory / MANIFEST) and not replace:
+            raise ExpertFileError(
+                f"{self.directory / MANIFEST} exists: refusing to overwrite an expert store"
+            )
+        self._lock_fd = _lock_folder(self.directory)
         self.fingerprint = fingerprint
         self.seed = seed_for(fingerprint)
         self.meta = dict(meta or {})
         self.layers: dict[int, LayerEntry] = {}
         self.bytes_written = 0
+        self._pending: list[fs.Publish] = []  # written and fsynced layer files, not yet in place
 
     def layer(
         self, layer: int, n_experts: int, layout: ExtentLayout, ids: tuple[int, ...] | None = None
@@ -441,32 +516,79 @@ class ExpertStoreWriter:
             raise ValueError(f"layer {layer} was already written")
         return LayerWriter(self, layer, n_experts, layout, ids)
 
+    def check_space(self, need: int) -> None:
+        """DiskError up front unless the folder's file system can hold `need` more bytes (the
+        layer files of a store being replaced are freed only once the new ones are in place)."""
+        fs.check_space(self.directory, need, f"{self.DOING} ({fs.gb(need)})")
+
     def finish(self) -> Manifest:
-        """Publish the manifest atomically (temp, fsync, rename, fsync the folder)."""
+        """Put the layer files in place and publish the manifest (temp, fsync, rename, fsync the
+        folder). The old manifest goes first: a crash in between leaves no manifest."""
         manifest = Manifest(self.fingerprint, dict(self.layers), self.meta, checksum=self.checksum)
         path = self.directory / MANIFEST
-        tmp = path.with_name(f".{MANIFEST}.{secrets.token_hex(4)}.tmp")
+        placed: list[Path] = []
         try:
-            with open(tmp, "wb") as f:
-                f.write(manifest_bytes(manifest))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            _sync_dir(self.directory)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            if os.path.lexists(path):
+                try:
+                    os.unlink(path)
+                except OSError as exc:
+                    raise fs.error(exc, path, self.DOING) from None
+                fs.sync_dir(self.directory)
+            for out in self._pending:
+                out.place()
+                placed.append(out.path)
+            fs.write_atomic(path, manifest_bytes(manifest), self.DOING)
+        except BaseException:
+            for written in placed:  # without a manifest they are of no use: take them back
+                fs.remove(written)
+            self.abort()
+            raise
+        self._pending.clear()
+        self._unlock()
         return manifest
+
+    def abort(self) -> None:
+        """Remove every layer file written and not yet in place (what leaving the block without
+        `finish` does); the folder's existing store, if any, is left as it was."""
+        for out in self._pending:
+            out.abort()
+        self._pending.clear()
+        self._unlock()
+        if not (self.directory / MANIFEST).exists():
+            fs.remove_empty(self._made)
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> ExpertStoreWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        self.abort()
+
+
+def _lock_folder(directory: Path) -> int | None:
+    """An advisory lock on the folder for one writer; stale temporary files of a writer that
+    died are removed once it is held."""
+    if fcntl is None:  # pragma: no cover
+        return None
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ExpertFileError(f"another process is writing an expert store in {directory}") from None
+    for pattern in (".layer-*.lkx.*.tmp", f".{MANIFEST}.*.tmp"):
+        for stale in directory.glob(pattern):
+            fs.remove(stale)
+    return fd
 
 
 class LayerWriter:
-    """One layer file, written expert by expert in order 0..E-1 and fsynced on close."""
+    """One layer file, written expert by expert in order 0..E-1 under a temporary name and
+    fsynced on close; the store's writer puts it in place."""
 
     def __init__(
         self,
@@ -489,10 +611,10 @@ class LayerWriter:
         self.file = layer_file_name(layer)
         self.path = parent.directory / self.file
         self.checks: list[str] = []
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._out: fs.Publish | None = fs.Publish(self.path, parent.DOING).__enter__()
         major, minor = (FORMAT_MAJOR, FORMAT_MINOR) if ids is None else (SHARE_MAJOR, 0)
         head = LAYER_HEADER.pack(MAGIC, major, minor, layer, len(self.order), parent.seed)
-        _pwrite_all(self._fd, head + bytes(ALIGN - len(head)), 0)
+        self._pwrite(head + bytes(ALIGN - len(head)), 0)
 
     def write(self, expert: int, tensors: list[bytes | bytearray | memoryview]) -> None:
         """Expert `expert`'s raw tensors, in the layout's order, as bytes."""
@@ -516,21 +638,27 @@ class LayerWriter:
             extent[spec.offset : spec.offset + spec.nbytes] = view
         payload = memoryview(extent)[: self.layout.length]
         self.checks.append(extent_check(self.parent.seed, self.layer, expert, payload, self.parent.checksum))
-        _pwrite_all(self._fd, extent, ALIGN + slot * self.layout.stride)
+        self._pwrite(extent, ALIGN + slot * self.layout.stride)
         self.parent.bytes_written += len(extent)
 
-    def close(self) -> None:
-        if self._fd is None:
-            return
+    def _pwrite(self, data, offset: int) -> None:
         try:
-            if len(self.checks) != len(self.order):
-                raise ValueError(
-                    f"layer {self.layer}: {len(self.checks)} of {len(self.order)} experts written"
-                )
-            os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
-            self._fd = None
+            self._out.pwrite(data, offset)
+        except BaseException:
+            self._abort()
+            raise
+
+    def close(self) -> None:
+        """fsync the finished layer file (ValueError if experts are missing) for the store's writer."""
+        out = self._out
+        if out is None:
+            return
+        self._out = None
+        if len(self.checks) != len(self.order):
+            out.abort()
+            raise ValueError(f"layer {self.layer}: {len(self.checks)} of {len(self.order)} experts written")
+        out.close()
+        self.parent._pending.append(out)
         self.parent.layers[self.layer] = LayerEntry(
             self.layer,
             self.file,
@@ -540,15 +668,19 @@ class LayerWriter:
             None if self.ids is None else self.total,
         )
 
+    def _abort(self) -> None:
+        if self._out is not None:
+            self._out.abort()
+            self._out = None
+
     def __enter__(self) -> LayerWriter:
         return self
 
     def __exit__(self, exc_type, *exc: object) -> None:
         if exc_type is None:
             self.close()
-        elif self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        else:
+            self._abort()
 
 
 # --- verifying one extent (the reader in `experts.reader` preads, this judges) ------------------
@@ -601,19 +733,3 @@ def _round_up(n: int, k: int) -> int:
 def _require_little_endian() -> None:
     if sys.byteorder != "little":  # pragma: no cover
         raise ExpertFileError("expert stores are little-endian and this host is not")
-
-
-def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-def _sync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

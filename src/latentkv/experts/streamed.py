@@ -22,6 +22,7 @@ The planner (`latentkv plan`) reserves the last two beside the cache.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,12 +30,15 @@ from concurrent.futures import Future, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from latentkv import fs
 from latentkv.experts.base import Expert, LocalStore
 from latentkv.experts.cache import ExpertCache
 from latentkv.experts.extent import expert_from_extent
+from latentkv.experts.health import StoreHealth
 from latentkv.experts.history import FILE_NAME as HISTORY_FILE
 from latentkv.experts.history import UsageHistory
 from latentkv.experts.reader import ExpertReader, Extent
+from latentkv.experts.store_file import ExpertFileError
 
 HISTORY_SAVE_EVERY = 256  # forward passes between usage-history saves
 # Prefetch for a layer only while its predictions recall at least this share of what it then
@@ -55,6 +59,9 @@ class StreamConfig:
     pin_fraction: float = 0.5  # at most this share of the budget pinned from the usage history
     prefetch_bytes: int | None = None  # bytes of prefetch reads in flight (None: 8 experts' worth)
     history: bool = True  # keep and use DIR/usage.json
+    # the experts this streamer serves (a cluster rank's share of a full store): only these are
+    # pinned from the usage history; None: every expert of the store
+    experts: dict[int, frozenset[int]] | None = None
 
 
 @dataclass
@@ -140,6 +147,7 @@ class ExpertStreamer:
         return_large_frees()
         self.reader = ExpertReader(directory, fingerprint, direct=config.direct, threads=config.threads)
         self.manifest = self.reader.manifest
+        self.health = StoreHealth(self.directory, self.manifest)  # damage found while running
         self.cache = ExpertCache(config.budget, config.policy)
         self.telemetry = Telemetry(budget=config.budget)
         self.notes: list[str] = []
@@ -180,17 +188,34 @@ class ExpertStreamer:
         if self.history is None:
             return []
         sizes = {i: n for i, n in self.expert_bytes.items() if i != self.draft_layer}
-        hot = self.history.hot_set(int(self.config.budget * self.config.pin_fraction), sizes)
+        hot = self.history.hot_set(
+            int(self.config.budget * self.config.pin_fraction), sizes, self.config.experts
+        )
         futures = [(key, self.reader.submit(*key)) for key in hot]
+        pinned = []
         for key, f in futures:
-            ext = f.result()
+            try:
+                ext = f.result()
+            except ExpertFileError as exc:  # not pinned; the pass that needs it says so
+                self.notes.append(str(self.health.failed(*key, exc)))
+                continue
             expert = expert_from_extent(ext)
             self.cache.put(key, expert, _charge(ext, expert), pin=True)
-        return hot
+            pinned.append(key)
+        return pinned
 
     def save_history(self) -> None:
-        if self.history is not None:
+        """Save the usage history; a disk that refuses is a note (the history only speeds
+        later runs up), said once."""
+        if self.history is None:
+            return
+        try:
             self.history.save(self.directory / HISTORY_FILE)
+        except fs.DiskError as exc:
+            self.history = None  # stop trying
+            note = f"{exc}; running on without saving the usage history"
+            self.notes.append(note)
+            print(f"latentkv: {note}", file=sys.stderr)
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -262,8 +287,12 @@ class ExpertStreamer:
             for _ in range(len(which)):
                 t0 = time.perf_counter()
                 future = next(done)
-                ext = future.result()  # ExpertDamaged propagates: never computed on
                 e = which[future]
+                try:
+                    ext = future.result()
+                except ExpertFileError as exc:  # never computed on; the store is degraded
+                    raise self.health.failed(layer, e, exc) from None
+                self.health.ok(layer, e)
                 read[e] = ext, expert_from_extent(ext)
                 t.wait_seconds += time.perf_counter() - t0
                 yield e, read[e][1]
@@ -334,11 +363,14 @@ class ExpertStreamer:
                 self.save_history()
 
     def snapshot(self) -> dict:
+        """The telemetry, and the store's health (damaged experts are read again first, at most
+        every few seconds: a repaired store is whole again without waiting for a request)."""
         t = self.telemetry
         t.read_seconds = self.reader.stats.read_seconds
         t.bytes_read = self.reader.stats.bytes_read
         t.resident_bytes = self.cache.resident_bytes
-        return t.as_dict()
+        self.health.recheck(self.reader.read)
+        return {**t.as_dict(), "store": self.health.as_dict()}
 
     def close(self) -> None:
         with self._lock:

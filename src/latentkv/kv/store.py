@@ -25,7 +25,6 @@ over, save after every turn, move refused files aside.
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from latentkv import fs
 from latentkv.config import CacheConfig, ModelConfig
 from latentkv.kv.cache import CacheLayout, KVTier, SequenceCache, make_cache, resolve_tier
 from latentkv.kv.codecs import Codec
@@ -47,7 +47,7 @@ from latentkv.kv.store_compat import (
     is_f32,
     resume_flags,
 )
-from latentkv.kv.store_file import FORMAT_MAJOR, RecordFile, move_aside
+from latentkv.kv.store_file import BLOCK, FORMAT_MAJOR, RecordFile, header_area, move_aside
 from latentkv.kv.store_header import (
     CODEC_REVISION,
     CodecSpec,
@@ -317,17 +317,28 @@ class KVFile:
 def rewrite(path: str | Path, header: KVHeader, tokens: list[int], cache: Cache) -> KVFile:
     """Replace `path` atomically by a file of `header` holding `cache`'s rows for `tokens`.
 
-    Written beside it under a temporary name, then renamed over it: a crash leaves the old file.
+    Written beside it under a temporary name, then renamed over it: a crash, a full disk or any
+    other failure leaves the old file (and no temporary one); errors name `path`.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.rewrite")
-    f = KVFile.create(tmp, header)
+    tmp = fs.temp_name(path, "rewrite")
+    try:
+        area, _ = header_area(header)
+        size = len(area) + 2 * BLOCK + len(tokens) * header.record_layout().size
+        fs.check_space(path.parent, size, f"rewriting the KV file {path.name}")
+        f = KVFile.create(tmp, header)
+    except fs.DiskError as exc:
+        raise fs.naming(exc, tmp, path) from None
     try:
         f.append(tokens, cache, 0, len(tokens))
         f.raw.rename(path)
+    except fs.DiskError as exc:
+        f.close()
+        fs.remove(tmp)
+        raise fs.naming(exc, tmp, path) from None
     except BaseException:
         f.close()
-        tmp.unlink(missing_ok=True)
+        fs.remove(tmp)
         raise
     return f
 

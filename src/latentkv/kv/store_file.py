@@ -25,14 +25,13 @@ import hashlib
 import math
 import os
 import secrets
-import stat
 import struct
 import sys
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from latentkv import version
+from latentkv import fs, version
 from latentkv.kv.store_header import (
     CHECK_BYTES,
     KVFileBusy,
@@ -118,25 +117,23 @@ class RecordFile:
         replace: bool = False,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> RecordFile:
-        """Write a new, empty file atomically (temp file, fsync, link/rename, fsync the folder)."""
+        """Write a new, empty file atomically (temp file, fsync, link/rename, fsync the folder).
+        FileExistsError if `path` exists and not `replace`; DiskError (one line) if the disk
+        refuses, with nothing left behind."""
         _require_little_endian()
         path = Path(path)
         header = KVHeader.from_json(_stamp(header).to_json())  # what we write, we can read
         area, digest = header_area(header)
         slots = bytearray(2 * BLOCK)
         slots[BLOCK : BLOCK + SLOT.size] = slot_bytes(digest, 1, 0)  # commit 1 (no records) in slot 1
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # a KV file holds a conversation
-            try:
-                _pwrite_all(fd, area + slots, 0)
-                _sync(fd)
-            finally:
-                os.close(fd)
-            _publish(tmp, path, replace)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            # a KV file holds a conversation: private to the user
+            with fs.Publish(path, "creating the KV file", replace=replace, mode=0o600) as out:
+                out.write(area + slots)
+        except fs.DiskError as exc:
+            if exc.errno == errno.EEXIST and not replace:
+                raise FileExistsError(errno.EEXIST, str(exc), str(path)) from None
+            raise
         return cls.open(path, writable=True, chunk_bytes=chunk_bytes)
 
     @classmethod
@@ -150,8 +147,8 @@ class RecordFile:
         try:
             if writable:
                 _lock(fd, path)
-            header, digest, data_offset, minor = read_header(fd, os.fstat(fd).st_size)
-            commit, notes = read_commit(fd, digest, data_offset)
+            header, digest, data_offset, minor = read_header(fd, os.fstat(fd).st_size, path)
+            commit, notes = read_commit(fd, digest, data_offset, path)
         except BaseException:
             os.close(fd)
             raise
@@ -193,8 +190,7 @@ class RecordFile:
     def rename(self, path: str | Path) -> None:
         """Move the open file to `path`, replacing what is there (atomically), and fsync the folder."""
         path = Path(path)
-        os.replace(self.path, path)
-        _sync_dir(path.parent)
+        fs.rename(self.path, path, "replacing the KV file")
         self.path = path
 
     def size_for(self, records: int) -> int:
@@ -217,7 +213,7 @@ class RecordFile:
     def _scan(self, keep: bool) -> Scan:
         fd = self._open_fd()
         size = os.fstat(fd).st_size
-        (seq, committed, slot), notes = read_commit(fd, self.digest, self.data_offset)
+        (seq, committed, slot), notes = read_commit(fd, self.digest, self.data_offset, self.path)
         R = self.layout.size
         whole = max(0, size - self.data_offset) // R
         n = min(committed, whole)
@@ -229,7 +225,7 @@ class RecordFile:
         count, prev, problem = 0, ZERO_CHECK, None
         step = max(1, self.chunk_bytes // R)
         for start in range(0, n, step):
-            buf = _pread(fd, min(step, n - start) * R, self.data_offset + start * R)
+            buf = self._pread(fd, min(step, n - start) * R, self.data_offset + start * R)
             view = memoryview(buf)
             for j in range(len(buf) // R):
                 rec = view[j * R : (j + 1) * R]
@@ -273,10 +269,11 @@ class RecordFile:
             return self._count
         records, last = self._seal(memoryview(payload).cast("B"), n)
         start, view = self._count, memoryview(records)
-        with self._writing(f"appending {n} records"):
+        with self._writing(f"appending {n} records to the KV file") as doing:
             for off in range(0, len(records), self.chunk_bytes):
-                _pwrite_all(self._fd, view[off : off + self.chunk_bytes], self.size_for(start) + off)
-            _sync(self._fd)
+                chunk = view[off : off + self.chunk_bytes]
+                fs.pwrite_all(self._fd, chunk, self.size_for(start) + off, self.path, doing)
+            fs.sync(self._fd, self.path, doing)
             self._commit(start + n, last)
         return self._count
 
@@ -287,11 +284,10 @@ class RecordFile:
             raise ValueError(f"cannot truncate a file of {self._count} records to {n}")
         if n == self._count:
             return
-        last = _pread(self._fd, CHECK_BYTES, self.size_for(n) - CHECK_BYTES) if n else ZERO_CHECK
-        with self._writing(f"truncating to {n} records"):
+        last = self._pread(self._fd, CHECK_BYTES, self.size_for(n) - CHECK_BYTES) if n else ZERO_CHECK
+        with self._writing(f"cutting the KV file back to {n} records"):
             self._commit(n, last)
-            os.ftruncate(self._fd, self.size_for(n))
-            _sync(self._fd)
+            self._truncate(self.size_for(n))
 
     def _seal(self, payload: memoryview, n: int) -> tuple[bytearray, bytes]:
         """Payloads -> records with chained checks; ValueError on a token or scale we would refuse to read."""
@@ -311,8 +307,10 @@ class RecordFile:
     def _commit(self, count: int, last_check: bytes) -> None:
         """Write commit seq+1 into the slot that does not hold the newest commit, then fsync."""
         seq, slot = self._seq + 1, 1 - self._slot
-        _pwrite_all(self._fd, slot_bytes(self.digest, seq, count), slot_offset(self.data_offset, slot))
-        _sync(self._fd)
+        doing = "committing the KV file"
+        offset = slot_offset(self.data_offset, slot)
+        fs.pwrite_all(self._fd, slot_bytes(self.digest, seq, count), offset, self.path, doing)
+        fs.sync(self._fd, self.path, doing)
         self._seq, self._slot, self._count, self._last_check = seq, slot, count, last_check
 
     def _ensure_scanned(self) -> None:
@@ -321,24 +319,36 @@ class RecordFile:
 
     def _repair(self, scan: Scan) -> None:
         """Make the file exactly its verified prefix: commit it if shorter, cut every byte past it."""
-        with self._writing("cutting the file back to its verified records"):
+        with self._writing("cutting the KV file back to its verified records"):
             if scan.count != scan.committed:
                 self._commit(scan.count, scan.last_check)
             if scan.file_bytes != self.size_for(scan.count):
-                os.ftruncate(self._fd, self.size_for(scan.count))
-                _sync(self._fd)
+                self._truncate(self.size_for(scan.count))
         self._count, self._last_check, self._scanned = scan.count, scan.last_check, True
+
+    def _truncate(self, size: int) -> None:
+        doing = "cutting the KV file back"
+        try:
+            os.ftruncate(self._open_fd(), size)
+        except OSError as exc:
+            raise fs.error(exc, self.path, doing) from None
+        fs.sync(self._open_fd(), self.path, doing)
+
+    def _pread(self, fd: int, n: int, offset: int) -> bytes:
+        return _pread(fd, n, offset, self.path)
 
     @contextlib.contextmanager
     def _writing(self, what: str):
+        """Around a write: a DiskError (one line) if the disk refuses, after which this handle
+        writes no more (the page cache may not match the disk); the file keeps its last commit."""
         try:
-            yield
-        except OSError as exc:
-            # After a failed write or fsync the page cache may not match the disk: stop writing.
-            self._failed = f"{what} failed ({exc})"
-            raise KVFileError(
-                f"{self.path}: {self._failed}; the file keeps its last commit ({self._count} records)"
-            ) from exc
+            yield what
+        except (OSError, fs.DiskError) as exc:
+            problem = fs.error(exc, self.path, what) if isinstance(exc, OSError) else exc
+            self._failed = str(problem)
+            raise fs.DiskError(
+                f"{problem}; the file keeps its last commit ({self._count} records)", self.path, problem.errno
+            ) from None
 
     def _check_writable(self) -> None:
         if not self.writable:
@@ -367,11 +377,11 @@ def header_area(header: KVHeader) -> tuple[bytes, bytes]:
     return area + bytes(-len(area) % BLOCK), digest
 
 
-def read_header(fd: int, size: int) -> tuple[KVHeader, bytes, int, int]:
+def read_header(fd: int, size: int, path: str | Path = "the KV file") -> tuple[KVHeader, bytes, int, int]:
     """Parse and verify the header: (header, digest, data offset D, minor version)."""
     if size < PREFIX.size:
         raise KVFileError(f"{size} bytes is too short to be a latentkv KV file")
-    head = _pread(fd, PREFIX.size, 0)
+    head = _pread(fd, PREFIX.size, 0, path)
     magic, major, minor, json_bytes, record_bytes = PREFIX.unpack(head)
     if magic != MAGIC:
         raise KVFileError("not a latentkv KV file (wrong magic bytes)")
@@ -386,7 +396,7 @@ def read_header(fd: int, size: int) -> tuple[KVHeader, bytes, int, int]:
     end = PREFIX.size + json_bytes + DIGEST_BYTES
     if size < end:
         raise KVFileError(f"the file ends inside its header ({size} of {end} bytes)")
-    rest = _pread(fd, json_bytes + DIGEST_BYTES, PREFIX.size)
+    rest = _pread(fd, json_bytes + DIGEST_BYTES, PREFIX.size, path)
     digest = hashlib.sha256(head + rest[:json_bytes]).digest()
     if digest != rest[json_bytes:]:
         raise KVFileError("the header fails its checksum: the header is damaged")
@@ -410,11 +420,13 @@ def _slot_check(digest: bytes, seq: int, count: int) -> bytes:
     return hashlib.sha256(digest + b"commit" + struct.pack("<QQ", seq, count)).digest()[:CHECK_BYTES]
 
 
-def read_commit(fd: int, digest: bytes, data_offset: int) -> tuple[tuple[int, int, int], list[str]]:
+def read_commit(
+    fd: int, digest: bytes, data_offset: int, path: str | Path = "the KV file"
+) -> tuple[tuple[int, int, int], list[str]]:
     """((sequence, record count, slot index) of the newest valid commit, notes on damaged slots)."""
     found, notes = [], []
     for index in (0, 1):
-        raw = _pread(fd, SLOT.size, slot_offset(data_offset, index))
+        raw = _pread(fd, SLOT.size, slot_offset(data_offset, index), path)
         if raw == bytes(SLOT.size):
             continue  # never written (a new file has one commit, in slot 1)
         seq, count, check = SLOT.unpack(raw) if len(raw) == SLOT.size else (0, 0, b"")
@@ -453,32 +465,18 @@ def payload_problem(layout: RecordLayout, vocab: int, index: int, payload: bytes
 
 
 def open_regular(path: Path, flags: int) -> int:
-    """os.open for a regular file only: a directory, FIFO, socket or device is refused from its
-    stat before any open (a FIFO would block a reader), the open itself never blocks
-    (O_NONBLOCK, no effect on regular files), and what it opened is checked again. Errors other
-    than a missing file are KVFileUnavailable with one line saying why."""
+    """`fs.open_regular` for a KV file: a directory, FIFO, socket or device is refused from its
+    stat before any open (a FIFO would block a reader) and never opened for a blocking read.
+    FileNotFoundError when there is no file; every other refusal is KVFileUnavailable with
+    one line saying why."""
     try:
-        _require_regular(path, os.stat(path).st_mode)
-        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
-    except (FileNotFoundError, KVFileUnavailable):
-        raise
-    except OSError as exc:
-        raise KVFileUnavailable(f"{path}: cannot open it: {exc.strerror or exc}") from None
-    try:
-        _require_regular(path, os.fstat(fd).st_mode)  # replaced between the stat and the open
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _require_regular(path: Path, mode: int) -> None:
-    if stat.S_ISREG(mode):
-        return
-    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")]
-    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
-    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-    raise KVFileUnavailable(f"{path} is {kind}, not a KV file (regular files only)")
+        return fs.open_regular(path, flags, "opening the KV file")
+    except fs.NotRegular as exc:
+        raise KVFileUnavailable(f"{path} is {exc.kind}, not a KV file (regular files only)") from None
+    except fs.DiskError as exc:
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(errno.ENOENT, str(exc), str(path)) from None
+        raise KVFileUnavailable(str(exc)) from None
 
 
 def move_aside(path: str | Path) -> Path:
@@ -488,10 +486,12 @@ def move_aside(path: str | Path) -> Path:
     for k in range(1, 1000):
         target = path.with_name(f"{path.name}.refused-{stamp}" + (f"-{k}" if k > 1 else ""))
         try:
-            _link_or_rename(path, target)
+            fs.link_or_rename(path, target)
         except FileExistsError:
             continue
-        _sync_dir(path.parent)
+        except OSError as exc:
+            raise fs.error(exc, path, "moving the refused KV file aside") from None
+        fs.sync_dir(path.parent)
         return target
     raise KVFileError(f"could not find a free name to move {path} aside")
 
@@ -524,61 +524,6 @@ def _lock(fd: int, path: Path) -> None:
         raise KVFileBusy(f"{path} is open for writing by another process") from None
 
 
-def _pread(fd: int, n: int, offset: int) -> bytes:
+def _pread(fd: int, n: int, offset: int, path: str | Path) -> bytes:
     """Up to n bytes at offset (fewer only at the end of the file)."""
-    parts, got = [], 0
-    while got < n:
-        part = os.pread(fd, n - got, offset + got)
-        if not part:
-            break
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
-
-
-def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-def _sync(fd: int) -> None:
-    if hasattr(fcntl, "F_FULLFSYNC"):  # macOS: fsync alone does not flush the drive's cache
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-    os.fsync(fd)
-
-
-def _sync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not every platform can open a directory
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _publish(tmp: Path, path: Path, replace_existing: bool) -> None:
-    if replace_existing:
-        os.replace(tmp, path)
-    else:
-        _link_or_rename(tmp, path)
-    _sync_dir(path.parent)
-
-
-def _link_or_rename(src: Path, dst: Path) -> None:
-    """Give src the name dst, failing with FileExistsError rather than replace an existing dst."""
-    try:
-        os.link(src, dst)
-    except FileExistsError:
-        raise
-    except OSError as exc:  # no hard links here: check, then rename (a narrow race, but no data lost)
-        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOTSUP):
-            raise
-        if dst.exists():
-            raise FileExistsError(errno.EEXIST, "file exists", str(dst)) from None
-        os.rename(src, dst)
-        return
-    os.unlink(src)
+    return fs.pread(fd, n, offset, path, "reading the KV file")

@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from latentkv import fs
+
 CHECK_BYTES = 16  # the truncated SHA-256 at the end of every record
 TOKEN_BYTES = 4  # u32 token id at the start of every record
 CODEC_REVISION = 1  # bump when any codec's byte format changes under unchanged params()
@@ -31,6 +33,7 @@ MAX_LAYERS = 4096
 MAX_WIDTH = 1 << 20
 MAX_VOCAB = 1 << 32
 MAX_RECORD_BYTES = 1 << 30
+MAX_JSON_DEPTH = 16  # the header nests 5 deep
 
 
 class KVFileError(Exception):
@@ -114,9 +117,9 @@ class KVHeader:
 
     @classmethod
     def from_json(cls, data: bytes) -> KVHeader:
-        try:
-            obj = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, huge ints
+        try:  # nesting bounded before parsing; ValueError: not UTF-8, not JSON, huge ints
+            obj = fs.load_json(bytes(data), MAX_JSON_DEPTH)
+        except ValueError as exc:
             raise KVFileError(f"the header is not valid JSON ({exc})") from None
         _want(isinstance(obj, dict), "header", "a JSON object", obj)
         model = _model(_obj(obj, "model"))

@@ -16,6 +16,7 @@ may open (a directory, a FIFO, permission denied) raises KVFileUnavailable, also
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from latentkv.config import CacheConfig
@@ -42,6 +43,11 @@ class Session:
         """Open or create the session file at `path`; returns it and a cache holding its tokens."""
         path = Path(path)
         layout = layout_of(current)
+        if path.is_symlink() and not path.exists():
+            raise KVFileUnavailable(
+                f"{path} is a symbolic link to {os.readlink(path)}, which does not exist: restore that "
+                "file or remove the link"
+            )
         if not path.exists():
             return cls(path, KVFile.create(path, current), current, [], []), make_cache(layout, cache_config)
         try:

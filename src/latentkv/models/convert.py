@@ -31,7 +31,9 @@ a safetensors checkpoint's are, in --weight-dtype.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import shutil
 import struct
 import sys
@@ -40,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-from latentkv.config import ModelConfig
+from latentkv import fs
+from latentkv.config import ModelConfig, read_json_object
 from latentkv.models.loader import GGUF_POINTER, Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.weights.base import DenseLinear, format_class
 
@@ -104,19 +107,85 @@ def read_manifest(directory: Path) -> dict | None:
 def convert(
     source: Path, out: Path, weight_dtype: str, expert_dtype: str | None = None, progress: bool = True
 ) -> dict:
-    """Write `source` into `out` in our layout; returns the manifest."""
+    """Write `source` into `out` in our layout; returns the manifest.
+
+    Everything is written into a temporary folder beside `out`, renamed onto it last (an empty
+    folder at `out` is replaced): a failure (a full disk, a read-only one, an interruption)
+    leaves `out` as it was and removes every byte written. The free space is checked first."""
     expert_dtype = expert_dtype or weight_dtype
     cfg = ModelConfig.from_hf(source)
-    raw_cfg = json.loads((source / "config.json").read_text())
-    block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
+    raw_cfg = read_json_object(source / "config.json")
     ckpt = Checkpoint(source)
     source_manifest = read_manifest(source)
     gguf_packed = (
         source_manifest["tensors"] if source_manifest and source_manifest.get("source") == "gguf" else {}
     )
-    roles = dict(packed_matrices(cfg))
     fmt_of = {"dense": weight_dtype, "expert": expert_dtype}
-    out.mkdir(parents=True, exist_ok=True)
+    need = 2 * output_bytes(ckpt, dict(packed_matrices(cfg)), fmt_of)  # the data file, then the model file
+    doing = f"converting the model ({fs.gb(need // 2)}, {fs.gb(need)} while it is assembled)"
+    fs.check_space(out.parent, need, doing)
+    if progress:
+        print(f"latentkv: writing {fs.gb(need // 2)} to {out}", file=sys.stderr)
+    with fs.PublishDir(out, doing) as tmp:
+        manifest = _write(source, tmp, cfg, raw_cfg, ckpt, fmt_of, gguf_packed, progress)
+        try:
+            (tmp / "config.json").write_text(
+                json.dumps({k: v for k, v in raw_cfg.items() if k != "quantization_config"}, indent=1)
+            )
+            _copy_small_files(source, tmp)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        except OSError as exc:
+            raise fs.naming(fs.error(exc, tmp, doing), tmp, out) from None
+    return manifest
+
+
+def output_bytes(ckpt: Checkpoint, roles: dict[str, str], fmt_of: dict[str, str]) -> int:
+    """An estimate of model.safetensors' bytes: each tensor in the format it is written in."""
+    total = 0
+    for name in ckpt.keys():  # noqa: SIM118 (no __iter__)
+        if name.endswith("weight_scale_inv"):
+            continue
+        n = math.prod(ckpt.shape(name))
+        fmt = fmt_of[roles[name]] if name in roles else None
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # fused: split per expert
+            first = name.rsplit("experts.", 1)[0] + "experts.0.gate_proj.weight"
+            fmt = fmt_of[roles[first]] if first in roles else None
+        if fmt is not None and not issubclass(format_class(fmt), DenseLinear):
+            total += int(n * _bytes_per_weight(fmt))
+        else:  # kept as floats (`_stored`)
+            total += n * (
+                2
+                if fmt == "bf16" or ckpt.dtype(name) not in ("F32", "BF16")
+                else FLOAT_BYTES[ckpt.dtype(name)]
+            )
+    return total
+
+
+FLOAT_BYTES = {"F32": 4, "BF16": 2}
+
+
+@functools.cache
+def _bytes_per_weight(fmt: str) -> float:
+    """Bytes a packed format writes per weight (its pieces, scales included)."""
+    rows, cols = 256, 1024
+    pieces = format_class(fmt).quantize_state(torch.zeros(rows, cols))
+    return sum(p.numel() * p.element_size() for p in pieces.values()) / (rows * cols)
+
+
+def _write(
+    source: Path,
+    out: Path,
+    cfg: ModelConfig,
+    raw_cfg: dict,
+    ckpt: Checkpoint,
+    fmt_of: dict,
+    gguf_packed: dict,
+    progress: bool,
+) -> dict:
+    """model.safetensors into `out`; returns the manifest."""
+    block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size")
+    roles = dict(packed_matrices(cfg))
+    weight_dtype, expert_dtype = fmt_of["dense"], fmt_of["expert"]
     writer = _Writer(out / "model.safetensors")
     manifest_tensors: dict[str, dict] = {}
     experts: dict[str, list[list[int]]] = {}
@@ -146,10 +215,7 @@ def convert(
                 _record_expert(experts, name, start, writer.size)
     data_start = writer.close()
     experts = {layer: [[a + data_start, b + data_start] for a, b in ext] for layer, ext in experts.items()}
-    out_cfg = {k: v for k, v in raw_cfg.items() if k != "quantization_config"}
-    (out / "config.json").write_text(json.dumps(out_cfg, indent=1))
-    _copy_small_files(source, out)
-    manifest = {
+    return {
         "format": FORMAT,
         "version": VERSION,
         "weight_dtype": weight_dtype,
@@ -161,8 +227,6 @@ def convert(
         "tensors": manifest_tensors,
         "experts": experts,
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return manifest
 
 
 def _copy_packed(
@@ -256,12 +320,15 @@ def _record_expert(experts: dict, name: str, start: int, end: int) -> None:
 
 class _Writer:
     """A safetensors file written in the order tensors are added (safetensors' own writer sorts
-    them), data first to a side file, then the header and the data."""
+    them), data first to a side file, then the header and the data. Inside `convert`'s
+    temporary folder: a failure anywhere leaves neither file."""
+
+    DOING = "converting the model"
 
     def __init__(self, path: Path):
         self.path = path
         self._data_path = path.with_suffix(".data.tmp")
-        self._data = open(self._data_path, "wb")  # noqa: SIM115 (closed by close())
+        self._data = fs.Publish(self._data_path, self.DOING).__enter__()
         self._entries: dict[str, dict] = {}
         self.size = 0  # bytes of data so far: offsets are relative to the data section
 
@@ -272,18 +339,22 @@ class _Writer:
             "shape": list(t.shape),
             "data_offsets": [self.size, self.size + len(raw)],
         }
-        self._data.write(raw)
+        try:
+            self._data.write(raw)
+        except fs.DiskError as exc:  # the data file is ours: name the file being made
+            raise fs.naming(exc, self._data_path, self.path) from None
         self.size += len(raw)
 
     def close(self) -> int:
         """Write the file; returns where the data section starts (offsets are relative to it)."""
-        self._data.close()
+        self._data.commit()
         header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}).encode()
         header += b" " * (-len(header) % 8)
-        with open(self.path, "wb") as fh, open(self._data_path, "rb") as data:
-            fh.write(struct.pack("<Q", len(header)) + header)
-            shutil.copyfileobj(data, fh, 16 << 20)
-        self._data_path.unlink()
+        with fs.Publish(self.path, self.DOING) as out, open(self._data_path, "rb") as data:
+            out.write(struct.pack("<Q", len(header)) + header)
+            while chunk := data.read(16 << 20):
+                out.write(chunk)
+        fs.remove(self._data_path)
         return 8 + len(header)
 
 

@@ -9,15 +9,17 @@ transformers' tensor names to ours happens in named steps in `models/weights.py`
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import mmap
+import os
 import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from latentkv import fs
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -34,6 +36,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_DEPTH = 8  # a safetensors header nests 3 deep (name -> entry -> shape)
 GGUF_POINTER = "latentkv-gguf.json"  # in a folder that stands for a GGUF (models/gguf_view.py)
 
 
@@ -46,12 +49,10 @@ class _SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
-        if not path.is_file():  # a directory, FIFO or device: never opened (a FIFO would block)
-            raise CheckpointError(f"{path}: not a regular file")
-        try:
-            fh = open(path, "rb")  # noqa: SIM115 - closed by the with below
-        except OSError as exc:
-            raise CheckpointError(f"{path}: cannot open it: {exc.strerror or exc}") from None
+        try:  # a directory, FIFO or device: refused, never opened (a FIFO would block)
+            fh = os.fdopen(fs.open_regular(path, os.O_RDONLY, "reading the checkpoint"), "rb")
+        except fs.DiskError as exc:
+            raise CheckpointError(str(exc)) from None
         with fh:
             prefix = fh.read(8)
             if len(prefix) < 8:
@@ -64,8 +65,8 @@ class _SafetensorsFile:
             if len(self.header_bytes) < header_len:
                 raise CheckpointError(f"{path}: header runs past the end of the file (truncated?)")
             try:
-                header = json.loads(self.header_bytes)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                header = fs.load_json(self.header_bytes, MAX_HEADER_DEPTH)
+            except ValueError as exc:
                 raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
             if not isinstance(header, dict):
                 raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
@@ -205,6 +206,10 @@ class Checkpoint:
 
     def shape(self, name: str) -> list[int]:
         return list(self._where[name].entries[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype name ("F32", "BF16", "F8_E4M3", ...)."""
+        return self._where[name].entries[name].get("dtype", "F32")  # a GGUF's: floats on reading
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where and not (self._gguf is not None and self._gguf.has_piece(name)):

@@ -36,6 +36,7 @@ from latentkv.server.protocol import (
     TokenizeRequest,
 )
 from latentkv.server.state import Ready, ServerState
+from latentkv.server.timeouts import read_body, timeout_error
 
 log = logging.getLogger("latentkv.server")
 OPEN_PATHS = ("/health", "/metrics")
@@ -74,6 +75,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health(r: Serving):
+        store = _store_health(r)
+        if store is not None and store["degraded"]:
+            raise degraded(store)
+        cluster = r.scheduler.stats().cluster
+        if cluster is not None and cluster["status"] != "ok":  # serving all the same (the head reads
+            # a lost rank's experts): 200, degraded; else `serving` answered 503 already
+            return {"status": "degraded", "reason": cluster["reason"], "advice": cluster["advice"]}
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -136,7 +144,21 @@ async def serving(request: Request) -> Ready:
     state: ServerState = request.app.state.latentkv
     if state.ready is not None:
         if (failure := state.ready.scheduler.failure) is not None:
-            raise APIError(503, f"the model stopped serving: {failure}", headers={"Retry-After": "60"})
+            retry = LOADING_RETRY_S if getattr(state.ready.scheduler, "restarting", False) else 60
+            raise APIError(
+                503,
+                f"the model stopped serving: {failure}",
+                code="engine_stopped",
+                headers={"Retry-After": str(retry)},
+            )
+        cluster = state.ready.scheduler.stats().cluster
+        if cluster is not None and not cluster["serving"]:
+            raise APIError(
+                503,
+                f"degraded: {cluster['reason']}; {cluster['advice']}",
+                code="unavailable",
+                headers={"Retry-After": "30"},
+            )
         return state.ready
     if state.error is not None:
         raise APIError(503, f"the model failed to load: {state.error}", headers={"Retry-After": "60"})
@@ -144,6 +166,27 @@ async def serving(request: Request) -> Ready:
 
 
 Serving = Annotated[Ready, Depends(serving)]
+
+
+def _store_health(r: Ready) -> dict | None:
+    """The expert store's health (`experts.health.StoreHealth.as_dict`), when experts stream."""
+    experts = r.scheduler.stats().experts
+    return experts.get("store") if experts else None
+
+
+def degraded(store: dict) -> APIError:
+    """/health's answer while experts of the store are damaged: 503, naming them and the repair."""
+    damaged = store["damaged"]
+    names = ", ".join(d["expert"] for d in damaged[:4]) + (
+        f" and {len(damaged) - 4} more" if len(damaged) > 4 else ""
+    )
+    return APIError(
+        503,
+        f"the expert store is degraded: {names} cannot be read ({damaged[0]['error']}); repair it with "
+        f"`{store['repair']}`: the server reads it again by itself, no restart needed",
+        code="expert_store_damaged",
+        headers={"Retry-After": "10"},
+    )
 
 
 def _model_card(state: ServerState, r: Ready) -> dict:
@@ -207,7 +250,11 @@ class Gate:
             if self.key is not None and path not in OPEN_PATHS and not self._authorized(scope):
                 await _send_json(counted, _unauthorized(scope))
                 return
-            receive = await _bounded_body(scope, receive)
+            try:
+                receive = await _bounded_body(scope, receive, self.state.config.request_timeout_s)
+            except asyncio.TimeoutError:
+                await _send_json(counted, timeout_error(self.state.config.request_timeout_s, "body"))
+                return
             if receive is None:
                 await _send_json(counted, _too_large())
                 return
@@ -240,25 +287,16 @@ def _too_large() -> APIError:
     )
 
 
-async def _bounded_body(scope, receive):
-    """The body read whole (at most MAX_BODY_BYTES, else None: 413) and a receive that replays
-    it, then hands over to the connection's own (for disconnects)."""
+async def _bounded_body(scope, receive, timeout: float):
+    """The body read whole (at most MAX_BODY_BYTES, else None: 413; within `timeout` seconds,
+    else asyncio.TimeoutError: 408) and a receive that replays it, then hands over to the
+    connection's own (for disconnects)."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY_BYTES:
             return None
-    chunks, size, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] != "http.request":  # the client left: the app sees that next
-            pending = [message]
-            break
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > MAX_BODY_BYTES:
-            return None
-        more = message.get("more_body", False)
-    else:
-        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+    pending = await read_body(receive, timeout, MAX_BODY_BYTES)
+    if pending is None:
+        return None
 
     async def replay():
         return pending.pop() if pending else await receive()

@@ -185,6 +185,13 @@ def refusal_error(finished) -> APIError | None:
         )
     if refused == "invalid":
         return bad_request(finished.error or "invalid request")
+    if refused == "unavailable":  # a cluster rank is gone (docs/distributed.md)
+        return APIError(
+            503,
+            finished.error or "the model is unavailable",
+            code="unavailable",
+            headers={"Retry-After": "30"},
+        )
     return None
 
 

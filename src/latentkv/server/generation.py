@@ -78,13 +78,10 @@ def token_budget(prompt_len: int, max_tokens: int | None, max_model_len: int, pa
 
 
 def context_error(prompt_len: int, max_tokens: int, max_model_len: int, param: str) -> APIError:
-    return bad_request(
-        f"this model's maximum context length is {max_model_len} tokens; the request needs "
-        f"{prompt_len + max_tokens} ({prompt_len} in the prompt + {max_tokens} to generate). "
-        "Shorten the prompt or lower max_tokens.",
-        param=param,
-        code="context_length_exceeded",
-    )
+    from latentkv.engine.request import context_problem
+
+    message = context_problem(prompt_len, max_tokens, max_model_len) or "the request does not fit"
+    return bad_request(message, param=param, code="context_length_exceeded")
 
 
 def sampling_params(
@@ -174,15 +171,26 @@ async def _gather(runs: list[ChoiceRun]) -> list[ChoiceResult]:
         if (refused := refusal_error(last.finished)) is not None:
             raise refused
         if last.error is not None or last.finish_reason == "error":
-            raise APIError(
-                500, f"generation failed: {last.error or 'unknown error'}", code="generation_failed"
-            )
+            raise failure_error(last)
         tokens = [t for p in pieces for t in p.tokens]
         text = "".join(p.text for p in pieces)
         results.append(
             ChoiceResult(index, text, tokens, last.finish_reason, last.finished, last.completion_tokens)
         )
     return results
+
+
+FAILURE_RETRY_S = 10  # what a 503 for a damaged store or a refusing disk tells the client to wait
+
+
+def failure_error(piece: Piece) -> APIError:
+    """The answer for a choice the engine failed: 503 naming the cause when the machine is at
+    fault (a damaged expert store, a disk that refused a session file: `Finished.code`), else 500."""
+    message = f"generation failed: {piece.error or 'unknown error'}"
+    code = getattr(piece.finished, "code", None)
+    if code is not None:
+        return APIError(503, message, code=code, headers={"Retry-After": str(FAILURE_RETRY_S)})
+    return APIError(500, message, code="generation_failed")
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -216,8 +224,7 @@ async def _events(runs, head, chunks, tail) -> AsyncIterator[str]:
                 yield sse.DONE
                 return
             if piece.finish_reason == "error" or piece.error is not None:
-                message = f"generation failed: {piece.error or 'unknown error'}"
-                yield sse.event(error_body(message, "server_error", code="generation_failed"))
+                yield sse.event(failure_error(piece).body())
                 yield sse.DONE
                 return
             for chunk in chunks(piece):

@@ -221,6 +221,8 @@ class _StateCollector(Collector):
                 _experts(out, stats.experts)
             if stats.speculative:
                 _speculative(out, stats.speculative)
+            if stats.cluster:
+                _cluster(out, stats.cluster)
         return iter(out.families)
 
 
@@ -330,7 +332,76 @@ DRAFT_EXPERT_METRICS = (
 )
 
 
+# (metric, kind, help, key of a rank's record in `Cluster.report`), one sample per rank
+CLUSTER_METRICS = (
+    ("latentkv_cluster_rank_up", "gauge", "1 while the rank answers, 0 once it is lost", None),
+    ("latentkv_cluster_expert_hit_rate", "gauge", "The rank's expert cache hit rate", "hit_rate"),
+    ("latentkv_cluster_prefetch_recall", "gauge", "The rank's prefetch recall", "recall"),
+    (
+        "latentkv_cluster_read_gbps",
+        "gauge",
+        "The rank's expert read speed in GB/s (inside pread)",
+        "read_gbps",
+    ),
+    (
+        "latentkv_cluster_read_bytes_total",
+        "counter",
+        "Bytes of experts the rank read from disk",
+        "bytes_read",
+    ),
+    ("latentkv_cluster_sent_bytes_total", "counter", "Bytes the rank sent to the others", "bytes_sent"),
+    (
+        "latentkv_cluster_sent_bytes_per_token",
+        "gauge",
+        "Bytes the rank sent per token the head ran",
+        "bytes_sent_per_token",
+    ),
+    (
+        "latentkv_cluster_network_wait_seconds_total",
+        "counter",
+        "Time the rank waited on the network (the head: for outputs; a worker: in sends)",
+        "net_wait_seconds",
+    ),
+)
+
+
+def _cluster(out: _Families, cluster: dict) -> None:
+    """A cluster's state (docs/distributed.md) and every rank's telemetry, labelled by rank and role."""
+    out.gauge("latentkv_cluster_ranks", "Ranks in the cluster (the head included)", len(cluster["ranks"]))
+    out.gauge("latentkv_cluster_degraded", "1 while a rank is lost", int(cluster["status"] != "ok"))
+    out.gauge(
+        "latentkv_cluster_epoch", "Groups formed so far (a rank's return forms a new one)", cluster["epoch"]
+    )
+    for name, kind, doc, key in CLUSTER_METRICS:
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = cls(
+            name.removesuffix("_total") if kind == "counter" else name,
+            doc,
+            labels=["model_name", "rank", "role"],
+        )
+        for rec in cluster["ranks"]:
+            value = int(rec.get("status") == "ok") if key is None else rec.get(key, 0)
+            family.add_metric([out.model_name, str(rec["rank"]), rec.get("role", "worker")], value)
+        out.families.append(family)
+
+
 def _experts(out: _Families, snapshot: dict) -> None:
     table = EXPERT_METRICS + (DRAFT_EXPERT_METRICS if snapshot.get("draft_asked") else ())
     for name, kind, help_text, key in table:
         (out.counter if kind == "counter" else out.gauge)(name, help_text, snapshot[key])
+    if (store := snapshot.get("store")) is not None:
+        out.gauge(
+            "latentkv_expert_store_degraded",
+            "1 while experts of the store are damaged or unreadable (see /health), else 0",
+            int(store["degraded"]),
+        )
+        out.gauge(
+            "latentkv_expert_damaged",
+            "Experts found damaged or unreadable and not yet read back whole",
+            len(store["damaged"]),
+        )
+        out.counter(
+            "latentkv_expert_read_failures_total",
+            "Expert reads that failed (a damaged extent, a layer file gone, an I/O error)",
+            store["read_failures"],
+        )

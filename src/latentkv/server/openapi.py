@@ -5,11 +5,14 @@ Which statuses each route sends (docs/server.md, "Errors"):
     400  a body that does not validate (wrong type, out of range, not valid Unicode, bad JSON)
     401  --api-key is set and the key is missing or wrong (every route but /health, /metrics)
     404  an unknown model (or a model without tokenizer.json, for /tokenizer_info)
+    408  the request's headers or body did not arrive within --request-timeout (any route)
     409  a session file held by another process, or a session path that is not a file
     413  a body over MAX_BODY_BYTES (any route)
     429  the request's sequences do not fit beside the open ones; Retry-After
     500  the model failed on this request
-    503  the model is loading, failed to load or stopped; the server is shutting down; Retry-After
+    503  the model is loading, failed to load or stopped; the server is shutting down; an expert
+         the request needs is damaged on disk (also /health while it is), or the disk refused a
+         session file; Retry-After
 """
 
 from __future__ import annotations
@@ -24,23 +27,25 @@ DESCRIPTIONS = {
     "JSON that does not parse, prompt + max_tokens over the context",
     401: "--api-key is set and the Authorization: Bearer key is missing or wrong",
     404: "unknown model (or no tokenizer.json)",
+    408: "the request's headers or body did not arrive within --request-timeout; the connection is closed",
     409: "the session's file is held by another process, or its path is not a regular file",
     413: "the request body is over the server's limit",
     429: "the server's sequences (--max-num-seqs + --max-queue) are taken; retry after Retry-After",
     500: "the model failed on this request (other requests go on)",
-    503: "the model is loading, failed to load or stopped, or the server is shutting down",
+    503: "the model is loading, failed to load or stopped, or the server is shutting down; an expert the "
+    "request needs is damaged on disk (/health: the expert store is degraded), or the disk refused a session file",
 }
-GENERATE = (400, 401, 404, 409, 413, 429, 500, 503)
+GENERATE = (400, 401, 404, 408, 409, 413, 429, 500, 503)
 ROUTE_ERRORS = {
-    "/health": (413, 503),
-    "/metrics": (413,),
-    "/v1/models": (401, 413, 503),
-    "/v1/models/{model_id}": (401, 404, 413, 503),
+    "/health": (408, 413, 503),
+    "/metrics": (408, 413),
+    "/v1/models": (401, 408, 413, 503),
+    "/v1/models/{model_id}": (401, 404, 408, 413, 503),
     "/v1/completions": GENERATE,
     "/v1/chat/completions": GENERATE,
-    "/tokenize": (400, 401, 404, 413, 503),
-    "/detokenize": (400, 401, 404, 413, 503),
-    "/tokenizer_info": (401, 404, 413, 503),
+    "/tokenize": (400, 401, 404, 408, 413, 503),
+    "/detokenize": (400, 401, 404, 408, 413, 503),
+    "/tokenizer_info": (401, 404, 408, 413, 503),
 }
 RETRY_AFTER = (429, 503)
 STREAMING = ("/v1/completions", "/v1/chat/completions")
@@ -81,7 +86,7 @@ def document(app: FastAPI) -> dict:
         components.pop(name, None)
     components["ErrorResponse"] = ERROR_SCHEMA
     for path, operations in schema.get("paths", {}).items():
-        statuses = ROUTE_ERRORS.get(path.replace(":path", ""), (413,))
+        statuses = ROUTE_ERRORS.get(path.replace(":path", ""), (408, 413))
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)

@@ -148,9 +148,19 @@ def default_store_dir(model_dir: str | Path, weight_format: str) -> Path:
 
 def ensure_store(model_dir: str | Path, weight_format: str = "f32", progress: bool = False) -> Path:
     """The expert store of `model_dir`, converted from its checkpoint first if there is none."""
+    from latentkv.fs import DiskError
     from latentkv.streaming.convert import convert_experts
 
     store = default_store_dir(model_dir, weight_format)
     if not (store / "manifest.json").exists():
-        convert_experts(model_dir, store, weight_format, replace=True, progress=progress)
+        try:
+            convert_experts(model_dir, store, weight_format, replace=True, progress=progress)
+        except DiskError as exc:
+            raise DiskError(
+                f"{exc} (a first --ram-gb run writes the experts there: set LATENTKV_CACHE to a directory "
+                f"with room for them, or write them beside the model with `latentkv experts convert "
+                f"{model_dir}`)",
+                exc.path,
+                exc.errno,
+            ) from None
     return store

@@ -96,9 +96,11 @@ def make_cluster_plan(
     load: Mapping[int, Sequence[float]] | None = None,
     head_experts: bool = True,
     draft_tokens: int = 0,
+    placement: Placement | None = None,
 ) -> ClusterPlan:
     """`rams` and `disk_gbps`: one per rank, rank 0 the head. `load`: expected uses per token of
-    each expert per layer (the usage history), None for even routing."""
+    each expert per layer (the usage history), None for even routing. `placement`: use this one
+    (a file, or the one the ranks' shares were written for) instead of placing anew."""
     nodes = len(rams)
     if nodes < 1 or len(disk_gbps) != nodes:
         raise ValueError(f"one RAM budget and one disk speed per rank (got {len(rams)} and {len(disk_gbps)})")
@@ -116,7 +118,12 @@ def make_cluster_plan(
     specs = [
         Rank(free[r], disk_gbps[r], takes_experts=head_experts or r > 0 or nodes == 1) for r in range(nodes)
     ]
-    placement = place(layers, extent, specs, load)
+    if placement is None:
+        placement = place(layers, extent, specs, load)
+    elif placement.nodes != nodes:
+        raise ValueError(f"the placement is for {placement.nodes} ranks, the cluster has {nodes}")
+    else:
+        placement.check_layers(layers)
     counts = placement.counts()
     caches = [min(free[r], counts[r] * extent) for r in range(nodes)]
     specs = [Rank(caches[r], disk_gbps[r], specs[r].takes_experts) for r in range(nodes)]
@@ -222,18 +229,18 @@ def format_cluster_plan(p: ClusterPlan) -> str:
 def usage_load(store: Path | None) -> dict[int, list[float]] | None:
     """Expected uses per token of each expert, from the usage history beside the expert store
     at `store`; None when there is none (or it has seen no token)."""
-    import json
-
-    from latentkv.experts.history import FILE_NAME
+    from latentkv import fs
+    from latentkv.experts.history import FILE_NAME, MAX_BYTES, MAX_DEPTH
 
     if store is None:
         return None
     try:
-        body = json.loads((Path(store) / FILE_NAME).read_bytes())["usage"]
+        raw = fs.read_bounded(Path(store) / FILE_NAME, MAX_BYTES, "reading the usage history")
+        body = fs.load_json(raw, MAX_DEPTH)["usage"]
         tokens = int(body["tokens"])
         layers = (
             {int(k): [int(c) / tokens for c in v] for k, v in body["layers"].items()} if tokens > 0 else None
         )
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (fs.DiskError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
     return layers

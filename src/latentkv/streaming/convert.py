@@ -19,7 +19,8 @@ import torch
 from latentkv.config import ModelConfig
 from latentkv.experts.base import Expert
 from latentkv.experts.extent import expert_layout, tensor_bytes
-from latentkv.experts.store_file import ExpertStoreWriter, Manifest
+from latentkv.experts.store_file import ALIGN, ExpertStoreWriter, Manifest
+from latentkv.fs import gb
 from latentkv.models.loader import Checkpoint, CheckpointError, dequantize_fp8_blocks
 from latentkv.models.mtp import routed_layer
 from latentkv.weights.base import DenseLinear, format_class, make_linear
@@ -38,33 +39,56 @@ def write_store(
     share: Mapping[int, Sequence[int]] | None = None,
 ) -> Manifest:
     """Write every layer's experts, expert by expert; publish the manifest last. `share`: only
-    these experts of each layer (layer -> ids; one rank's share of a cluster's experts)."""
+    these experts of each layer (layer -> ids; one rank's share of a cluster's experts). The
+    store's size (from the first expert's layout) is checked against the free space before
+    anything is written; a failure removes what was written (`ExpertStoreWriter`)."""
     layers = list(layers)
     todo = {i: list(range(n)) if share is None else sorted(share.get(i, ())) for i, n, _f in layers}
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(map(len, todo.values())), desc="writing experts", unit="expert", leave=False)
-    with ExpertStoreWriter(out_dir, fingerprint, meta=meta, replace=replace) as writer:
-        for layer, n, make in layers:
-            lw = None
-            ids = None if share is None else tuple(todo[layer])
-            for e in todo[layer]:
-                layout, tensors = expert_layout(make(e))
-                if lw is None:
-                    lw = writer.layer(layer, n, layout, ids)
-                elif layout != lw.layout:
-                    raise ValueError(f"layer {layer} expert {e}: its tensors differ from expert 0's")
-                lw.write(e, [tensor_bytes(t) for t in tensors])
-                if bar is not None:
+    try:
+        with ExpertStoreWriter(out_dir, fingerprint, meta=meta, replace=replace) as writer:
+            for layer, n, make in layers:
+                lw = None
+                ids = None if share is None else tuple(todo[layer])
+                for e in todo[layer]:
+                    layout, tensors = expert_layout(make(e))
+                    if lw is None and bar is None:  # the first expert: the store's size is known
+                        need = sum(ALIGN + len(todo[i]) * layout.stride for i, _n, _f in layers)
+                        writer.check_space(need)
+                        bar = _progress(progress, need, writer.directory, sum(map(len, todo.values())))
+                    if lw is None:
+                        lw = writer.layer(layer, n, layout, ids)
+                    elif layout != lw.layout:
+                        raise ValueError(f"layer {layer} expert {e}: its tensors differ from expert 0's")
+                    lw.write(e, [tensor_bytes(t) for t in tensors])
                     bar.update(1)
-            if lw is not None:
-                lw.close()
-        manifest = writer.finish()
-    if bar is not None:
-        bar.close()
-    return manifest
+                if lw is not None:
+                    lw.close()
+            return writer.finish()
+    finally:
+        if bar is not None:
+            bar.close()  # before any error line
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(progress: bool, need: int, directory: Path, experts: int):
+    """A progress bar over the experts (one that shows nothing when not `progress`), after a
+    line saying how much will be written where."""
+    if not progress:
+        return _NoProgress()
+    import sys
+
+    from tqdm import tqdm
+
+    print(f"latentkv: writing {gb(need)} of experts to {directory}", file=sys.stderr)
+    return tqdm(total=experts, desc="writing experts", unit="expert", leave=False)
 
 
 def convert_experts(

@@ -65,7 +65,7 @@ def write_share(
     from latentkv.streaming.convert import convert_experts
 
     share = placement.share(rank)
-    meta = share_meta(rank, placement.nodes, placement.digest)
+    meta = share_meta(rank, placement.nodes, placement.digest, placement.to_json())
     source = full_store(model_dir, weight_format)
     if source is not None:
         return copy_share(source, out, share, meta, replace=replace, progress=progress)

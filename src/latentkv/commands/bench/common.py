@@ -22,6 +22,10 @@ def ints(text: str, what: str) -> list[int]:
         raise UserError(f"{what} must be comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise UserError(f"{what} needs positive integers, got {text!r}")
+    from latentkv.config import check_tokens
+
+    for value in values:
+        check_tokens(what, value)
     return values
 
 

@@ -64,17 +64,22 @@ def add(sub) -> None:
         help="also time decode through torch.compile (rows 'latentkv+compile', beside the eager "
         "ones; tiers f32, bf16, fp8); compiling takes tens of seconds per tier before timing",
     )
-    from latentkv.commands.common import add_speculative_arguments
+    from latentkv.commands.common import add_cluster_arguments, add_speculative_arguments
 
     add_speculative_arguments(d)
     common.add_output(d)
+    add_cluster_arguments(d)
 
 
 def run(args: argparse.Namespace) -> dict:
+    from latentkv.commands.common import cluster_config, run_as_worker
     from latentkv.config import ConfigError, EngineConfig
     from latentkv.eval import bench
     from latentkv.runtime import load
 
+    if (status := run_as_worker(args)) is not None:
+        raise SystemExit(status)
+    cluster = cluster_config(args)
     contexts = common.ints(args.context, "--context")
     weight_dtypes = weight_list(args.weight_dtype)
     tiers = common.tiers(args.kv_cache_dtype)
@@ -87,6 +92,11 @@ def run(args: argparse.Namespace) -> dict:
             "--vs-transformers cannot be combined with --fill random: transformers' generate() only "
             "builds its cache by prefilling a prompt; use --fill prefill"
         )
+    if cluster is not None and (len(weight_dtypes) > 1 or args.vs_transformers or args.compile):
+        raise UserError(
+            "a cluster runs one --weight-dtype, without --vs-transformers and --compile: the workers serve "
+            "one model until the head ends"
+        )
     if args.vs_transformers:
         try:
             import transformers  # noqa: F401
@@ -95,6 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     spec = _speculative(args)
     common.set_threads(args.threads)
     rows: list[bench.BenchRow] = []
+    cluster_report: list[dict] = []
     notes: list[str] = [RANDOM_FILL_NOTE] if args.fill == "random" else []
     for dtype in weight_dtypes:
         try:
@@ -103,6 +114,7 @@ def run(args: argparse.Namespace) -> dict:
                 expert_dtype=args.expert_dtype,
                 ram_gb=args.ram_gb,
                 expert_policy=args.expert_cache_policy,
+                cluster=cluster,
             )
         except ConfigError as exc:
             raise UserError(str(exc)) from None
@@ -141,6 +153,12 @@ def run(args: argparse.Namespace) -> dict:
                 if spec is not None:
                     rows.append(_row(args, model, dtype, ctx, cache_config, speculative=spec))
         directory = loaded.directory
+        if loaded.cluster is not None:
+            from latentkv.cluster.head import describe
+
+            cluster_report = loaded.cluster.report(loaded.streamer)
+            notes.extend(describe(cluster_report))
+            loaded.close()  # the workers end with the head
         del loaded, model
         gc.collect()
         if args.vs_transformers and dtype not in ("f32", "bf16"):
@@ -160,7 +178,9 @@ def run(args: argparse.Namespace) -> dict:
             del hf
             gc.collect()
     bench.add_ratios(rows)
+    extra = {"cluster": cluster_report} if cluster is not None else {}
     return {
+        **extra,
         "bench": "decode",
         "model": args.model,
         "fill": args.fill,
