@@ -111,10 +111,15 @@ def test_a_killed_worker_fails_the_round_in_flight_and_rejoins(tmp_path, takeove
         _wait_for(log, lambda es: ok(es) >= 3)
         procs[2].kill()
         killed = time.monotonic()
-        events = _wait_for(log, lambda es: any(e["event"] == "round" and not e["ok"] for e in es))
-        failed = next(e for e in events if e["event"] == "round" and not e["ok"])
-        assert failed["seconds"] < 5 + 5 and time.monotonic() - killed < 30
-        why = failed["error"].lower()
+        if takeover:  # the round in flight fails, or none does when rank 2 died between rounds:
+            # either way the head sees the loss within the timeout and goes on degraded
+            lost = lambda e: e["event"] == "round" and (not e["ok"] or e["status"]["status"] == "degraded")  # noqa: E731
+        else:
+            lost = lambda e: e["event"] == "round" and not e["ok"]  # noqa: E731
+        events = _wait_for(log, lambda es: any(lost(e) for e in es))
+        failed = next(e for e in events if lost(e))
+        assert failed.get("seconds", 0) < 5 + 5 and time.monotonic() - killed < 30
+        why = (failed["error"] if not failed["ok"] else failed["status"]["reason"]).lower()
         assert "rank 2" in why and ("connection" in why or "answer" in why)
         if takeover:  # the next rounds go on without it, the head reading its experts
             n = failed["n"]

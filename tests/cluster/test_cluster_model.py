@@ -68,7 +68,7 @@ def test_generate_ends_with_one_line_and_exit_1_when_a_worker_dies(tmp_path):
     port, cache, world = free_port(), tmp_path / "cache", 3
     workers = {r: spawn(WORKER, env_for(r, world, port, cache), tmp_path / f"rank{r}.log") for r in (1, 2)}
     head_argv = [
-        "generate", "builtin:fixture", "--prompt-ids", "5,6,7", "--max-tokens", "3000", "--ignore-eos",
+        "generate", "builtin:fixture", "--prompt-ids", "5,6,7", "--max-tokens", "1000", "--ignore-eos",
         "--ram-gb", "0.6", "--threads", "1", "--cluster-timeout", "10", "--json",
     ]  # fmt: skip
     head = spawn(head_argv, env_for(0, world, port, cache), tmp_path / "rank0.log")
