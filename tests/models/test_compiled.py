@@ -100,7 +100,9 @@ def test_compiled_packed_weights_match_eager_in_one_graph(tiny_dir, fmt):
     assert torch._dynamo.utils.counters["frames"] == frames  # nothing traced after the warm-up
     assert worst < PACKED_TOLERANCE, worst
     assert tokens_a == tokens_b
-    assert "graph_break" not in torch._dynamo.utils.counters or not torch._dynamo.utils.counters["graph_break"]
+    assert (
+        "graph_break" not in torch._dynamo.utils.counters or not torch._dynamo.utils.counters["graph_break"]
+    )
 
 
 @pytest.mark.slow
