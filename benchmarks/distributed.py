@@ -49,6 +49,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import machine  # noqa: E402
+
 GIB = 1 << 30
 V1 = Path("/sys/fs/cgroup")
 SUBNET = "10.77.0"
@@ -461,7 +463,7 @@ def run(args) -> int:
             "unshaped": unshaped,
             "argv": [*earlier.get("argv", []), sys.argv[1:]] if earlier else [sys.argv[1:]],
             "disks_measured": [*earlier.get("disks_measured", []), disk],
-            "cpu": _cpu(),
+            "cpu": f"{machine.cpu_model()} x {os.cpu_count()}",
             "uname": " ".join(os.uname()),
             "python": platform.python_version(),
         }
@@ -476,13 +478,6 @@ def _earlier(args) -> dict:
     if not (args.merge and args.out and Path(args.out).exists()):
         return {}
     return json.loads(Path(args.out).read_text())
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
-    return platform.processor()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+import machine  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "tests" / "data" / "json_schemas.json"
 CACHE = Path(os.environ.get("LATENTKV_CACHE", Path.home() / ".cache" / "latentkv")) / "bench-tokenizers"
@@ -301,7 +305,7 @@ def main() -> None:
                     "benchmark": "grammar_mask",
                     "command": " ".join([Path(sys.executable).name, *sys.argv]),
                     "cpu": platform.processor() or platform.machine(),
-                    "cpu_model": _cpu_model(),
+                    "cpu_model": machine.cpu_model(),
                     "python": platform.python_version(),
                     "torch": torch.__version__,
                     "threads": args.threads,
@@ -312,16 +316,6 @@ def main() -> None:
             )
             + "\n"
         )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

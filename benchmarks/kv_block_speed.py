@@ -20,11 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import machine  # noqa: E402
 
 TIERS = "f32,q8_0,q8s,q5_0,q5s,q4_0,q4s,q4_1,hq4_0,wq4,fp8,tq4"
 PROMPT = "class Stack:\n    def __init__(self):\n        self."
@@ -115,21 +119,15 @@ def main() -> None:
             }
             for t in tiers
         ]
-        meta = {"args": vars(args) | {"out": str(args.out)}, "torch": torch.__version__, "cpu": _cpu_model()}
+        meta = {
+            "args": vars(args) | {"out": str(args.out)},
+            "torch": torch.__version__,
+            "cpu": machine.cpu_model(),
+        }
         meta["uname"] = " ".join(os.uname())
         args.out.write_text(
             json.dumps({**meta, "threads": 1, "clock": "thread_time", "rows": rows}, indent=1)
         )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -29,14 +29,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from latentkv.weights import int4, native
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import machine  # noqa: E402
 
 # GLM-5 (and the slice) decode matrices, out x in: hidden 6144, q_lora 2048, 64 heads, experts
 # 2048 wide (gate | up fused), dense MLP 12288 wide, vocabulary padded to 16384 in the slice.
@@ -56,20 +60,10 @@ GROUP = int4.DEFAULT_GROUP_SIZE
 
 def cpu_info() -> dict:
     """The CPU model, its flags and the kernel paths, for the JSON."""
-    model, flags = platform.processor(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                break
-    except OSError:
-        pass
     own = native.kernels()
     return {
-        "cpu": model,
-        "flags": [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))],
+        "cpu": machine.cpu_model(),
+        "flags": machine.cpu_flags(),
         "torch": torch.__version__,
         "capability": torch.backends.cpu.get_cpu_capability(),
         "latentkv_kernels": own.name if own is not None else f"unavailable: {native.unavailable()}",

@@ -52,6 +52,10 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+import machine  # noqa: E402
+
 MODEL = "builtin:fixture"
 RSS_LIMIT = 0.05  # resident at the end within 5% of resident after the warm-up
 SILENCE_S = 120.0  # a request that gets no stream line for this long (live time) hangs
@@ -459,8 +463,8 @@ def main() -> int:
     result = {
         "command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
         "server": " ".join(cmd[1:]).replace(str(root), "$ROOT"),
-        "commit": _commit(),
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "commit": machine.commit(),
+        "machine": {"cpu": machine.cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
         "minutes": args.minutes,
         "clients": args.clients,
         "ram_gb": round(ram_gb, 4),
@@ -541,31 +545,6 @@ def _memory_line(name: str, m: dict | None) -> str:
         f"{name} {m['warm'] / 2**20:.0f} MiB at {m['warm_s']:.0f} s -> {m['end'] / 2**20:.0f} MiB at "
         f"{m['end_s']:.0f} s ({m['drift']:+.1%})"
     )
-
-
-def _commit() -> str | None:
-    """The latentkv commit this ran (with "+changes" when the work tree differs from it)."""
-    here = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

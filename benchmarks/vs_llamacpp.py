@@ -44,12 +44,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import machine  # noqa: E402
 
 DEFAULT_LLAMA = Path.home() / ".cache" / "latentkv" / "llama.cpp"
 QUANTIZE_TYPE = {"q8_0": "Q8_0", "q4_K_M": "Q4_K_M"}
@@ -687,36 +690,20 @@ def run_pairs(
     return results, memory, about
 
 
-def machine(llama_about: dict) -> dict:
+def run_context(llama_about: dict) -> dict:
     """The CPU model and flags, the threads and both engines' versions, for the JSON."""
     import torch
 
-    flags, cpu = [], platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                cpu = value.strip()
-            elif key.strip() == "flags":
-                flags = value.split()
-                break
-    except OSError:
-        pass
     shared = shared_module()
-    root = Path(__file__).resolve().parent.parent
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "-C", str(root), "status", "--porcelain", "src"], capture_output=True, text=True
-    )
     from latentkv.weights import describe
 
     return {
-        "cpu": cpu,
-        "cpu_flags": [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "bmi"))],
+        "cpu": machine.cpu_model(),
+        "cpu_flags": machine.cpu_flags(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_capability": torch.backends.cpu.get_cpu_capability(),
-        "latentkv_commit": commit.stdout.strip() + (" (src modified)" if dirty.stdout.strip() else ""),
+        "latentkv_commit": machine.commit(("src",)),
         "latentkv_kernels": {fmt: describe(fmt) for fmt in ("bf16", "int8", "int4")},
         "llama.cpp": {"version": shared.version() if shared else "unknown", **llama_about},
     }
@@ -821,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "flash_attn": 1, "compile": args.compile}
     settings |= {"statistic": "median of the rounds' samples, with min and max", "goals": args.goals}
     run_ = {"started": started, "depths": args.depths, "pairs": [list(p) for p in args.pairs]}
-    about = machine(about)
+    about = run_context(about)
     run_ |= {"rounds": args.repetitions, "prefill": args.prefill, "bytes": args.bytes}
     run_["latentkv_commit"] = about["latentkv_commit"]  # pieces may span commits: each says its own
     payload = {"model": str(model), **settings, "machine": about, "notes": notes, "bars": []}

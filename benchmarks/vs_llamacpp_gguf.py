@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import llamacpp  # noqa: E402
+import machine  # noqa: E402
 
 TYPES = "Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q4_0,IQ4_XS"
 _PPL = re.compile(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)")
@@ -163,13 +163,6 @@ def llama_perplexity(path: Path, text: Path, args) -> dict:
     return {"ppl": float(m.group(1)), "ppl_err": float(m.group(2)), "command": " ".join(cmd)}
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def torch_version() -> str:
     import torch
 
@@ -256,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "latentkv_text_tokens": tokens,
         "latentkv_version": version(),
         "llama_cpp_version": llamacpp.version(),
-        "cpu": cpu_model(),
+        "cpu": machine.cpu_model(),
         "torch": torch_version(),
         "threads": args.threads,
         "rows": rows,
