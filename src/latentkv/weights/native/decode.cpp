@@ -600,49 +600,72 @@ const float* residual_of(const std::optional<at::Tensor>& r, int64_t M, int64_t 
 // Rows per thread chunk: small matrices run on the calling thread (a parallel region costs more).
 int64_t grain(int64_t bytes_per_unit) { return std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, bytes_per_unit)); }
 
-// y = x @ q^T * scale (+ residual) over raw buffers (a.y written).
-void run_int8(const Int8Args& a, int64_t isa) {
-  if (a.M == 0 || a.N_rows == 0) return;
+// The activations as the chosen path reads them: int16 groups for VNNI (isa 3), else nothing
+// (the float rows are read in place).
+X16 prepare_int8(const Int8Args& a, int64_t isa) {
   X16 xq;
 #if LKV_X86
   if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, XGROUP8, (a.K + XGROUP8 - 1) / XGROUP8 * XGROUP8);
 #endif
-  const int64_t N = a.N_rows;
-  // units of 4 rows
-  at::parallel_for(0, (N + 3) / 4, grain(4 * a.K * std::max<int64_t>(1, a.M / 4)), [&](int64_t u0, int64_t u1) {
-    const int64_t n0 = u0 * 4, n1 = std::min(N, u1 * 4);
-#if LKV_X86
-    if (isa == 3) return int8_vnni(a, xq, n0, n1);
-    if (isa == 2) return int8_avx512(a, n0, n1);
-    if (isa == 1) return int8_avx2(a, n0, n1);
-#endif
-    int8_generic(a, n0, n1);
-  });
+  return xq;
 }
 
-// y = x @ W~^T (+ residual) over raw buffers (a.y written; a.xsum is filled here).
-void run_int4(Int4Args& a, std::vector<float>& xsum, int64_t isa) {
-  if (a.M == 0) return;
+// Rows [n0, n1) of y through the path `isa` names.
+void int8_span(const Int8Args& a, const X16& xq, int64_t isa, int64_t n0, int64_t n1) {
+#if LKV_X86
+  if (isa == 3) return int8_vnni(a, xq, n0, n1);
+  if (isa == 2) return int8_avx512(a, n0, n1);
+  if (isa == 1) return int8_avx2(a, n0, n1);
+#endif
+  int8_generic(a, n0, n1);
+}
+
+// int4's activations: int16 groups for VNNI, else each row's per-group sums (a.xsum, kept in
+// `xsum`) that the zero points multiply.
+X16 prepare_int4(Int4Args& a, std::vector<float>& xsum, int64_t isa) {
   xsum.assign(a.M * a.groups, 0.0f);
   a.xsum = xsum.data();
   X16 xq;
 #if LKV_X86
-  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, a.G, a.Kp);
+  if (isa == 3) return quantize_x16(a.x, a.M, a.K, a.ldx, a.G, a.Kp);
 #endif
-  if (isa != 3)
-    for (int64_t m = 0; m < a.M; ++m)
-      for (int64_t g = 0; g < a.groups; ++g) {
-        float s = 0.0f;
-        for (int64_t k = g * a.G; k < std::min(a.K, (g + 1) * a.G); ++k) s += a.x[m * a.ldx + k];
-        xsum[m * a.groups + g] = s;
-      }
-  at::parallel_for(0, a.Np / BLOCK, grain(BLOCK * a.Kp / 2 * std::max<int64_t>(1, a.M / 4)), [&](int64_t b0, int64_t b1) {
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t g = 0; g < a.groups; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * a.G; k < std::min(a.K, (g + 1) * a.G); ++k) s += a.x[m * a.ldx + k];
+      xsum[m * a.groups + g] = s;
+    }
+  return xq;
+}
+
+// Row blocks [b0, b1) of y through the path `isa` names.
+void int4_span(const Int4Args& a, const X16& xq, int64_t isa, int64_t b0, int64_t b1) {
 #if LKV_X86
-    if (isa == 3) return int4_vnni(a, xq, b0, b1);
-    if (isa == 2) return int4_avx512(a, b0, b1);
-    if (isa == 1) return int4_avx2(a, b0, b1);
+  if (isa == 3) return int4_vnni(a, xq, b0, b1);
+  if (isa == 2) return int4_avx512(a, b0, b1);
+  if (isa == 1) return int4_avx2(a, b0, b1);
 #endif
-    int4_generic(a, b0, b1);
+  int4_generic(a, b0, b1);
+}
+
+// y = x @ q^T * scale (+ residual) over raw buffers (a.y written), rows split over the threads.
+void run_int8(const Int8Args& a, int64_t isa) {
+  if (a.M == 0 || a.N_rows == 0) return;
+  const X16 xq = prepare_int8(a, isa);
+  const int64_t N = a.N_rows;
+  // units of 4 rows
+  at::parallel_for(0, (N + 3) / 4, grain(4 * a.K * std::max<int64_t>(1, a.M / 4)), [&](int64_t u0, int64_t u1) {
+    int8_span(a, xq, isa, u0 * 4, std::min(N, u1 * 4));
+  });
+}
+
+// y = x @ W~^T (+ residual) over raw buffers (a.y written; a.xsum is filled here), row blocks
+// split over the threads.
+void run_int4(Int4Args& a, std::vector<float>& xsum, int64_t isa) {
+  if (a.M == 0) return;
+  const X16 xq = prepare_int4(a, xsum, isa);
+  at::parallel_for(0, a.Np / BLOCK, grain(BLOCK * a.Kp / 2 * std::max<int64_t>(1, a.M / 4)), [&](int64_t b0, int64_t b1) {
+    int4_span(a, xq, isa, b0, b1);
   });
 }
 
@@ -914,37 +937,12 @@ at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
 // x [H, S, K] -> [H, S, N]: head h's rows through head h's matrix (MLA's W_UK^T and W_UV), the
 // heads split over the threads (each head's product on one thread: they are small).
 
-void int8_rows(const Int8Args& a, int64_t isa) {
-  X16 xq;
-#if LKV_X86
-  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, XGROUP8, (a.K + XGROUP8 - 1) / XGROUP8 * XGROUP8);
-  if (isa == 3) return int8_vnni(a, xq, 0, a.N_rows);
-  if (isa == 2) return int8_avx512(a, 0, a.N_rows);
-  if (isa == 1) return int8_avx2(a, 0, a.N_rows);
-#endif
-  int8_generic(a, 0, a.N_rows);
-}
+// The same products on the calling thread (one head's or one expert's, the threads split above).
+void int8_rows(const Int8Args& a, int64_t isa) { int8_span(a, prepare_int8(a, isa), isa, 0, a.N_rows); }
 
 void int4_rows(Int4Args& a, int64_t isa) {
-  std::vector<float> xsum(a.M * a.groups, 0.0f);
-  a.xsum = xsum.data();
-  X16 xq;
-#if LKV_X86
-  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, a.G, a.Kp);
-#endif
-  if (isa != 3)
-    for (int64_t m = 0; m < a.M; ++m)
-      for (int64_t g = 0; g < a.groups; ++g) {
-        float s = 0.0f;
-        for (int64_t k = g * a.G; k < std::min(a.K, (g + 1) * a.G); ++k) s += a.x[m * a.ldx + k];
-        xsum[m * a.groups + g] = s;
-      }
-#if LKV_X86
-  if (isa == 3) return int4_vnni(a, xq, 0, a.Np / BLOCK);
-  if (isa == 2) return int4_avx512(a, 0, a.Np / BLOCK);
-  if (isa == 1) return int4_avx2(a, 0, a.Np / BLOCK);
-#endif
-  int4_generic(a, 0, a.Np / BLOCK);
+  std::vector<float> xsum;
+  int4_span(a, prepare_int4(a, xsum, isa), isa, 0, a.Np / BLOCK);
 }
 
 at::Tensor heads_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t isa) {
