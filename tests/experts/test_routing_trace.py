@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.experts.test_bench_model import SMALL  # the benchmark model's small widths
 
 from latentkv.config import CacheConfig
 from latentkv.experts.streamed import StreamConfig
@@ -20,21 +21,6 @@ from latentkv.streaming.attach import load_streamed
 from latentkv.tokenizer import Tokenizer
 
 BENCH = Path(__file__).parents[2] / "benchmarks"
-SMALL = {  # the small widths of tests/experts/test_bench_model.py
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
-    "vocab_size": 128,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "index_head_dim": 16,
-    "index_n_heads": 2,
-}
 TOKENS = 48
 
 
