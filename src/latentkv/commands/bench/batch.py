@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> dict:
     import os
 
     from latentkv.config import EngineConfig
-    from latentkv.eval.bench import batch as bench
+    from latentkv.eval.bench import measure_batch as bench
     from latentkv.runtime import load
 
     sizes = common.ints(args.batch, "--batch")

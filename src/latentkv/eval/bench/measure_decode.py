@@ -12,7 +12,7 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.engine.sampling import SamplingParams
-from latentkv.eval.bench.common import (
+from latentkv.eval.bench.workload import (
     FILL_MODES,
     fill_random,
     measured_index_bytes,

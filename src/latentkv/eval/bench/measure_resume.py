@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from latentkv.config import CacheConfig
-from latentkv.eval.bench.common import random_prompt, timed_forward
+from latentkv.eval.bench.workload import random_prompt, timed_forward
 from latentkv.kv.cache import LatentCache, PackedLatentCache
 
 
