@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 from latentkv.errors import UserError
 
 if TYPE_CHECKING:
+    import torch
+
     from latentkv.cluster.head import Cluster
     from latentkv.config import CacheConfig, EngineConfig, ModelConfig
     from latentkv.experts.streamed import ExpertStreamer
@@ -26,14 +28,49 @@ if TYPE_CHECKING:
     from latentkv.tokenizer import Tokenizer
 
 
+def resolve_device(name: str) -> torch.device:
+    """--device -> the one torch device the model's weights, its KV caches and its passes use:
+    cpu; cuda (refused in one line where torch sees no CUDA device); auto (cuda when torch sees
+    one, else cpu). Everything below `runtime` is handed this device; nothing there picks one."""
+    import torch
+
+    from latentkv.config import DEVICES
+
+    if name not in DEVICES:
+        raise UserError(f"unknown --device {name!r}; choose from {', '.join(DEVICES)}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        why = (
+            "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        )
+        raise UserError(f"--device cuda: {why} (torch {torch.__version__}); use --device cpu")
+    return torch.device(name)
+
+
+def check_device(engine: EngineConfig) -> torch.device:
+    """The device of `engine`, refused in one line where this torch cannot use it or the run's
+    experts cannot follow it there (streamed from disk, or held by a cluster's ranks: both hand
+    their experts over in host memory)."""
+    device = resolve_device(engine.device)
+    if device.type != "cpu":
+        if engine.cluster is not None:
+            raise UserError(f"--device {engine.device}: a cluster runs on the CPU only (drop --device)")
+        if engine.ram_gb is not None:
+            raise UserError(
+                f"--device {engine.device}: experts streamed from disk (--ram-gb) run on the CPU only"
+            )
+    return device
+
+
 def check_tier(model_cfg: ModelConfig, cache: CacheConfig) -> None:
     """Refuse a tier that cannot store this model's latent rows (e.g. tq4 on a 24-wide latent)."""
-    from latentkv.kv.cache import CacheLayout, codecs_for
+    from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, codecs_for
 
     if cache.kv_cache_dtype == "f32":
         return
     try:
-        codecs_for(CacheLayout.for_model(model_cfg), cache)
+        codecs_for(CacheLayout.for_model(model_cfg, SHAPES_ONLY), cache)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -78,11 +115,15 @@ def load(
     from latentkv.models.registry import ModelNotFound, resolve
     from latentkv.models.weights import load_model
     from latentkv.tokenizer import Tokenizer
+    from latentkv.weights import format_class
 
+    device = check_device(engine)
     if engine.threads:
         torch.set_num_threads(engine.threads)
     t0 = time.perf_counter()
     try:
+        for fmt in (engine.weight_dtype, engine.experts):
+            format_class(fmt)  # ValueError naming the registered formats
         directory = resolve(model_arg)
         check_tier(ModelConfig.from_hf(directory), engine.cache)
         if engine.compile:
@@ -90,15 +131,19 @@ def load(
         streamer = cluster = None
         if engine.cluster is not None:
             model, streamer, cluster = _load_head(
-                directory, model_arg, engine, quiet, max_model_len, max_num_seqs, draft_tokens
+                directory, model_arg, engine, quiet, max_model_len, max_num_seqs, draft_tokens, device
             )
         elif engine.ram_gb is not None:
             model, streamer = _load_streamed(
-                directory, engine, quiet, max_model_len, max_num_seqs, draft_tokens
+                directory, engine, quiet, max_model_len, max_num_seqs, draft_tokens, device
             )
         else:
             model = load_model(
-                directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
+                directory,
+                engine.weight_dtype,
+                progress=not quiet,
+                device=device,
+                expert_dtype=engine.expert_dtype,
             )
     except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
@@ -119,6 +164,7 @@ def _load_head(
     max_model_len: int | None,
     max_num_seqs: int,
     draft_tokens: int,
+    device: torch.device,
 ):
     """The head of a cluster (torchrun, WORLD_SIZE > 1): (model, its own streamer, the cluster)."""
     from latentkv.cluster.load import load_head
@@ -127,7 +173,9 @@ def _load_head(
 
     length = max_model_len or min(ModelConfig.from_hf(directory).max_position_embeddings, 4096)
     try:
-        model, head = load_head(directory, model_arg, engine, quiet, length, max_num_seqs, draft_tokens)
+        model, head = load_head(
+            directory, model_arg, engine, quiet, length, max_num_seqs, draft_tokens, device=device
+        )
     except (StoreGone, TimeoutError) as exc:
         raise UserError(f"the cluster did not start: {exc}") from None
     return model, head.streamer, head.cluster
@@ -148,8 +196,8 @@ def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: fl
         file=sys.stderr,
     )
     for fmt in dict.fromkeys((engine.weight_dtype, engine.experts)):
-        if fmt in ("bf16", "int8", "int4"):
-            print(describe(fmt), file=sys.stderr)
+        if (line := describe(fmt)) is not None:
+            print(line, file=sys.stderr)
 
 
 def _load_streamed(
@@ -158,7 +206,8 @@ def _load_streamed(
     quiet: bool,
     max_model_len: int | None,
     max_num_seqs: int,
-    draft_tokens: int = 0,
+    draft_tokens: int,
+    device: torch.device,
 ) -> tuple[Model, ExpertStreamer]:
     """Plan --ram-gb, convert the experts if needed, load the dense weights: (model, streamer).
     Drafting (`draft_tokens`) with a store that lacks the MTP layer's experts is refused."""
@@ -187,7 +236,9 @@ def _load_streamed(
     if draft_tokens and (problem := mtp_store_problem(directory, store)) is not None:
         raise UserError(problem)
     config = StreamConfig(budget=plan.expert_cache_bytes, policy=engine.expert_policy)
-    model, streamer = load_streamed(directory, store, config, engine.weight_dtype, progress=not quiet)
+    model, streamer = load_streamed(
+        directory, store, config, engine.weight_dtype, progress=not quiet, device=device
+    )
     if not quiet:
         _note(
             f"streaming experts from {store}: cache {plan.expert_cache_bytes / GIB:.2f} GiB "

@@ -57,14 +57,16 @@ def add_streaming_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> None:
     """--weight-dtype (one format, or a comma list when `multiple`) and --expert-dtype."""
-    from latentkv.config import WEIGHT_DTYPES
+    from latentkv.weights import format_names
 
-    names = ", ".join(WEIGHT_DTYPES)
+    formats = format_names()
+
+    names = ", ".join(formats)
     what = "comma-separated weight formats" if multiple else "format of the weight matrices in memory"
     p.add_argument(
         "--weight-dtype",
         default="f32",
-        choices=None if multiple else WEIGHT_DTYPES,
+        choices=None if multiple else formats,
         metavar="LIST" if multiple else "DTYPE",
         help=f"{what}: {names} (default: f32; int8 per-channel, int4 group-wise; norms and the "
         "router stay f32)",
@@ -72,7 +74,7 @@ def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> 
     p.add_argument(
         "--expert-dtype",
         default=None,
-        choices=WEIGHT_DTYPES,
+        choices=formats,
         metavar="DTYPE",
         help=f"format of the routed experts: {names} (default: the --weight-dtype)",
     )
@@ -80,13 +82,15 @@ def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> 
 
 def weight_dtypes(value: str) -> list[str]:
     """A --weight-dtype list, checked: each name a known format, one clear error otherwise."""
-    from latentkv.config import WEIGHT_DTYPES
+    from latentkv.weights import format_names
+
+    formats = format_names()
 
     names = [n.strip() for n in value.split(",") if n.strip()]
-    bad = [n for n in names if n not in WEIGHT_DTYPES]
+    bad = [n for n in names if n not in formats]
     if bad or not names:
         raise UserError(
-            f"unknown weight dtype {', '.join(bad) or repr(value)}; choose from {', '.join(WEIGHT_DTYPES)}"
+            f"unknown weight dtype {', '.join(bad) or repr(value)}; choose from {', '.join(formats)}"
         )
     return names
 

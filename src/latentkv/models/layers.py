@@ -87,7 +87,7 @@ def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
 class Rope:
     """cos/sin tables for one rotary width, grown on demand; positions index rows."""
 
-    def __init__(self, rope: RopeConfig, dim: int, device: torch.device | str = "cpu"):
+    def __init__(self, rope: RopeConfig, dim: int, device: torch.device):
         inv_freq, self.attention_scaling = rope_inv_freq(rope, dim)
         self.inv_freq = inv_freq.to(device)
         self.dim = dim

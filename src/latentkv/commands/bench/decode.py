@@ -92,6 +92,7 @@ class _Plan:
 def run(args: argparse.Namespace) -> dict:
     from latentkv.commands.common import run_as_worker
     from latentkv.eval import bench
+    from latentkv.weights import dense_dtype
 
     if (status := run_as_worker(args)) is not None:
         raise SystemExit(status)
@@ -102,8 +103,10 @@ def run(args: argparse.Namespace) -> dict:
     cluster_report: list[dict] = []
     for dtype in plan.weight_dtypes:  # a cluster runs one
         directory, cluster_report = _latentkv_rows(args, plan, dtype, rows, notes)
-        if args.vs_transformers and dtype not in ("f32", "bf16"):
-            notes.append(f"transformers runs f32 and bf16 weights only: no transformers row for {dtype}")
+        if args.vs_transformers and dense_dtype(dtype) is None:
+            notes.append(
+                f"transformers runs plain-tensor weights only (f32, bf16): no transformers row for {dtype}"
+            )
         elif args.vs_transformers:
             rows.extend(_transformers_rows(args, directory, dtype, plan.contexts))
     bench.add_ratios(rows)
