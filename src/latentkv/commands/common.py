@@ -28,6 +28,7 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, com
     if positional:
         p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     add_weight_arguments(p)
+    add_device_argument(p)
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
@@ -35,6 +36,20 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, com
     add_streaming_arguments(p)
     if compile:
         add_compile_argument(p)
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """--device: where the weights, the KV cache and the activations live."""
+    from latentkv.config import DEVICES
+
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=DEVICES,
+        help="where the weights, the KV cache and the activations live: cpu (default), cuda, or auto "
+        "(cuda when torch sees a CUDA device, else cpu); cuda is refused where torch has no CUDA, and "
+        "with --ram-gb or a cluster (docs/gpu.md: not yet measured on a GPU)",
+    )
 
 
 def add_streaming_arguments(p: argparse.ArgumentParser) -> None:
@@ -246,6 +261,7 @@ def engine_config(args: argparse.Namespace):
             ram_gb=getattr(args, "ram_gb", None),
             expert_policy=getattr(args, "expert_cache_policy", "lru"),
             cluster=cluster_config(args) if hasattr(args, "cluster_timeout") else None,
+            device=getattr(args, "device", "cpu"),
         )
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None

@@ -9,7 +9,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from latentkv.commands.bench import common
-from latentkv.commands.common import add_streaming_arguments, add_weight_arguments
+from latentkv.commands.common import add_device_argument, add_streaming_arguments, add_weight_arguments
 from latentkv.commands.common import weight_dtypes as weight_list
 from latentkv.errors import UserError
 
@@ -45,6 +45,7 @@ def add(sub) -> None:
         "(default: 1; use 3+ on a shared machine)",
     )
     add_weight_arguments(d, multiple=True)
+    add_device_argument(d)
     add_streaming_arguments(d)
     d.add_argument(
         "--kv-cache-dtype",
@@ -168,6 +169,7 @@ def _load(args: argparse.Namespace, plan: _Plan, dtype: str):
             ram_gb=args.ram_gb,
             expert_policy=args.expert_cache_policy,
             cluster=plan.cluster,
+            device=args.device,
         )
     except ConfigError as exc:
         raise UserError(str(exc)) from None
