@@ -37,8 +37,11 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
         ["chat", "builtin:tiny"],
         ["serve", "builtin:tiny", "--port", "0"],
         ["bench", "decode", "builtin:tiny", "--context", "8", "--decode-tokens", "2"],
+        ["bench", "batch", "builtin:tiny"],
+        ["bench", "resume", "builtin:tiny"],
+        ["eval", "ppl", "builtin:tiny"],
     ],
-    ids=["generate", "chat", "serve", "bench-decode"],
+    ids=["generate", "chat", "serve", "bench-decode", "bench-batch", "bench-resume", "eval-ppl"],
 )
 def test_cuda_without_cuda_is_one_line_and_exit_2(capsys, monkeypatch, no_cuda, argv):
     if argv[0] == "serve":  # past the check the server would start and wait for requests
