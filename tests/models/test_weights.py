@@ -116,7 +116,9 @@ def test_bf16_weights_stay_close_to_f32(ours, tiny_dir, helpers):
 
 
 def test_unknown_weight_dtype_is_refused(tiny_dir):
-    with pytest.raises(ValueError, match="weight dtype 'fp16'"):
+    with pytest.raises(
+        ValueError, match="unknown weight format 'fp16'; valid formats: bf16, f32, int4, int8"
+    ):
         load_model(tiny_dir, "fp16", device="cpu")
 
 
