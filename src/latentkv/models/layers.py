@@ -203,5 +203,7 @@ def _build_rotation_pattern(
     a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
     src = torch.cat([a, b, b, a]) + offset
     dst = torch.cat([i, i, i + half, i + half]) + offset
-    j = torch.cat([torch.arange(offset, device=device), torch.arange(offset + 2 * half, width, device=device)])
+    j = torch.cat(
+        [torch.arange(offset, device=device), torch.arange(offset + 2 * half, width, device=device)]
+    )
     return src * width + dst, j * width + j
