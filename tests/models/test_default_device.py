@@ -53,3 +53,46 @@ def test_the_meta_default_catches_a_tensor_made_without_a_device():
         with torch.device("meta"):
             got = model.forward(torch.tensor(PROMPT), model.make_cache())
     assert not torch.equal(got, want)
+
+
+def _served(model, monkeypatch, meta: bool, speculative=None) -> list[list[int]]:
+    """Four requests through the scheduler (greedy, seeded sampling with logprobs), its worker
+    thread run with the default device set to meta when `meta`."""
+    from latentkv.engine.request import Request
+    from latentkv.engine.scheduler import Scheduler
+
+    if meta:
+        work = Scheduler._work
+
+        def on_meta(self):
+            with torch.device("meta"):  # a mode of this thread: the worker's own
+                work(self)
+
+        monkeypatch.setattr(Scheduler, "_work", on_meta)
+    scheduler = Scheduler(model, CacheConfig("f32"), speculative=speculative)
+    scheduler.start()
+    try:
+        params = [
+            SamplingParams(max_tokens=6),
+            SamplingParams(max_tokens=5, temperature=0.9, seed=3, logprobs=2),
+            SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, seed=5),
+            SamplingParams(max_tokens=6, prompt_logprobs=1),
+        ]
+        handles = [scheduler.submit(Request(PROMPT[: 3 + i], p)) for i, p in enumerate(params)]
+        outs = [list(h) for h in handles]
+    finally:
+        scheduler.shutdown()
+        monkeypatch.undo()
+    assert all(out[-1].reason == "length" for out in outs), outs
+    return [[(e.token, e.logprob) for e in out[:-1]] for out in outs]
+
+
+@pytest.mark.parametrize("drafting", [False, True], ids=["plain", "mtp-drafting"])
+def test_the_scheduler_makes_nothing_on_the_default_device(monkeypatch, drafting):
+    from latentkv.engine.speculative import SpeculativeConfig
+
+    model = load("builtin:fixture", EngineConfig(), quiet=True).model
+    spec = SpeculativeConfig(draft_tokens=2, adaptive=False) if drafting else None
+    assert _served(model, monkeypatch, meta=True, speculative=spec) == _served(
+        model, monkeypatch, meta=False, speculative=spec
+    )

@@ -109,10 +109,12 @@ class Constraint:
         job.result()
         if self.matcher.is_error():
             raise GrammarError(f"the grammar failed: {self.matcher.get_error()}")
-        allowed = unpack(bitmask[row], logits.shape[-1])
+        allowed = unpack(bitmask[row], logits.shape[-1]).to(logits.device)
         if not bool(allowed.any()):
             raise GrammarError("the grammar allows no token here")
-        return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype))
+        return torch.where(
+            allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+        )
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
@@ -121,7 +123,9 @@ class Constraint:
 
 def unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """A bitmask row (int32 words, bit j of word i = token 32 i + j) -> bool [vocab]."""
-    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [words, 32]
+    bits = (
+        words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=words.device)
+    ) & 1  # [words, 32]
     return bits.flatten()[:vocab].bool()
 
 
@@ -166,7 +170,10 @@ class Grammars:
         if not constraints:
             return
         self._ready()
-        bitmask = torch.zeros((len(constraints), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        # host memory: llguidance writes it through a pointer
+        bitmask = torch.zeros(
+            (len(constraints), (self.vocab_size + 31) // 32), dtype=torch.int32, device=torch.device("cpu")
+        )
         pairs = [(c.matcher, row) for row, c in enumerate(constraints)]
 
         def fill() -> None:

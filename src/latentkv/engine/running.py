@@ -130,7 +130,7 @@ class Running:
         """One `Model.prefill_batch` pass for these; False (nothing committed) if it fails."""
         t0 = time.perf_counter()
         try:
-            prompts = [torch.tensor(todo, dtype=torch.long) for _, todo in together]
+            prompts = [torch.tensor(todo, dtype=torch.long, device=self.model.device) for _, todo in together]
             caches = [seq.cache for seq, _ in together]
             if self.prefill_hidden:
                 logits, h = self.model.prefill_batch(prompts, caches, hidden=True)
@@ -168,7 +168,7 @@ class Running:
 
     def _prefill(self, seq: Sequence, todo: list[int]) -> None:
         t0 = time.perf_counter()
-        ids = torch.tensor(todo, dtype=torch.long)
+        ids = torch.tensor(todo, dtype=torch.long, device=self.model.device)
         all_logits = seq.params.prompt_logprobs
         if self.prefill_hidden:
             logits, hidden = self.model.forward(ids, seq.cache, all_logits=all_logits, hidden=True)
@@ -210,7 +210,7 @@ class Running:
     def step(self) -> None:
         """One batched decode over every running sequence, then each samples its next token."""
         seqs = list(self.seqs)
-        tokens = torch.tensor([s.pending for s in seqs], dtype=torch.long)
+        tokens = torch.tensor([s.pending for s in seqs], dtype=torch.long, device=self.model.device)
         if self.grammars is not None:  # the constrained sequences' masks, computed during the pass
             self.grammars.prepare([s.constraint for s in seqs if s.constraint is not None])
         t0 = time.perf_counter()
@@ -229,7 +229,8 @@ class Running:
 
     def _decode_alone(self, seq: Sequence) -> torch.Tensor | None:
         try:
-            return self.model.decode_batch(torch.tensor([seq.pending]), [seq.cache])[0]
+            one = torch.tensor([seq.pending], device=self.model.device)
+            return self.model.decode_batch(one, [seq.cache])[0]
         except Unavailable as exc:
             self.finish(seq, "error", str(exc), refused="unavailable")
             return None
@@ -421,7 +422,7 @@ class Drafting(Running):
             return
         # every sequence's draft-layer passes together (a failure here is the worker's: all fail)
         draft_together(self.model, [s.drafter for s in seqs], [n for _, n in counts.values()])
-        segments = [torch.tensor(s.drafter.feed(), dtype=torch.long) for s in seqs]
+        segments = [torch.tensor(s.drafter.feed(), dtype=torch.long, device=self.model.device) for s in seqs]
         t0 = time.perf_counter()
         try:
             logits, h = self.model.verify_batch(segments, [s.cache for s in seqs])

@@ -99,14 +99,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick the next token from logits [vocab]."""
     if params.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(weights(logits, params), 1, generator=generator))
+    # drawn on the host, where the generator is: the same draw whatever device the logits are on
+    return int(torch.multinomial(weights(logits, params).cpu(), 1, generator=generator))
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution `sample` draws from (`weights`, normalised), as float32 [vocab] summing
     to 1; for greedy params, one-hot on the argmax."""
     if params.greedy:
-        return torch.zeros(logits.shape[-1]).index_fill_(0, logits.argmax().view(1), 1.0)
+        return torch.zeros(logits.shape[-1], device=logits.device).index_fill_(
+            0, logits.argmax().view(1), 1.0
+        )
     w = weights(logits, params)
     return w / w.sum()
 

@@ -200,16 +200,17 @@ def accept_sampled(
     rule: AcceptRule = standard_accept,
 ) -> tuple[int, int]:
     """p [N+1, vocab] the main model's distributions at the verified positions, q [N, vocab] the
-    drafts' (each d_j drawn from q[j]) -> (k drafts kept, the next token)."""
+    drafts' (each d_j drawn from q[j]) -> (k drafts kept, the next token). Drawn on the host,
+    where the generator is."""
     for j, d in enumerate(drafts):
-        u = float(torch.rand(1, generator=generator))
+        u = float(torch.rand(1, generator=generator, device=torch.device("cpu")))
         if rule(float(p[j, d]), float(q[j, d]), u):
             continue
         residual = (p[j] - q[j]).clamp_min(0)
         total = float(residual.sum())
         dist = residual / total if total > 0 else p[j]  # p == q: the residual is empty, sample p
-        return j, int(torch.multinomial(dist, 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+        return j, int(torch.multinomial(dist.cpu(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[len(drafts)].cpu(), 1, generator=generator))
 
 
 def accept_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
@@ -259,11 +260,12 @@ class SpeculativeDecoder:
     def _pick(self, logits: torch.Tensor) -> int:
         if self.sampling.greedy:
             return int(logits.argmax())
-        return int(torch.multinomial(probabilities(logits, self.sampling), 1, generator=self.generator))
+        return int(torch.multinomial(probabilities(logits, self.sampling).cpu(), 1, generator=self.generator))
 
     def start(self, prompt: list[int]) -> int:
         """Prefill the prompt; returns the first generated token."""
-        logits, h = self.model.forward(torch.tensor(prompt, dtype=torch.long), self.cache, hidden=True)
+        ids = torch.tensor(prompt, dtype=torch.long, device=self.model.device)
+        logits, h = self.model.forward(ids, self.cache, hidden=True)
         first = self._pick(logits[-1])
         self.begin(prompt, h, first)
         return first
@@ -280,7 +282,7 @@ class SpeculativeDecoder:
         """Decode the next tokens (at most `remaining`, >= 1): one round or one plain step."""
         t0 = self.clock()
         feed = self.plan(remaining)
-        logits, h = self.model.verify(torch.tensor(feed), self.cache)
+        logits, h = self.model.verify(torch.tensor(feed, device=self.model.device), self.cache)
         tokens = self.settle(logits, h)
         self.record(len(feed) - 1, len(tokens), self.clock() - t0)
         return tokens
@@ -335,7 +337,7 @@ class SpeculativeDecoder:
 
     def _backlog(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions the draft layer has not read: (next tokens [S], hidden states [S, D])."""
-        tokens = torch.tensor(self.back_tokens, dtype=torch.long)
+        tokens = torch.tensor(self.back_tokens, dtype=torch.long, device=self.model.device)
         hidden = torch.cat(self.back_hidden)
         self.back_tokens, self.back_hidden = [], []
         return tokens, hidden
@@ -346,7 +348,7 @@ class SpeculativeDecoder:
             self._drafts.append(int(logits.argmax()))
             return
         self._qs.append(probabilities(logits, self.sampling))
-        self._drafts.append(int(torch.multinomial(self._qs[-1], 1, generator=self.generator)))
+        self._drafts.append(int(torch.multinomial(self._qs[-1].cpu(), 1, generator=self.generator)))
 
     def _draft_position(self) -> int:
         return self.draft_start + self.draft_cache.length
@@ -362,7 +364,7 @@ def draft_together(model, decoders: list[SpeculativeDecoder], counts: list[int])
         if j == 0:
             tokens, hidden = zip(*(dec._backlog() for dec in group), strict=True)
         else:
-            tokens = [torch.tensor(dec._drafts[-1:]) for dec in group]
+            tokens = [torch.tensor(dec._drafts[-1:], device=model.device) for dec in group]
             hidden = [dec._draft_h for dec in group]
         positions = [dec._draft_position() for dec in group]
         caches = [dec.draft_cache for dec in group]

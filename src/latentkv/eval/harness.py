@@ -144,7 +144,9 @@ class LatentKVLM(TemplateLM):
         ctxlen = len(context_enc) - max(0, len(whole) - self.max_length)
         with torch.inference_mode():
             logits = self.model.forward(
-                torch.tensor(ids, dtype=torch.long), self.model.make_cache(self.engine.cache), all_logits=True
+                torch.tensor(ids, dtype=torch.long, device=self.model.device),
+                self.model.make_cache(self.engine.cache),
+                all_logits=True,
             )
         entries = prompt_logprobs(ids, logits, 1)[ctxlen:]
         total = sum(e["logprob"] for e in entries)

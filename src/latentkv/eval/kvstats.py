@@ -173,7 +173,7 @@ def real_rows(model, tokens: list[int]) -> torch.Tensor:
     """One f32 forward pass over `tokens`; every layer's cached rows, stacked [layers * T, Lkv+R]."""
     cache = model.make_cache()
     with torch.no_grad():
-        model.forward(torch.tensor(tokens, dtype=torch.long), cache)
+        model.forward(torch.tensor(tokens, dtype=torch.long, device=model.device), cache)
     return torch.cat([cache.view(layer) for layer in range(model.cfg.num_layers)])
 
 

@@ -71,7 +71,9 @@ def loglikelihood(
         if len(cont) > max_length:
             raise ValueError(f"a continuation of {len(cont)} tokens exceeds the model's {max_length}")
         ids = (ctx + cont)[-(max_length + 1) : -1]  # lm_eval: the last max_length + 1, minus the final one
-        logits = model.forward(torch.tensor(ids), model.make_cache(cache_config), all_logits=True)
+        logits = model.forward(
+            torch.tensor(ids, device=model.device), model.make_cache(cache_config), all_logits=True
+        )
         results.append(
             _score(logits[-len(cont) :], cont)
         )  # [len(cont), vocab]: the positions predicting cont
@@ -79,7 +81,7 @@ def loglikelihood(
 
 
 def _score(logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
-    target = torch.tensor(cont)
+    target = torch.tensor(cont, device=logits.device)
     log_p = torch.log_softmax(logits.double(), dim=-1).gather(1, target[:, None])  # [len(cont), 1]
     greedy = bool((logits.argmax(-1) == target).all())
     return float(log_p.sum()), greedy
