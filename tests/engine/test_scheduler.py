@@ -319,6 +319,7 @@ class _Flaky:
     def __init__(self, model):
         self.model = model
         self.cfg = model.cfg
+        self.device = model.device
 
     def make_cache(self, config=None):
         return self.model.make_cache(config)
@@ -402,7 +403,7 @@ class _Counting:
     """The model, recording the batch size of every prefill_batch and decode_batch call."""
 
     def __init__(self, model):
-        self.model, self.cfg = model, model.cfg
+        self.model, self.cfg, self.device = model, model.cfg, model.device
         self.prefills: list[int] = []
         self.decodes: list[int] = []
 

@@ -50,6 +50,7 @@ class MarkovModel:
 
     def __init__(self, main: torch.Tensor, draft: torch.Tensor, clock: list[float] | None = None):
         self.main, self.draft_table = main, draft
+        self.device = main.device
         V = main.shape[0]
         self.cfg = SimpleNamespace(max_position_embeddings=100_000, vocab_size=V, eos_token_ids=())
         self.mtp = SimpleNamespace(cache_like=lambda cache: TokenCache())

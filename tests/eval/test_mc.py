@@ -207,6 +207,7 @@ def test_is_greedy_and_truncation(ours):
         cfg=dataclasses.replace(model.cfg, max_position_embeddings=12),
         forward=model.forward,
         make_cache=model.make_cache,
+        device=model.device,
     )
     [(ll, _)] = loglik.loglikelihood(short, tok, [("0123456789abcdef", "wxyz")])
     assert ll == pytest.approx(_one_pass(model, tok.encode("789abcdef"), tok.encode("wxyz"), CacheConfig()))
