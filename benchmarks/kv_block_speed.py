@@ -69,7 +69,7 @@ def attention_runs(tiers: list[str], rows: int, heads: int) -> dict[str, object]
 
 
 def fixture_runs(tiers: list[str], tokens: int) -> dict[str, object]:
-    from latentkv.config import CacheConfig, EngineConfig
+    from latentkv.config import EngineConfig
     from latentkv.engine.generate import generate
     from latentkv.engine.sampling import SamplingParams
     from latentkv.runtime import load
@@ -79,7 +79,7 @@ def fixture_runs(tiers: list[str], tokens: int) -> dict[str, object]:
     prompt = tok.encode(PROMPT)
 
     def run(tier: str) -> None:
-        cache = model.make_cache(CacheConfig(tier))
+        cache = model.make_cache(model.tier(tier))
         generate(model, prompt, tokens, SamplingParams(0.0, 1.0), tok, cache=cache, stop_ids=())
 
     return {tier: (lambda tier=tier: run(tier)) for tier in tiers}

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from latentkv.cluster.head import Cluster
     from latentkv.config import CacheConfig, EngineConfig, ModelConfig
     from latentkv.experts.streamed import ExpertStreamer
+    from latentkv.kv.cache import KVTier
     from latentkv.models.model import Model
     from latentkv.tokenizer import Tokenizer
 
@@ -44,6 +45,7 @@ class Loaded:
     tokenizer: Tokenizer | None  # None: the model folder has no tokenizer.json (token ids only)
     directory: Path
     seconds: float
+    tier: KVTier  # --kv-cache-dtype resolved for this model, once: every cache of the run is made in it
     streamer: ExpertStreamer | None = None  # the experts stream from disk (--ram-gb)
     cluster: Cluster | None = None  # the head of a cluster: the other ranks hold experts too
 
@@ -86,7 +88,9 @@ def load(
         directory = resolve(model_arg)
         check_tier(ModelConfig.from_hf(directory), engine.cache)
         if engine.compile:
-            check_compilable(engine.cache, (engine.weight_dtype, engine.experts))
+            check_compilable(
+                engine.cache.kv_cache_dtype, engine.cache.recent_window, (engine.weight_dtype, engine.experts)
+            )
         streamer = cluster = None
         if engine.cluster is not None:
             model, streamer, cluster = _load_head(
@@ -106,9 +110,10 @@ def load(
     tokenizer = Tokenizer.of_model(directory)
     if not quiet:
         _report_load(model_arg, model, engine, seconds)
+    tier = model.tier(engine.cache)  # check_tier refused a tier that cannot store these rows
     if engine.compile:
-        model.compile_decode(engine.cache, progress=not quiet)
-    return Loaded(model, tokenizer, directory, seconds, streamer, cluster)
+        model.compile_decode(tier, progress=not quiet)
+    return Loaded(model, tokenizer, directory, seconds, tier, streamer, cluster)
 
 
 def _load_head(

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings  # a dev dependency: 
 from hypothesis import strategies as st
 
 from latentkv.config import CacheConfig
-from latentkv.kv.cache import CacheLayout, make_cache
+from latentkv.kv.cache import CacheLayout, resolve_tier
 from latentkv.kv.store import KVFile, codec_spec_of
 from latentkv.kv.store_file import BLOCK, PREFIX, RecordFile
 from latentkv.kv.store_header import KVFileError, KVHeader, ModelFingerprint
@@ -55,7 +55,7 @@ def _fill(cache, n: int, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def original(tmp_path_factory) -> Original:
-    cache = make_cache(LAYOUT, CacheConfig("tq4"))
+    cache = resolve_tier(LAYOUT, CacheConfig("tq4")).make_cache()
     model = ModelFingerprint("glm_moe_dsa", 2, 32, 8, (0,), 8, 256, "ab" * 32)
     header = KVHeader(model, codec_spec_of(cache), (0, 1))
     path = tmp_path_factory.mktemp("corruption") / "original.kv"

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from latentkv.config import CacheConfig, ConfigError
-from latentkv.kv.cache import CacheLayout, PackedLatentCache, PackedRows, WindowedRows, codecs_for, make_cache
+from latentkv.kv.cache import (
+    CacheLayout,
+    KVTier,
+    PackedLatentCache,
+    PackedRows,
+    WindowedRows,
+    codecs_for,
+    resolve_tier,
+)
 
 LAYOUT = CacheLayout(num_layers=2, row_width=40, kv_lora_rank=32, index_layers=(), index_head_dim=0)
 TIERS = [
@@ -167,7 +175,7 @@ def check_step(cache, exact: list[torch.Tensor], exact_from: int, window: int, n
 @pytest.mark.parametrize("tier", ["tq4", "tq4-r8", "fp8"])
 def test_the_cache_keeps_the_last_w_rows_exact_across_passes(tier):
     window = 6
-    cache = make_cache(LAYOUT, CacheConfig(tier, recent_window=window))
+    cache = resolve_tier(LAYOUT, CacheConfig(tier, recent_window=window)).make_cache()
     assert isinstance(cache, PackedLatentCache) and cache.recent_window == window
     exact: list[torch.Tensor] = []
     for n_new in (9, 1, 1, 3, 1, 1, 1, 12, 1):
@@ -182,7 +190,7 @@ def test_trim_keeps_the_exact_rows_it_still_holds(trim_to, exact_from):
     """30 tokens, W = 8: the cache holds positions 22..29 exactly. After a trim, window rows older
     than 22 can only be refilled from the tier (decoded); rows from 22 on stay exact."""
     window = 8
-    cache = make_cache(LAYOUT, CacheConfig("tq4", recent_window=window))
+    cache = resolve_tier(LAYOUT, CacheConfig("tq4", recent_window=window)).make_cache()
     exact: list[torch.Tensor] = []
     check_step(cache, exact, 0, window, n_new=30)
     cache.trim(trim_to)
@@ -193,27 +201,26 @@ def test_trim_keeps_the_exact_rows_it_still_holds(trim_to, exact_from):
 
 def test_from_state_refills_the_window_from_the_tier():
     window = 5
-    cache = make_cache(LAYOUT, CacheConfig("tq4-r8", recent_window=window))
+    cache = resolve_tier(LAYOUT, CacheConfig("tq4-r8", recent_window=window)).make_cache()
     exact: list[torch.Tensor] = []
     check_step(cache, exact, 0, window, n_new=12)
-    codec_c, codec_r = codecs_for(LAYOUT, CacheConfig("tq4-r8"))
-    resumed = PackedLatentCache.from_state(
-        LAYOUT, codec_c, codec_r, cache.state(), tier="tq4-r8", recent_window=window
-    )
-    assert resumed.codec == "tq4-r8" and resumed.length == 12
+    resumed = cache.tier.from_state(cache.state())
+    assert resumed.tier.name == "tq4-r8" and resumed.length == 12
     assert resumed.window_nbytes() == cache.window_nbytes()
     check_step(resumed, exact, exact_from=12, window=window)  # only the rows after the resume are exact
     check_step(resumed, exact, exact_from=12, window=window, n_new=7)
 
 
 def test_no_window_is_the_plain_packed_reader():
-    cache = make_cache(LAYOUT, CacheConfig("tq4"))
+    cache = resolve_tier(LAYOUT, CacheConfig("tq4")).make_cache()
     assert isinstance(cache.append(0, random_rows(3)), PackedRows) and cache.window_nbytes() == 0
-    assert make_cache(LAYOUT, CacheConfig("f32", recent_window=4)).recent_window == 0  # f32 rows are exact
+    assert (
+        resolve_tier(LAYOUT, CacheConfig("f32", recent_window=4)).make_cache().tier.recent_window == 0
+    )  # f32 rows are exact
 
 
 def test_config_refuses_a_negative_window():
     with pytest.raises(ConfigError, match="--kv-recent-window must be an integer from 0"):
         CacheConfig("tq4", recent_window=-1)
-    with pytest.raises(ValueError, match="name the tier"):
-        PackedLatentCache(LAYOUT, *codecs("tq4-r8", None))
+    with pytest.raises(ValueError, match="recent_window must be >= 0"):
+        PackedLatentCache(KVTier("tq4-r8", *codecs("tq4-r8", None), LAYOUT, recent_window=-1))

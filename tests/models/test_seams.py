@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from latentkv.attention import BACKENDS, REFERENCE, backend_for, register_backend
 from latentkv.attention import base as attention_base
+from latentkv.config import CacheConfig
 from latentkv.experts import Expert, LocalStore
+from latentkv.kv.cache import CacheLayout, resolve_tier
 from latentkv.weights import FORMATS, Linear
 
 
@@ -117,20 +119,30 @@ def test_a_lazy_evicting_expert_store_gives_the_resident_results(ours, rows, dec
 class _Refuses:
     name = "picky"
 
+    def __init__(self):
+        self.asked = 0
+
     def refuse(self, tier, device):
-        return None if tier == "fp8" else f"tier {tier} not supported"
+        self.asked += 1
+        return None if tier.name == "fp8" else f"tier {tier.name} not supported"
 
 
 def test_backends_are_chosen_once_per_tier_and_device_with_reasons(monkeypatch):
+    layout = CacheLayout(num_layers=1, row_width=80, kv_lora_rank=64, index_layers=(), index_head_dim=0)
+    tq4, f32, fp8 = (resolve_tier(layout, CacheConfig(name)) for name in ("tq4", "f32", "fp8"))
+    cpu = torch.device("cpu")
     monkeypatch.setattr(attention_base, "BACKENDS", list(BACKENDS))
     monkeypatch.setattr(attention_base, "_CHOSEN", {})
-    assert backend_for("tq4") is REFERENCE and backend_for("f32", "cpu") is REFERENCE
+    assert backend_for(tq4, cpu) is REFERENCE and backend_for(f32, cpu) is REFERENCE
     picky = register_backend(_Refuses())
-    assert backend_for("fp8") is picky  # registered later: tried first
-    assert backend_for("tq4") is REFERENCE  # refused there: the reference serves it
+    assert backend_for(fp8, cpu) is picky  # registered later: tried first
+    assert backend_for(tq4, cpu) is REFERENCE  # refused there: the reference serves it
+    asked = picky.asked
+    assert backend_for(fp8, cpu) is picky and backend_for(tq4, cpu) is REFERENCE
+    assert picky.asked == asked  # chosen once per (tier, device)
     with pytest.raises(ValueError, match="registered twice"):
         register_backend(_Refuses())
     monkeypatch.setattr(attention_base, "BACKENDS", [picky])
     monkeypatch.setattr(attention_base, "_CHOSEN", {})
     with pytest.raises(ValueError, match="no attention backend serves KV tier tq4 on cpu: picky: tier tq4"):
-        backend_for("tq4")
+        backend_for(tq4, cpu)

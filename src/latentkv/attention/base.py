@@ -23,13 +23,13 @@ from typing import Protocol
 
 import torch
 
-from latentkv.kv.cache import RowReader
+from latentkv.kv.cache import KVTier, RowReader
 
 
 class AttentionBackend(Protocol):
     name: str
 
-    def refuse(self, tier: str, device: torch.device) -> str | None:
+    def refuse(self, tier: KVTier, device: torch.device) -> str | None:
         """None when this backend serves caches of `tier` on `device`; otherwise why not."""
         ...
 
@@ -57,7 +57,8 @@ BATCH_ATTEND_ELEMENTS = 8 * 1024 * 1024
 
 # Registered backends, most specific first; the torch reference (registered last) serves all.
 BACKENDS: list[AttentionBackend] = []
-_CHOSEN: dict[tuple[str, str], AttentionBackend] = {}
+# (tier key, recent window, device) -> backend: plain data, which a compiled step guards on
+_CHOSEN: dict[tuple[tuple, int, str], AttentionBackend] = {}
 
 
 def register_backend(backend: AttentionBackend) -> AttentionBackend:
@@ -69,18 +70,21 @@ def register_backend(backend: AttentionBackend) -> AttentionBackend:
     return backend
 
 
-def backend_for(tier: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend for caches of `tier` on `device`, chosen once per pair; raises ValueError
-    listing every backend's reason when none serves it."""
-    key = (tier, str(device))
+def backend_for(tier: KVTier, device: torch.device) -> AttentionBackend:
+    """The backend for caches of `tier` (a resolved tier: its codecs and recent window) whose
+    rows live on `device`, chosen once per pair; raises ValueError listing every backend's
+    reason when none serves it."""
+    key = (tier.key, tier.recent_window, str(device))
     if key not in _CHOSEN:
-        reasons = []
-        for backend in BACKENDS:
-            reason = backend.refuse(tier, torch.device(device))
-            if reason is None:
-                _CHOSEN[key] = backend
-                break
-            reasons.append(f"{backend.name}: {reason}")
-        else:
-            raise ValueError(f"no attention backend serves KV tier {tier} on {device}: " + "; ".join(reasons))
+        _CHOSEN[key] = _choose(tier, torch.device(device))
     return _CHOSEN[key]
+
+
+def _choose(tier: KVTier, device: torch.device) -> AttentionBackend:
+    reasons = []
+    for backend in BACKENDS:
+        reason = backend.refuse(tier, device)
+        if reason is None:
+            return backend
+        reasons.append(f"{backend.name}: {reason}")
+    raise ValueError(f"no attention backend serves KV tier {tier.name} on {device}: " + "; ".join(reasons))

@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 from latentkv.attention import base
 from latentkv.attention.base import register_backend
 from latentkv.kv.attention import consumer_for
-from latentkv.kv.cache import F32Rows, PackedRows, RowReader
+from latentkv.kv.cache import F32Rows, KVTier, PackedRows, RowReader
 from latentkv.kv.codecs import EncodedRows
 
 
@@ -24,7 +24,7 @@ class TorchReference:
 
     name = "torch"
 
-    def refuse(self, tier: str, device: torch.device) -> str | None:
+    def refuse(self, tier: KVTier, device: torch.device) -> str | None:
         return None
 
     def attend(

@@ -1,6 +1,6 @@
 """Continuous batching: one worker thread owns the model; requests come and go between steps.
 
-    scheduler = Scheduler(model, CacheConfig("tq4"), max_num_seqs=8, kv_dir=..., model_dir=...)
+    scheduler = Scheduler(model, model.tier("tq4"), max_num_seqs=8, kv_dir=..., model_dir=...)
     scheduler.start()
     handle = scheduler.submit(Request(prompt_ids, SamplingParams(max_tokens=64)))  # never blocks
     for event in handle:            # (or `async for`): TokenEvent ..., then exactly one Finished
@@ -67,7 +67,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from latentkv.config import CacheConfig
 from latentkv.engine import sessions
 from latentkv.engine.delivery import Outbox, RequestHandle, Sink
 from latentkv.engine.grammar import Constraint, GrammarError, Grammars
@@ -97,6 +96,7 @@ from latentkv.kv.slots import SlotPool
 if TYPE_CHECKING:
     from latentkv.cluster.head import Cluster
     from latentkv.experts.streamed import ExpertStreamer
+    from latentkv.kv.cache import KVTier
 
 log = logging.getLogger("latentkv.engine")
 
@@ -132,7 +132,7 @@ class Scheduler:
     def __init__(
         self,
         model,
-        cache_config: CacheConfig,
+        tier: KVTier,
         *,
         max_num_seqs: int = 8,
         max_queue: int = 64,
@@ -160,7 +160,7 @@ class Scheduler:
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be between 1 and the model's context of {limit}")
         self.model = model
-        self.cache_config = cache_config
+        self.tier = tier  # every sequence's cache is made in it (resolved once, by the caller)
         self.max_num_seqs = max_num_seqs
         self.max_queue = max_queue
         self.max_model_len = max_model_len or limit
@@ -171,13 +171,13 @@ class Scheduler:
         self._on_shutdown = on_shutdown  # after the worker stops (the server's: `Loaded.close`)
         # sessions need the weights' fingerprint for the KV file header, hence model_dir
         self._sessions = (
-            sessions.SessionFiles(model, cache_config, self.model_dir, self.kv_dir) if model_dir else None
+            sessions.SessionFiles(model, tier, self.model_dir, self.kv_dir) if model_dir else None
         )
-        probe = model.make_cache(cache_config)  # fails here, not per request, if the tier cannot fit
+        probe = model.make_cache(tier)  # fails here, not per request, if the tier is not the model's
         per_token = probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
         self._capacity = per_token * self.max_model_len * max_num_seqs
         # float32 caches of running sequences live side by side (one write per layer and step)
-        self._pool = SlotPool(probe.layout, max_num_seqs) if probe.tier.poolable else None
+        self._pool = SlotPool(probe.layout, max_num_seqs) if tier.poolable else None
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
@@ -214,7 +214,7 @@ class Scheduler:
 
         return cls(
             loaded.model,
-            config.engine.cache,
+            loaded.tier,
             max_num_seqs=config.max_num_seqs,
             max_queue=config.max_queue,
             max_model_len=max_model_len,
@@ -300,7 +300,7 @@ class Scheduler:
                 generation_tokens_total=self._generation_total,
                 kv_bytes_in_use=self._kv_in_use,
                 kv_bytes_capacity=self._capacity,
-                kv_cache_dtype=self.cache_config.kv_cache_dtype,
+                kv_cache_dtype=self.tier.name,
                 experts=self.streamer.snapshot() if self.streamer is not None else None,
                 speculative=self._spec_snapshot,
                 cluster=self._cluster_stats(),
@@ -490,7 +490,7 @@ class Scheduler:
         """The sequence's cache (resumed from its session, if any); returns the tokens to prefill."""
         name = seq.handle.request.session
         if name is None:
-            seq.cache = self.model.make_cache(self.cache_config)
+            seq.cache = self.model.make_cache(self.tier)
             return seq.prompt
         seq.session, seq.cache = self._sessions.open(name)
         todo = sessions.resume(seq.session, seq.cache, seq.prompt, reuse=not seq.params.prompt_logprobs)

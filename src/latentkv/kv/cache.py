@@ -32,6 +32,7 @@ and the logits that follow are not bit-identical to an uninterrupted run's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -367,13 +368,10 @@ class SequenceCache:
     committed rows plus the rows of the pass in progress, which is what causal attention needs.
     """
 
-    codec = "f32"
-    recent_window = 0  # tokens read in f32 on top of the tier (PackedLatentCache); f32 rows are all exact
-
-    def __init__(self, layout: CacheLayout):
-        self.layout = layout
+    def __init__(self, tier: KVTier):
+        self.tier = tier  # how the rows are stored (resolved once, for the model: `resolve_tier`)
+        self.layout = layout = tier.layout
         self.length = 0
-        self._tier: KVTier | None = None
         self._index = {
             layer: _Buffer(layout.index_head_dim, device=layout.device) for layer in layout.index_layers
         }
@@ -385,16 +383,6 @@ class SequenceCache:
 
     def index_keys(self, layer: int) -> torch.Tensor:
         return self._index[layer].data[: self.length]
-
-    @property
-    def tier(self) -> KVTier:
-        """The tier these rows are stored in (resolved once)."""
-        if self._tier is None:
-            self._tier = self._own_tier()
-        return self._tier
-
-    def _own_tier(self) -> KVTier:
-        raise NotImplementedError
 
     def append(self, layer: int, rows: torch.Tensor) -> RowReader:
         raise NotImplementedError
@@ -450,17 +438,13 @@ class SequenceCache:
 class LatentCache(SequenceCache):
     """Float32 rows [c | r]: the reference storage."""
 
-    codec = "f32"
-
-    def __init__(self, layout: CacheLayout):
-        super().__init__(layout)
+    def __init__(self, tier: KVTier):
+        super().__init__(tier)
+        layout = tier.layout
         self._rows = [_Buffer(layout.row_width, device=layout.device) for _ in range(layout.num_layers)]
 
     def _buffers_in_use(self) -> list[_Buffer]:
         return [*self._rows, *super()._buffers_in_use()]
-
-    def _own_tier(self) -> KVTier:
-        return resolve_tier(self.layout)
 
     def append(self, layer: int, rows: torch.Tensor) -> F32Rows:
         """Store rows [S, Lkv+R] for the tokens of this pass; return a reader over every row so far."""
@@ -495,9 +479,9 @@ class LatentCache(SequenceCache):
 
     @classmethod
     @torch.inference_mode()
-    def from_state(cls, layout: CacheLayout, state: dict[str, torch.Tensor]) -> LatentCache:
-        cache = cls(layout)
-        for i in range(layout.num_layers):
+    def from_state(cls, tier: KVTier, state: dict[str, torch.Tensor]) -> LatentCache:
+        cache = cls(tier)
+        for i in range(tier.layout.num_layers):
             cache._rows[i].write(0, state[f"rows.{i}"])
         cache._load_index_state(state)
         cache.length = state["rows.0"].shape[0]
@@ -508,24 +492,13 @@ class PackedLatentCache(SequenceCache):
     """Rows encoded by a codec: c and r each as (uint8 codes, float32 scales) per token; with
     `recent_window` W > 0, also the float32 rows of the last W tokens (see the module docstring)."""
 
-    def __init__(
-        self,
-        layout: CacheLayout,
-        codec_c: Codec,
-        codec_r: Codec,
-        tier: str | None = None,
-        recent_window: int = 0,
-    ):
-        super().__init__(layout)
-        if recent_window < 0:
-            raise ValueError(f"recent_window must be >= 0, got {recent_window}")
-        if tier is None and codec_c.name != codec_r.name:
-            raise ValueError(
-                f"name the tier of a cache that stores c in {codec_c.name} and r in {codec_r.name}"
-            )
-        self.codec = tier or codec_c.name  # the tier's name (what the KV file records)
+    def __init__(self, tier: KVTier):
+        super().__init__(tier)
+        layout, codec_c, codec_r = tier.layout, tier.codec_c, tier.codec_r
+        if tier.recent_window < 0:
+            raise ValueError(f"recent_window must be >= 0, got {tier.recent_window}")
         self.codec_c, self.codec_r = codec_c, codec_r
-        self.recent_window = recent_window
+        self.recent_window = tier.recent_window
         self.spare = 0  # exact rows held past the window, so a trim of that many stays exact
         # the exact rows of the last <= W (+ spare) committed tokens, per layer: positions length - len .. length - 1
         self._recent = [
@@ -547,9 +520,6 @@ class PackedLatentCache(SequenceCache):
 
     def _buffers_in_use(self) -> list[_Buffer]:
         return [b for layer in self._buffers for b in layer] + super()._buffers_in_use()
-
-    def _own_tier(self) -> KVTier:
-        return KVTier(self.codec, self.codec_c, self.codec_r, self.layout, self.recent_window)
 
     def append(self, layer: int, rows: torch.Tensor) -> PackedRows:
         """Encode rows [S, Lkv+R] of this pass; return a reader over every row so far."""
@@ -675,25 +645,17 @@ class PackedLatentCache(SequenceCache):
 
     @classmethod
     @torch.inference_mode()
-    def from_state(
-        cls,
-        layout: CacheLayout,
-        codec_c: Codec,
-        codec_r: Codec,
-        state: dict[str, torch.Tensor],
-        *,
-        tier: str | None = None,
-        recent_window: int = 0,
-    ) -> PackedLatentCache:
+    def from_state(cls, tier: KVTier, state: dict[str, torch.Tensor]) -> PackedLatentCache:
         """A cache holding `state()`'s rows; a recent window is refilled from their decoded values."""
-        cache = cls(layout, codec_c, codec_r, tier=tier, recent_window=recent_window)
+        cache = cls(tier)
+        layout = tier.layout
         for i in range(layout.num_layers):
             parts = (state[f"{k}.{i}"] for k in ("c_codes", "c_scales", "r_codes", "r_scales"))
             for buffer, part in zip(cache._buffers[i], parts, strict=True):
                 buffer.write(0, part)
         cache._load_index_state(state)
         cache.length = state["c_codes.0"].shape[0]
-        if recent_window:
+        if cache.recent_window:
             for i in range(layout.num_layers):
                 cache._refill(i)
         return cache
@@ -730,16 +692,17 @@ class KVTier:
     codec_r: Codec
     layout: CacheLayout
     recent_window: int = 0
+    # Equal for caches stored alike (same storage and codec parameters): a batch reads and
+    # encodes those together. Plain data (made once), so a compiled step can guard on it.
+    key: tuple = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", (self.exact, repr(self.params())))
 
     @property
     def exact(self) -> bool:
         """Rows kept as float32 [c | r] as they are (f32, the reference storage)."""
         return self.name == "f32"
-
-    @property
-    def compilable(self) -> bool:
-        """Whether `--compile` traces a step over caches of this tier."""
-        return TIERS[self.name].compilable and not self.recent_window
 
     @property
     def poolable(self) -> bool:
@@ -754,42 +717,26 @@ class KVTier:
         """Each part's codec parameters (what the KV file records)."""
         return {"c": self.codec_c.params(), "r": self.codec_r.params()}
 
-    @property
-    def key(self) -> tuple:
-        """Equal for caches stored alike (same storage and codec parameters): a batch reads and
-        encodes those together."""
-        return (self.exact, repr(self.params()))
+    def for_layout(self, layout: CacheLayout) -> KVTier:
+        """This tier (the same codecs) over other rows of the same widths: the MTP draft layer's."""
+        return dataclasses.replace(self, layout=layout)
 
     def make_cache(self) -> SequenceCache:
         """An empty cache of this tier."""
         if self.exact:  # every row is already exact: a recent window changes nothing
-            cache: SequenceCache = LatentCache(self.layout)
-        else:
-            cache = PackedLatentCache(
-                self.layout, self.codec_c, self.codec_r, tier=self.name, recent_window=self.recent_window
-            )
-        cache._tier = self
-        return cache
+            return LatentCache(self)
+        return PackedLatentCache(self)
 
     def from_state(self, state: dict[str, torch.Tensor]) -> SequenceCache:
         """A cache of this tier holding a `state()` of one (rows stored in this tier)."""
         if self.exact:
-            cache: SequenceCache = LatentCache.from_state(self.layout, state)
-        else:
-            cache = PackedLatentCache.from_state(
-                self.layout,
-                self.codec_c,
-                self.codec_r,
-                state,
-                tier=self.name,
-                recent_window=self.recent_window,
-            )
-        cache._tier = self
-        return cache
+            return LatentCache.from_state(self, state)
+        return PackedLatentCache.from_state(self, state)
 
 
 def resolve_tier(layout: CacheLayout, cfg: CacheConfig | None = None) -> KVTier:
-    """The tier of `cfg` (f32 when None) for `layout`'s rows; ValueError if it cannot store them."""
+    """The tier of `cfg` (f32 when None) for `layout`'s rows; ValueError if it cannot store them.
+    Called once at a boundary (`Model.tier`, a KV file's own tier), never per cache."""
     if cfg is None or cfg.kv_cache_dtype == "f32":
         f32 = (
             get_codec("f32", layout.kv_lora_rank),
@@ -797,8 +744,3 @@ def resolve_tier(layout: CacheLayout, cfg: CacheConfig | None = None) -> KVTier:
         )
         return KVTier("f32", *f32, layout)
     return KVTier(cfg.kv_cache_dtype, *codecs_for(layout, cfg), layout, cfg.recent_window)
-
-
-def make_cache(layout: CacheLayout, cfg: CacheConfig | None = None) -> SequenceCache:
-    """An empty cache of the configured tier (f32, the reference, when none is given)."""
-    return resolve_tier(layout, cfg).make_cache()

@@ -16,7 +16,7 @@ the float32 row [c | r]; for packed tiers the codec's codes and float32 scales.
     with KVFile.create(path, header) as f:       # or KVFile.open(path, writable=True)
         f.append(tokens, cache, 0, len(tokens))   # durable when it returns
     result = KVFile.open(path).load(expected=header)   # KVMismatch when it does not load here
-    cache = result.to_cache(cache_config)              # ready, in the current tier
+    cache = result.to_cache(tier)                      # ready, in the model's KVTier
 
 `Session` (store_session.py) is the loop the CLI and server run on top of this: resume or start
 over, save after every turn, move refused files aside.
@@ -34,7 +34,7 @@ import torch
 
 from latentkv import fs
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import CacheLayout, KVTier, SequenceCache, make_cache, resolve_tier
+from latentkv.kv.cache import CacheLayout, KVTier, SequenceCache, resolve_tier
 from latentkv.kv.codecs import Codec
 from latentkv.kv.store_compat import (
     REENCODE,
@@ -173,19 +173,22 @@ class LoadResult:
     verdict: Verdict | None = None  # compare(file, expected) when `load` got an expected header
     notes: list[str] = field(default_factory=list)  # what loading found: damage cut back, ...
 
-    def to_cache(self, cache_config: CacheConfig | None = None) -> Cache:
-        """A cache holding the loaded tokens in the tier of `cache_config` (default: the file's).
+    def to_cache(self, tier: KVTier | None = None) -> Cache:
+        """A cache holding the loaded tokens in `tier` (a model's; default: the file's own tier).
 
         The same codec loads as stored; an f32 file under another tier is re-encoded from its
         exact rows; anything else raises KVMismatch.
         """
         layout = layout_of(self.header)
-        cfg = cache_config or _own_config(self.header.codec)
-        verdict = compare_codec(self.header.codec, codec_spec(layout, cfg))
+        if tier is None:
+            tier = resolve_tier(layout, _own_config(self.header.codec))
+        elif tier.layout != layout:
+            raise KVFileError(f"the file's rows ({layout}) are not this tier's ({tier.layout})")
+        verdict = compare_codec(self.header.codec, _spec(tier))
         if verdict.action == SAME:
-            return resolve_tier(layout, cfg).from_state(self.state)
+            return tier.from_state(self.state)
         if verdict.action == REENCODE:
-            return _reencode(layout, cfg, self.state, len(self.tokens))
+            return _reencode(tier, self.state, len(self.tokens))
         raise KVMismatch(verdict)
 
 
@@ -196,9 +199,10 @@ def _own_config(spec: CodecSpec) -> CacheConfig:
         raise KVFileError(f"the file's codec ({describe(spec)}) cannot be loaded here: {exc}") from None
 
 
-def _reencode(layout: CacheLayout, cfg: CacheConfig, state: dict[str, torch.Tensor], n: int) -> Cache:
-    """f32 rows -> a cache of tier `cfg`, through the cache's own append (the bytes it would store)."""
-    cache = make_cache(layout, cfg)
+def _reencode(tier: KVTier, state: dict[str, torch.Tensor], n: int) -> Cache:
+    """f32 rows -> a cache of `tier`, through the cache's own append (the bytes it would store)."""
+    layout = tier.layout
+    cache = tier.make_cache()
     if n:
         for layer in range(layout.num_layers):
             cache.append(layer, state[f"rows.{layer}"])

@@ -31,12 +31,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from latentkv.kv.codecs.tiers import COMPILABLE, TIERS
 from latentkv.weights import native
 
 if TYPE_CHECKING:
-    from latentkv.config import CacheConfig, ModelConfig
-    from latentkv.kv.cache import LatentCache, PackedLatentCache
+    from latentkv.config import ModelConfig
+    from latentkv.kv.cache import KVTier, LatentCache, PackedLatentCache
     from latentkv.models.layers import Rope
 
 
@@ -63,13 +62,14 @@ def _cxx() -> str | None:
     return None
 
 
-# Tiers whose step traces into one graph (the tier table says which: kv/codecs/tiers.py).
-COMPILABLE_TIERS = COMPILABLE
+# KV tiers whose one-token step traces into one graph. The rotated and polar codecs' bit
+# unpacking breaks the graph in many places, and their compiled step is slower than the eager one.
+COMPILABLE_TIERS = ("f32", "bf16", "fp8")
 
 
-def check_compilable(cache: CacheConfig | None, formats: tuple[str | None, ...] = ()) -> None:
-    """Raise CompileUnavailable unless a step over this cache tier (and weights in `formats`)
-    can be compiled here. int8 and int4 trace as latentkv's kernels (one call per matrix, and a
+def check_compilable(tier: str = "f32", recent_window: int = 0, formats: tuple[str | None, ...] = ()) -> None:
+    """Raise CompileUnavailable unless a step over caches of `tier` (with that recent window)
+    and weights in `formats` can be compiled here. int8 and int4 trace as latentkv's kernels (one call per matrix, and a
     layer's resident experts in one call): without them (torch's ops) the experts' Python
     would break the graph at every layer, so they are refused."""
     if {"int8", "int4"} & set(formats) and native.kernels() is None:
@@ -77,8 +77,7 @@ def check_compilable(cache: CacheConfig | None, formats: tuple[str | None, ...] 
             "--compile runs int8 and int4 weights through latentkv's own kernels, which are not "
             f"available here ({native.unavailable()}): drop --compile, or use f32/bf16 weights"
         )
-    tier = cache.kv_cache_dtype if cache is not None else "f32"
-    if not TIERS[tier].compilable or (cache is not None and cache.recent_window):
+    if tier not in COMPILABLE_TIERS or recent_window:
         raise CompileUnavailable(
             f"--compile supports the KV tiers {', '.join(COMPILABLE_TIERS)} (without a recent window); "
             f"{tier} decodes eagerly: drop --compile or pick one of those tiers"
@@ -93,8 +92,8 @@ def check_compilable(cache: CacheConfig | None, formats: tuple[str | None, ...] 
 class CompiledDecode:
     """The model's one-token forward pass, compiled; called by `Model.forward` for S == 1."""
 
-    def __init__(self, model: _Model, cache: CacheConfig | None = None):
-        check_compilable(cache)
+    def __init__(self, model: _Model, tier: KVTier):
+        check_compilable(tier.name, tier.recent_window)
         self.model = model
         # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% a step).
         # dynamic=None: only the dimensions marked dynamic (the cache buffers' and RoPE tables'

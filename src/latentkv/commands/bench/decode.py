@@ -218,7 +218,7 @@ def _compile(model, cache_configs, notes: list[str], quiet: bool):
     from latentkv.models.compiled import CompileUnavailable, check_compilable
 
     try:
-        check_compilable(None)  # is there a C++ compiler at all
+        check_compilable()  # is there a C++ compiler at all
     except CompileUnavailable as exc:
         raise UserError(str(exc)) from None
     tiers = set()

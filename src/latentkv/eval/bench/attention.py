@@ -10,7 +10,7 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.eval.bench.common import fill_random, predicted_kv_bytes
-from latentkv.kv.cache import CacheLayout, RowReader, make_cache
+from latentkv.kv.cache import CacheLayout, RowReader, resolve_tier
 from latentkv.kv.codecs import get_codec
 
 
@@ -57,7 +57,7 @@ def bench_attention(
     Returns the row (speed_vs_f32 and rel_err_vs_f32 unset) and the context output [H, 1, Lkv],
     so callers can compare tiers; the rows and the query depend only on `seed`.
     """
-    cache = make_cache(attention_layout(kv_lora_rank, rope_dim), CacheConfig(tier))
+    cache = resolve_tier(attention_layout(kv_lora_rank, rope_dim), CacheConfig(tier)).make_cache()
     (reader,) = fill_random(cache, context, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     width = kv_lora_rank + rope_dim
@@ -81,7 +81,7 @@ def bench_attention(
     r_bytes = get_codec(tier, rope_dim).bytes_per_row
     measured = cache.allocated_nbytes()
     row = AttentionRow(
-        kv_cache_dtype=cache.codec,
+        kv_cache_dtype=cache.tier.name,
         context=context,
         heads=heads,
         kv_lora_rank=kv_lora_rank,
