@@ -294,7 +294,7 @@ def measure_bytes(
     them). Also the read bandwidth: a float32 torch sum over `mib` MiB with the same threads."""
     import torch
 
-    from latentkv.eval.bench.common import fill_random, measured_index_bytes, predicted_kv_bytes
+    from latentkv.eval.bench.workload import fill_random, measured_index_bytes, predicted_kv_bytes
     from latentkv.experts.base import Expert
     from latentkv.models.weights import load_model
     from latentkv.weights.base import FORMATS
