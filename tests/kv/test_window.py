@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from latentkv.attention import readers
 from latentkv.config import CacheConfig, ConfigError
 from latentkv.kv.cache import (
     CacheLayout,
@@ -81,7 +82,7 @@ def test_prefill_block_matches_the_reference(tier, group, window):
     allowed &= torch.rand(S, T) < 0.8  # and a DSA-like selection
     allowed[torch.arange(S), qpos] = True
     query = torch.randn(4, S, 40)
-    ours = reader.attend(query, allowed)
+    ours = readers.attend(query, reader, allowed)
     use = exact_mask(qpos, torch.arange(T), window)
     expected = reference(query, exact, decoded_rows(reader), use, allowed)
     assert rel(ours, expected) < 1e-5
@@ -89,10 +90,10 @@ def test_prefill_block_matches_the_reference(tier, group, window):
         tier_only = reference(query, exact, decoded_rows(reader), torch.zeros_like(use), allowed)
         assert rel(tier_only, expected) > 1e-4
     # a slice of the pass's queries, with its positions given (how MLA tiles a long prefill)
-    part = reader.attend(query[:, 5:12], allowed[5:12], positions=qpos[5:12])
+    part = readers.attend(query[:, 5:12], reader, allowed[5:12], positions=qpos[5:12])
     assert rel(part, expected[:, 5:12]) < 1e-5
     torch.testing.assert_close(
-        reader.scores(query),
+        readers.scores(query, reader),
         torch.einsum(
             "hsw,stw->hst",
             query.double(),
@@ -104,7 +105,7 @@ def test_prefill_block_matches_the_reference(tier, group, window):
     w = torch.softmax(torch.randn(4, S, T), dim=-1)
     rows = torch.where(use[:, :, None], exact[None], decoded_rows(reader)[None])  # [S, T, 40]
     torch.testing.assert_close(
-        reader.context(w), torch.einsum("hst,stw->hsw", w, rows[..., :32]), rtol=1e-4, atol=1e-5
+        readers.context(w, reader), torch.einsum("hst,stw->hsw", w, rows[..., :32]), rtol=1e-4, atol=1e-5
     )
 
 
@@ -117,21 +118,24 @@ def test_decode_and_dsa_selection_match_the_reference(tier, group, window):
     query = torch.randn(4, 1, 40)
     qpos = torch.tensor([T - 1])
     use = exact_mask(qpos, torch.arange(T), window)
-    assert rel(reader.attend(query, None), reference(query, exact, decoded_rows(reader), use, None)) < 1e-5
+    assert (
+        rel(readers.attend(query, reader, None), reference(query, exact, decoded_rows(reader), use, None))
+        < 1e-5
+    )
     index = torch.tensor([T - 1, 3, T - 3, 17, 0, T - 2])  # DSA's top-k, in its own order
     picked = reader.select(index)
     assert len(picked) == len(index)
     use_picked = exact_mask(qpos, index, window)
     expected = reference(query, exact[index], decoded_rows(reader)[index], use_picked, None)
-    assert rel(picked.attend(query, None, positions=qpos), expected) < 1e-5
+    assert rel(readers.attend(query, picked, None, positions=qpos), expected) < 1e-5
 
 
 def test_a_slice_of_the_queries_needs_their_positions():
     reader = window_rows("tq4", None, random_rows(20), 4, 10, 10)
     with pytest.raises(ValueError, match="needs the positions of these 3 queries"):
-        reader.attend(torch.randn(2, 3, 40), None)
+        readers.attend(torch.randn(2, 3, 40), reader, None)
     with pytest.raises(ValueError, match=r"positions \(2,\) for 3 queries"):
-        reader.attend(torch.randn(2, 3, 40), None, positions=torch.tensor([11, 12]))
+        readers.attend(torch.randn(2, 3, 40), reader, None, positions=torch.tensor([11, 12]))
 
 
 # --- the cache: which exact rows it holds --------------------------------------------------
@@ -147,7 +151,7 @@ def step(cache: PackedLatentCache, rows: torch.Tensor, query: torch.Tensor) -> t
         if S > 1:
             allowed = torch.arange(start + S)[None, :] <= torch.arange(start, start + S)[:, None]
         if layer == 0:
-            out = reader.attend(query, allowed)
+            out = readers.attend(query, reader, allowed)
     cache.commit(S)
     return out
 

@@ -11,8 +11,10 @@ Two entry points, one per shape of work:
     attend_padded(query, rows, blocked, Lkv)    the same over float32 rows already padded
                                                 [B, T, Lkv+R] (a slot pool's)
 
-The torch consumers (`reference.py`, over `latentkv.kv.attention`'s per-codec readers) are
-the reference every other backend is tested against. A Triton or CUDA backend registers here
+The backend owns the arithmetic: the cache's readers (`latentkv.kv.cache`) hand it the stored
+rows and their scales, nothing more. The torch reference (`reference.py`: `readers.py` per kind
+of reader, over `consumers.py`, each codec's way of reading its stored rows) is what every other
+backend is tested against. A Triton or CUDA backend registers here
 with `@register_backend`, states which tiers and devices it serves in `refuse(tier, device)`
 (None: served; else the reason), and is picked before the reference when it serves the pair.
 """

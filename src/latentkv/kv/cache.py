@@ -14,9 +14,10 @@ a `KVTier` resolved once (`resolve_tier`), never the class:
     PackedLatentCache  any tier of `latentkv.kv.codecs` (bf16, fp8, tq*, polar*, tq4-r8, ...):
                        c and r encoded separately, each with its own codec and scale(s)
 
-`append` returns a reader over every row so far; attention asks the reader for
-`scores(query)` and `context(weights)`, which read the stored format directly (see
-`latentkv.kv.attention`), so no float copy of a packed cache is ever built.
+`append` returns a reader over every row so far: the stored rows and their scales, data only.
+The attention backend (`latentkv.attention`) reads them in their stored format, so no float
+copy of a packed cache is ever built; the arithmetic (each codec's consumer, the recent
+window's split and merge) is there, not here.
 
 A packed cache may keep a full-precision window (`CacheConfig.recent_window` = W > 0): a query
 at position p reads the rows of positions p - W + 1 .. p (itself and its W - 1 predecessors)
@@ -40,7 +41,6 @@ from typing import Protocol
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv import attention
 from latentkv.kv.codecs import GROUPED_CODECS, TIERS, Codec, EncodedRows, get_codec
 
 
@@ -119,11 +119,15 @@ def _dynamic_rows(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# --- readers: what attention sees of one layer's rows ------------------------------------
+# --- readers: what attention is handed of one layer's rows ------------------------------------
+#
+# Data only: the stored rows and their scales, as views of the cache's buffers. How to attend
+# over them is the attention backend's (`latentkv.attention`: the torch reference's arithmetic is
+# `attention/readers.py` over the codecs' consumers, `attention/consumers.py`).
 
 
 class RowReader(Protocol):
-    """T cached rows of one layer, read by attention without rebuilding them."""
+    """T cached rows of one layer, as stored."""
 
     def __len__(self) -> int: ...
 
@@ -131,28 +135,9 @@ class RowReader(Protocol):
         """The rows at `index` [K] (DSA's top-k)."""
         ...
 
-    def scores(self, query: torch.Tensor) -> torch.Tensor:
-        """query [H, S, Lkv+R] -> [H, S, T]: q_abs . c_t + q_rope . r_t."""
-        ...
-
-    def context(self, weights: torch.Tensor) -> torch.Tensor:
-        """weights [H, S, T] -> [H, S, Lkv]: sum_t w_t c_t."""
-        ...
-
-    def attend(
-        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """query [H, S, Lkv+R] (scaled), allowed bool [S, T] or None -> context [H, S, Lkv].
-
-        `positions` [S]: the queries' token positions. Only a cache with a recent window reads
-        them (to know which rows a query sees in full precision); without them it assumes the
-        queries are the tokens of the pass that made the reader, and refuses a slice of them.
-        """
-        ...
-
 
 class F32Rows:
-    """Float32 rows [T, Lkv+R]: two plain matmuls (the reference arithmetic)."""
+    """Float32 rows [T, Lkv+R] (c | r side by side)."""
 
     def __init__(self, rows: torch.Tensor, kv_lora_rank: int):
         self.rows = rows
@@ -164,23 +149,9 @@ class F32Rows:
     def select(self, index: torch.Tensor) -> F32Rows:
         return F32Rows(self.rows.index_select(0, index), self.kv_lora_rank)
 
-    def scores(self, query: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(query, self.rows.T)
-
-    def context(self, weights: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(weights, self.rows[:, : self.kv_lora_rank])
-
-    def attend(
-        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        scores = self.scores(query)  # [H, S, T]
-        if allowed is not None:
-            scores.masked_fill_(~allowed, float("-inf"))
-        return self.context(torch.softmax(scores, dim=-1))
-
 
 class PackedRows:
-    """Encoded c and r rows, read through the codecs' native consumers."""
+    """Encoded c and r rows (each its codes and scales) and the codecs that wrote them."""
 
     def __init__(self, c: EncodedRows, r: EncodedRows, codec_c: Codec, codec_r: Codec):
         self.c, self.r = c, r
@@ -200,34 +171,11 @@ class PackedRows:
         """The rows decoded to float32 [T, Lkv+R] (what refills a recent window after a resume)."""
         return torch.cat([self.codec_c.decode(self.c), self.codec_r.decode(self.r)], dim=1)
 
-    def scores(self, query: torch.Tensor) -> torch.Tensor:
-        n = self.codec_c.width
-        return attention.scores(self.codec_c, query[..., :n], self.c) + attention.scores(
-            self.codec_r, query[..., n:], self.r
-        )
-
-    def context(self, weights: torch.Tensor) -> torch.Tensor:
-        return attention.context(self.codec_c, weights, self.c)
-
-    def attend(
-        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return attention.attend(self.codec_c, self.codec_r, query, self.c, self.r, allowed)
-
-    def attend_with_lse(
-        self, query: torch.Tensor, allowed: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return attention.attend_with_lse(self.codec_c, self.codec_r, query, self.c, self.r, allowed)
-
 
 class WindowedRows:
-    """A packed tier's rows plus the float32 rows of the recent window (see the module docstring).
-
-    A query at position p reads row t from `recent` when p - W < pos_t, from the tier otherwise;
-    the two parts are attended separately and merged through their log-sum-exps, which is exactly
-    one softmax over the union. Row positions are 0..T-1, or, after `select` (DSA), the selected
-    indices.
-    """
+    """A packed tier's rows plus the float32 rows of the recent window (see the module docstring):
+    a query at position p reads row t exactly when p - W < pos_t, from the tier otherwise. Row
+    positions are 0..T-1, or, after `select` (DSA), the selected indices."""
 
     def __init__(
         self,
@@ -260,100 +208,6 @@ class WindowedRows:
             self.query_count,
             positions.to(torch.int64),
         )
-
-    def _query_positions(self, count: int, positions: torch.Tensor | None) -> torch.Tensor:
-        if positions is not None:
-            if positions.shape != (count,):
-                raise ValueError(f"positions {tuple(positions.shape)} for {count} queries")
-            return positions.to(torch.int64)
-        if count != self.query_count:
-            raise ValueError(
-                f"a cache with a recent window needs the positions of these {count} queries (its "
-                f"reader was made for the {self.query_count} tokens from position {self.query_start})"
-            )
-        return torch.arange(self.query_start, self.query_start + count, device=self.recent.device)
-
-    def _split(self, qpos: torch.Tensor) -> _Split:
-        """Which rows the queries at positions qpos [S] read from the tier, which in float32."""
-        T, first_exact = len(self), qpos - self.window + 1  # [S]: each query's oldest exact position
-        if self.positions is None:  # rows 0..T-1: the tier part is a prefix, the exact part a suffix
-            old_end = min(max(int(qpos.max()) - self.window + 1, 0), T)
-            new_start = min(max(int(first_exact.min()), 0), T)
-            old_cols, new_cols = slice(0, old_end), slice(new_start, T)
-            old, old_pos = self.packed.rows(0, old_end), torch.arange(old_end, device=qpos.device)
-            new_pos = torch.arange(new_start, T, device=qpos.device)
-        else:  # DSA's selection, in its own order
-            is_old = self.positions[None, :] < first_exact[:, None]  # [S, T]
-            old_cols = is_old.any(dim=0).nonzero().squeeze(1)
-            new_cols = (~is_old).any(dim=0).nonzero().squeeze(1)
-            old, old_pos = self.packed.select(old_cols), self.positions.index_select(0, old_cols)
-            new_pos = self.positions.index_select(0, new_cols)
-        at = new_pos - self.recent_start  # rows of `recent`
-        if len(at) and (int(at.min()) < 0 or int(at.max()) >= len(self.recent)):
-            held = f"{self.recent_start}..{self.recent_start + len(self.recent) - 1}"
-            raise RuntimeError(
-                f"the window holds positions {held}, not {int(new_pos.min())}..{int(new_pos.max())}"
-            )
-        # a suffix of the rows is a slice of `recent` (a view); a selection gathers its rows
-        exact = self.recent[at] if self.positions is not None else self.recent[len(self.recent) - len(at) :]
-        return _Split(
-            tier=old,
-            tier_cols=old_cols,
-            tier_mask=old_pos[None, :] < first_exact[:, None],  # [S, To]
-            exact=exact,
-            exact_cols=new_cols,
-            exact_mask=new_pos[None, :] >= first_exact[:, None],  # [S, Tn]
-        )
-
-    def attend(
-        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        split = self._split(self._query_positions(query.shape[1], positions))
-        parts = []
-        if len(split.tier):
-            parts.append(split.tier.attend_with_lse(query, _mask(allowed, split.tier_cols, split.tier_mask)))
-        if len(split.exact):
-            mask = _mask(allowed, split.exact_cols, split.exact_mask)
-            parts.append(attention.attend_f32_with_lse(query, split.exact, self.packed.codec_c.width, mask))
-        return parts[0][0] if len(parts) == 1 else attention.merge(parts)
-
-    def scores(self, query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """query [H, S, Lkv+R] -> [H, S, T], each query's window columns from the f32 rows."""
-        split = self._split(self._query_positions(query.shape[1], positions))
-        out = self.packed.scores(query)  # [H, S, T]
-        exact = torch.matmul(query.to(torch.float32), split.exact.T)  # [H, S, Tn]
-        cols = split.exact_cols
-        out[..., cols] = torch.where(split.exact_mask, exact, out[..., cols])
-        return out
-
-    def context(self, weights: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """weights [H, S, T] -> [H, S, Lkv], each query's window rows read in f32."""
-        split = self._split(self._query_positions(weights.shape[1], positions))
-        cols, n = split.exact_cols, self.packed.codec_c.width
-        tier_w = weights.clone()
-        tier_w[..., cols] = torch.where(split.exact_mask, 0.0, tier_w[..., cols])
-        exact_w = torch.where(split.exact_mask, weights[..., cols], 0.0)  # [H, S, Tn]
-        return self.packed.context(tier_w) + torch.matmul(exact_w, split.exact[:, :n])
-
-
-@dataclass(frozen=True)
-class _Split:
-    """The rows a block of queries reads from the tier and in float32, as columns of the reader."""
-
-    tier: PackedRows  # rows some query reads from the tier
-    tier_cols: slice | torch.Tensor
-    tier_mask: torch.Tensor  # [S, To]: query s reads tier row j
-    exact: torch.Tensor  # [Tn, Lkv+R] float32 rows some query reads exactly
-    exact_cols: slice | torch.Tensor
-    exact_mask: torch.Tensor  # [S, Tn]
-
-
-def _mask(
-    allowed: torch.Tensor | None, cols: slice | torch.Tensor, part: torch.Tensor
-) -> torch.Tensor | None:
-    """allowed [S, T] restricted to `cols`, and'ed with a part's own mask [S, len(cols)]; None if all True."""
-    mask = part if allowed is None else allowed[:, cols] & part
-    return None if bool(mask.all()) else mask
 
 
 # --- caches ------------------------------------------------------------------------------
