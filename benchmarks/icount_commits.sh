@@ -77,11 +77,12 @@ for m in "${models[@]}"; do
   done
 done
 
-printf '%s\n' "${rows[@]}" | "$py" - "$out/icount-$a-$b.json" "$a" "$b" "$steps" <<'PY'
+printf '%s\n' "${rows[@]}" >"$work/rows.txt"
+"$py" - "$work/rows.txt" "$out/icount-$a-$b.json" "$a" "$b" "$steps" <<'PY'
 import json, sys
-path, base, head, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+rows_file, path, base, head, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 per = {}
-for line in sys.stdin.read().split("\n"):
+for line in open(rows_file).read().split("\n"):
     if line.strip():
         sha, model, tier, total = line.split()
         per[(model, tier, sha)] = int(total) / steps
