@@ -445,7 +445,8 @@ def test_requests_admitted_together_prefill_in_one_pass(ours, make):
         assert _collect(handle)[0] == _alone(model, prompt, n)
     assert counting.prefills == [4, 1]
     assert max(counting.decodes) == 4
-    assert scheduler._pool is not None and len(scheduler._pool) == 0  # every slot released
+    pool = scheduler._running.pool
+    assert pool is not None and len(pool) == 0  # every slot released
 
 
 def test_queued_seconds_is_the_wait_for_a_slot(make):
