@@ -385,7 +385,7 @@ def test_sixteen_concurrent_greedy_clients_on_the_trained_fixture():
     from latentkv.tokenizer import Tokenizer
 
     directory = builtin_path("fixture")
-    model = load_model(directory)
+    model = load_model(directory, device="cpu")
     text_ids = Tokenizer(directory).encode((directory / "heldout.txt").read_text(encoding="utf-8"))
     requests = [(text_ids[3000 * i : 3000 * i + 20 + 5 * i], 12) for i in range(16)]
     scheduler = Scheduler(model, model.tier(), max_num_seqs=16, model_dir=directory)

@@ -215,7 +215,7 @@ def _record(reset: bool) -> None:
         # built here, as conftest builds them: under ATEN_CPU_CAPABILITY=default the seeded
         # weights themselves differ in the last bit (torch's scalar normal_ vs its vectorized one)
         built = builtin_path("tiny") if name == "glm5-tiny" else oracle.build(oracle.SPECS[name], root / name)
-        model = load_model(built)
+        model = load_model(built, device="cpu")
         if name not in models:  # greedy tokens of this machine, fed as given from now on
             cache, token, fed = model.make_cache(), 3, []
             model.forward(prompt_for(model), cache)

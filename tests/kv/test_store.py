@@ -367,7 +367,7 @@ def _write(path, data: bytes):
 def test_layout_of_refuses_a_partial_layer_set(small):
     _, _, header, _ = small
     with pytest.raises(KVFileError, match="layers"):
-        layout_of(dataclasses.replace(header, layers=(0, 1)))
+        layout_of(dataclasses.replace(header, layers=(0, 1)), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("tier", ["tq4", "tq4-r8"])

@@ -19,7 +19,9 @@ from latentkv.kv.cache import (
     resolve_tier,
 )
 
-LAYOUT = CacheLayout(num_layers=2, row_width=40, kv_lora_rank=32, index_layers=(), index_head_dim=0)
+LAYOUT = CacheLayout(
+    num_layers=2, row_width=40, kv_lora_rank=32, index_layers=(), index_head_dim=0, device=torch.device("cpu")
+)
 TIERS = [
     ("tq4", None),
     ("tq4-r8", None),

@@ -52,7 +52,7 @@ def test_a_format_without_a_plain_tensor_runs_every_path(name, checkpoint, ours,
     from latentkv.models.weights import load_model
 
     monkeypatch.setitem(FORMATS, OpaqueF32.format, OpaqueF32)
-    opaque, f32 = load_model(checkpoint(name), OpaqueF32.format), ours(name)
+    opaque, f32 = load_model(checkpoint(name), OpaqueF32.format, device="cpu"), ours(name)
     moe = opaque.blocks[-1].mlp
     assert moe.experts.stacked is None and moe._every is None
     assert opaque.blocks[0].attn.w.w_uv.stacked is None
@@ -128,7 +128,7 @@ class _Refuses:
 
 
 def test_backends_are_chosen_once_per_tier_and_device_with_reasons(monkeypatch):
-    layout = CacheLayout(num_layers=1, row_width=80, kv_lora_rank=64, index_layers=(), index_head_dim=0)
+    layout = CacheLayout(1, 80, 64, (), 0, device=torch.device("cpu"))
     tq4, f32, fp8 = (resolve_tier(layout, CacheConfig(name)) for name in ("tq4", "f32", "fp8"))
     cpu = torch.device("cpu")
     monkeypatch.setattr(attention_base, "BACKENDS", list(BACKENDS))

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from latentkv.weights import native
+from latentkv.weights.base import format_class
 
 if TYPE_CHECKING:
     from latentkv.config import ModelConfig
@@ -72,10 +73,11 @@ def check_compilable(tier: str = "f32", recent_window: int = 0, formats: tuple[s
     and weights in `formats` can be compiled here. int8 and int4 trace as latentkv's kernels (one call per matrix, and a
     layer's resident experts in one call): without them (torch's ops) the experts' Python
     would break the graph at every layer, so they are refused."""
-    if {"int8", "int4"} & set(formats) and native.kernels() is None:
+    needs = [f for f in dict.fromkeys(formats) if f is not None and format_class(f).compile_needs_native]
+    if needs and native.kernels() is None:
         raise CompileUnavailable(
-            "--compile runs int8 and int4 weights through latentkv's own kernels, which are not "
-            f"available here ({native.unavailable()}): drop --compile, or use f32/bf16 weights"
+            f"--compile runs {' and '.join(needs)} weights through latentkv's own kernels, which are not "
+            f"available here ({native.unavailable()}): drop --compile, or use another weight format"
         )
     if tier not in COMPILABLE_TIERS or recent_window:
         raise CompileUnavailable(
