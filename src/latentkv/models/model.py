@@ -85,7 +85,7 @@ class Model:
         ValueError if the tier cannot store these rows."""
         if isinstance(cache, str):
             cache = CacheConfig(cache)
-        if cache is None or (cache.kv_cache_dtype == "f32"):
+        if cache is None or cache.kv_cache_dtype == "f32":
             return self.f32
         return resolve_tier(self.layout, cache)
 
