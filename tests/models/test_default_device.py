@@ -69,7 +69,7 @@ def _served(model, monkeypatch, meta: bool, speculative=None) -> list[list[int]]
                 work(self)
 
         monkeypatch.setattr(Scheduler, "_work", on_meta)
-    scheduler = Scheduler(model, CacheConfig("f32"), speculative=speculative)
+    scheduler = Scheduler(model, model.tier("f32"), speculative=speculative)
     scheduler.start()
     try:
         params = [

@@ -145,7 +145,7 @@ class LatentKVLM(TemplateLM):
         with torch.inference_mode():
             logits = self.model.forward(
                 torch.tensor(ids, dtype=torch.long, device=self.model.device),
-                self.model.make_cache(self.engine.cache),
+                self.model.make_cache(self.loaded.tier),
                 all_logits=True,
             )
         entries = prompt_logprobs(ids, logits, 1)[ctxlen:]
@@ -217,7 +217,7 @@ class LatentKVLM(TemplateLM):
 
             self._scheduler = Scheduler(
                 self.model,
-                self.engine.cache,
+                self.loaded.tier,
                 max_num_seqs=self.batch_size,
                 max_queue=self.batch_size,
                 max_model_len=self.max_length,
