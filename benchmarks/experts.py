@@ -115,7 +115,7 @@ def run_child(args: argparse.Namespace) -> int:
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g)
     cache = model.make_cache(CacheConfig(args.kv_cache_dtype))
     if args.filled:
-        from latentkv.eval.bench.common import fill_random
+        from latentkv.eval.bench.workload import fill_random
 
         cache.reserve(args.filled + args.prompt_len + args.tokens)  # one allocation, no doubling
         fill_random(cache, args.filled)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from latentkv.config import EngineConfig
-from latentkv.eval.bench.common import random_prompt
+from latentkv.eval.bench.workload import random_prompt
 from latentkv.runtime import load
 
 

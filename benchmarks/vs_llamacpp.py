@@ -295,7 +295,7 @@ def measure_bytes(
     import torch
 
     from latentkv.config import CacheConfig
-    from latentkv.eval.bench.common import fill_random, measured_index_bytes, predicted_kv_bytes
+    from latentkv.eval.bench.workload import fill_random, measured_index_bytes, predicted_kv_bytes
     from latentkv.experts.base import Expert
     from latentkv.models.weights import load_model
     from latentkv.weights.base import FORMATS

@@ -128,6 +128,36 @@ def test_random_fill_appends_rows_to_every_layer_and_indexer(ours):
     torch.testing.assert_close(c.square().mean(-1), torch.ones(50), rtol=1e-4, atol=1e-4)  # RMS-normed
 
 
+def test_a_compiled_step_handed_to_the_row_times_decode_and_names_the_row(ours):
+    """bench decode hands its compiled step to the rows that want it (the model stays eager):
+    every decode pass goes through the step, the prompt through the model."""
+    model = ours("glm5-tiny")
+    calls: list[int] = []
+
+    def step(tokens, cache):  # stands in for a CompiledDecode: the eager step, counted
+        calls.append(tokens.shape[0])
+        return model.forward(tokens, cache)
+
+    row = bench.bench_latentkv(model, "tiny", "f32", 16, 4, compiled=step)
+    assert row.engine == "latentkv+compile" and model.compiled is None
+    assert calls == [1] * (1 + 3)  # one warm-up pass, then decode_tokens - 1 timed ones
+    assert bench.bench_latentkv(model, "tiny", "f32", 16, 4).engine == "latentkv"
+    assert len(calls) == 4  # an eager row never calls it
+
+
+@pytest.mark.slow
+def test_compile_adds_a_compiled_row_per_tier_that_compiles(capsys):
+    argv = ["--context", "8", "--decode-tokens", "3", "--kv-cache-dtype", "f32,tq4", "--compile"]
+    payload = _json(capsys, "bench", "decode", "builtin:tiny", *argv)
+    assert [(r["engine"], r["kv_cache_dtype"]) for r in payload["rows"]] == [
+        ("latentkv", "f32"),
+        ("latentkv+compile", "f32"),
+        ("latentkv", "tq4"),
+    ]
+    assert payload["notes"][0].startswith("f32: compiled in")
+    assert payload["notes"][1].startswith("tq4: no compiled row (--compile supports the KV tiers")
+
+
 def test_vs_transformers_adds_its_rows_and_the_ratio(capsys):
 
     argv = ["--context", "16", "--decode-tokens", "3", "--kv-cache-dtype", "f32,fp8", "--vs-transformers"]

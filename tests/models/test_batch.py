@@ -244,7 +244,7 @@ def test_rejects_bad_batches(ours):
 def test_bench_batch_rows(ours):
     """The benchmark's bookkeeping (not its timings): aggregate = batch x per-sequence tok/s, and
     the speedups are ratios to the batch-1 row and to the single-sequence figure."""
-    from latentkv.eval.bench import batch as bench
+    from latentkv.eval.bench import measure_batch as bench
 
     model = ours("glm5-tiny")
     single, rows = bench.bench_batches(model, "tiny", [1, 3], context=4, steps=3)

@@ -91,7 +91,8 @@ def check_compilable(cache: CacheConfig | None, formats: tuple[str | None, ...] 
 
 
 class CompiledDecode:
-    """The model's one-token forward pass, compiled; called by `Model.forward` for S == 1."""
+    """The model's one-token forward pass, compiled; called by `Model.forward` for S == 1 once
+    `Model.compile_decode` installed it, or directly (`latentkv bench decode` times both)."""
 
     def __init__(self, model: _Model, cache: CacheConfig | None = None):
         check_compilable(cache)
@@ -102,8 +103,9 @@ class CompiledDecode:
         # back per step (143 inputs on builtin:tiny, ~17% of its step).
         self._step = torch.compile(model._forward, dynamic=None, options={"cpp_wrapper": True})
 
+    @torch.inference_mode()
     def __call__(
-        self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool
+        self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool = False
     ) -> torch.Tensor:
         # growth happens here, outside the graph: inside it would be a branch the graph guards on
         self.model.rope.reserve(cache.length + 1)
@@ -130,7 +132,7 @@ class CompiledDecode:
             with torch.inference_mode():  # an eager step first: it builds the RoPE patterns the graph reads
                 model._forward(token, cache)
             for _ in range(2):  # the second call checks the first graph serves the next length
-                model.forward(token, cache)
+                self(token, cache)
         seconds = time.perf_counter() - t0
         if progress:
             print(f"compiled in {seconds:.1f} s", file=sys.stderr, flush=True)

@@ -60,20 +60,13 @@ class ServerState:
             config.served_model_name, self.snapshot, max_model_len=config.max_model_len or 1 << 20
         )
         self._on_failure = on_failure
-        self._thread: threading.Thread | None = None
 
     @property
     def loading(self) -> bool:
         return self.ready is None and self.error is None
 
     def start_loading(self) -> None:
-        self._thread = threading.Thread(target=self._load, name="latentkv-load", daemon=True)
-        self._thread.start()
-
-    def wait_loaded(self, timeout: float | None = None) -> bool:
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return self.ready is not None
+        threading.Thread(target=self._load, name="latentkv-load", daemon=True).start()
 
     def _load(self) -> None:
         try:

@@ -1,7 +1,8 @@
 """`latentkv bench decode|attention|resume|batch|speculative`: decode tok/s per KV tier (optionally beside
 transformers), the attention read alone per tier, resuming a saved conversation against
 prefilling it again, batched decode (B sequences together), and MTP speculative decoding. Tables print as markdown; --json / --out give JSON. One module per
-subcommand, each with `add` (its arguments), `run` (-> JSON payload) and `table`."""
+subcommand, each with `add` (its arguments), `run` (-> JSON payload) and `table`; what each
+times lives a layer down, in `latentkv.eval.bench.measure_NAME`."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> dict:
     import os
 
     from latentkv.config import EngineConfig
-    from latentkv.eval.bench import batch as bench
+    from latentkv.eval.bench import measure_batch as bench
     from latentkv.runtime import load
 
     sizes = common.ints(args.batch, "--batch")
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> dict:
             f"{model.cfg.max_position_embeddings}"
         )
     rows, single = [], {}
-    for config in common.cache_configs(model, tiers):
+    for config in common.checked_cache_configs(model, tiers):
         key = (config.kv_cache_dtype, args.context)
         single[key], tier_rows = bench.bench_batches(
             model, args.model, sizes, args.context, args.steps, config

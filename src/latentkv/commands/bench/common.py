@@ -69,8 +69,9 @@ def ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}x"
 
 
-def cache_configs(model, tiers: list[str]) -> list:
-    """One CacheConfig per tier, each checked against the model's widths before any timing."""
+def checked_cache_configs(model, tiers: list[str]) -> list:
+    """One CacheConfig per tier name (from `tiers`), each checked against the loaded model's
+    widths before any timing. (`commands.common.cache_configs` builds them from the KV flags.)"""
     from latentkv.config import CacheConfig
     from latentkv.runtime import check_tier
 

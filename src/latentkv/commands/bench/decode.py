@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 from latentkv.commands.bench import common
 from latentkv.commands.common import add_streaming_arguments, add_weight_arguments
 from latentkv.commands.common import weight_dtypes as weight_list
 from latentkv.errors import UserError
+
+if TYPE_CHECKING:
+    from latentkv.config import ClusterConfig
+    from latentkv.engine.speculative import SpeculativeConfig
+    from latentkv.models.compiled import CompiledDecode
 
 RANDOM_FILL_NOTE = (
     "fill random: the context is random rows appended straight to every layer's cache (no prompt "
@@ -71,14 +78,54 @@ def add(sub) -> None:
     add_cluster_arguments(d)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What the flags ask for, checked before any model loads."""
+
+    contexts: list[int]
+    weight_dtypes: list[str]
+    tiers: list[str]
+    spec: SpeculativeConfig | None
+    cluster: ClusterConfig | None
+
+
 def run(args: argparse.Namespace) -> dict:
-    from latentkv.commands.common import cluster_config, run_as_worker
-    from latentkv.config import ConfigError, EngineConfig
+    from latentkv.commands.common import run_as_worker
     from latentkv.eval import bench
-    from latentkv.runtime import load
 
     if (status := run_as_worker(args)) is not None:
         raise SystemExit(status)
+    plan = _plan(args)
+    common.set_threads(args.threads)
+    rows: list[bench.BenchRow] = []
+    notes: list[str] = [RANDOM_FILL_NOTE] if args.fill == "random" else []
+    cluster_report: list[dict] = []
+    for dtype in plan.weight_dtypes:  # a cluster runs one
+        directory, cluster_report = _latentkv_rows(args, plan, dtype, rows, notes)
+        if args.vs_transformers and dtype not in ("f32", "bf16"):
+            notes.append(f"transformers runs f32 and bf16 weights only: no transformers row for {dtype}")
+        elif args.vs_transformers:
+            rows.extend(_transformers_rows(args, directory, dtype, plan.contexts))
+    bench.add_ratios(rows)
+    extra = {"cluster": cluster_report} if plan.cluster is not None else {}
+    return {
+        **extra,
+        "bench": "decode",
+        "model": args.model,
+        "fill": args.fill,
+        "contexts": plan.contexts,
+        "decode_tokens": args.decode_tokens,
+        "weight_dtypes": plan.weight_dtypes,
+        "kv_cache_dtypes": plan.tiers,
+        "notes": notes,
+        "rows": [r.as_dict() for r in rows],
+    }
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """The flags checked together: one line and exit 2 for a combination that cannot run."""
+    from latentkv.commands.common import cluster_config
+
     cluster = cluster_config(args)
     contexts = common.ints(args.context, "--context")
     weight_dtypes = weight_list(args.weight_dtype)
@@ -102,95 +149,89 @@ def run(args: argparse.Namespace) -> dict:
             import transformers  # noqa: F401
         except ImportError:
             raise UserError("--vs-transformers needs transformers: pip install 'latentkv[dev]'") from None
-    spec = _speculative(args)
-    common.set_threads(args.threads)
-    rows: list[bench.BenchRow] = []
-    cluster_report: list[dict] = []
-    notes: list[str] = [RANDOM_FILL_NOTE] if args.fill == "random" else []
-    for dtype in weight_dtypes:
-        try:
-            engine = EngineConfig(
-                weight_dtype=dtype,
-                expert_dtype=args.expert_dtype,
-                ram_gb=args.ram_gb,
-                expert_policy=args.expert_cache_policy,
-                cluster=cluster,
-            )
-        except ConfigError as exc:
-            raise UserError(str(exc)) from None
-        loaded = load(
-            args.model,
-            engine,
-            quiet=args.json,
-            max_model_len=max(contexts) + args.decode_tokens + (spec.draft_tokens if spec else 0),
-            draft_tokens=spec.draft_tokens if spec else 0,
-        )
-        model = loaded.model
-        if spec is not None:
-            from latentkv.commands.common import check_speculative
+    return _Plan(contexts, weight_dtypes, tiers, _speculative(args), cluster)
 
-            check_speculative(model, spec)
-            notes.append(_SPEC_NOTE)
-        cache_configs = common.cache_configs(model, tiers)
-        if max(contexts) + args.decode_tokens > model.cfg.max_position_embeddings:
-            raise UserError(
-                f"context {max(contexts)} + {args.decode_tokens} decode tokens exceeds the model's "
-                f"maximum of {model.cfg.max_position_embeddings}"
-            )
-        dsa = model.cfg.dsa
-        if dsa is not None and max(contexts) > dsa.index_topk and (note := _dsa_note(model)) not in notes:
-            notes.append(note)
-        step, compiled_tiers = (
-            _compile(model, cache_configs, notes, args.json) if args.compile else (None, ())
-        )
-        for ctx in contexts:  # tiers innermost: a drift in machine load hits every tier alike
-            for cache_config in cache_configs:
-                steps = [None, step] if cache_config.kv_cache_dtype in compiled_tiers else [None]
-                for compiled in steps:  # eager, then compiled where the tier compiles
-                    model.compiled = compiled
-                    rows.append(_row(args, model, dtype, ctx, cache_config, fill=args.fill))
-                model.compiled = None
-                if spec is not None:
-                    rows.append(_row(args, model, dtype, ctx, cache_config, speculative=spec))
-        directory = loaded.directory
-        if loaded.cluster is not None:
-            from latentkv.cluster.head import describe
 
-            cluster_report = loaded.cluster.report(loaded.streamer)
-            notes.extend(describe(cluster_report))
-            loaded.close()  # the workers end with the head
-        del loaded, model
-        gc.collect()
-        if args.vs_transformers and dtype not in ("f32", "bf16"):
-            notes.append(f"transformers runs f32 and bf16 weights only: no transformers row for {dtype}")
-        elif args.vs_transformers:
-            hf = bench.load_transformers(directory, dtype)
-            for ctx in contexts:
-                rows.append(
-                    common.fastest(
-                        args.repeats,
-                        partial(bench.bench_transformers, hf, args.model, dtype, ctx, args.decode_tokens),
-                    )
-                )
-                common.progress(
-                    f"transformers {dtype} ctx {ctx}: decode {rows[-1].decode_tps:.1f} tok/s", args.json
-                )
-            del hf
-            gc.collect()
-    bench.add_ratios(rows)
-    extra = {"cluster": cluster_report} if cluster is not None else {}
-    return {
-        **extra,
-        "bench": "decode",
-        "model": args.model,
-        "fill": args.fill,
-        "contexts": contexts,
-        "decode_tokens": args.decode_tokens,
-        "weight_dtypes": weight_dtypes,
-        "kv_cache_dtypes": tiers,
-        "notes": notes,
-        "rows": [r.as_dict() for r in rows],
-    }
+def _load(args: argparse.Namespace, plan: _Plan, dtype: str):
+    """The model in weight format `dtype`, sized for the longest context (and its drafts)."""
+    from latentkv.config import ConfigError, EngineConfig
+    from latentkv.runtime import load
+
+    draft_tokens = plan.spec.draft_tokens if plan.spec else 0
+    try:
+        engine = EngineConfig(
+            weight_dtype=dtype,
+            expert_dtype=args.expert_dtype,
+            ram_gb=args.ram_gb,
+            expert_policy=args.expert_cache_policy,
+            cluster=plan.cluster,
+        )
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    return load(
+        args.model,
+        engine,
+        quiet=args.json,
+        max_model_len=max(plan.contexts) + args.decode_tokens + draft_tokens,
+        draft_tokens=draft_tokens,
+    )
+
+
+def _latentkv_rows(args: argparse.Namespace, plan: _Plan, dtype: str, rows: list, notes: list[str]):
+    """Load the model in `dtype` and append its rows (every context x tier: eager, compiled where
+    the tier compiles, MTP drafting with --speculative); -> (its folder, the cluster's report).
+    The model is released before returning, so transformers' model has the memory."""
+    loaded = _load(args, plan, dtype)
+    model = loaded.model
+    if plan.spec is not None:
+        from latentkv.commands.common import check_speculative
+
+        check_speculative(model, plan.spec)
+        notes.append(_SPEC_NOTE)
+    configs = common.checked_cache_configs(model, plan.tiers)
+    longest = max(plan.contexts)
+    if longest + args.decode_tokens > model.cfg.max_position_embeddings:
+        raise UserError(
+            f"context {longest} + {args.decode_tokens} decode tokens exceeds the model's "
+            f"maximum of {model.cfg.max_position_embeddings}"
+        )
+    dsa = model.cfg.dsa
+    if dsa is not None and longest > dsa.index_topk and (note := _dsa_note(model)) not in notes:
+        notes.append(note)
+    compiled, compiled_tiers = _compile(model, configs, notes, args.json) if args.compile else (None, ())
+    for ctx in plan.contexts:  # tiers innermost: a drift in machine load hits every tier alike
+        for config in configs:
+            rows.append(_row(args, model, dtype, ctx, config, fill=args.fill))
+            if config.kv_cache_dtype in compiled_tiers:
+                rows.append(_row(args, model, dtype, ctx, config, fill=args.fill, compiled=compiled))
+            if plan.spec is not None:
+                rows.append(_row(args, model, dtype, ctx, config, speculative=plan.spec))
+    report: list[dict] = []
+    if loaded.cluster is not None:
+        from latentkv.cluster.head import describe
+
+        report = loaded.cluster.report(loaded.streamer)
+        notes.extend(describe(report))
+        loaded.close()  # the workers end with the head
+    directory = loaded.directory
+    del loaded, model, compiled
+    gc.collect()
+    return directory, report
+
+
+def _transformers_rows(args: argparse.Namespace, directory, dtype: str, contexts: list[int]) -> list:
+    """transformers' generate() on the same checkpoint, one row per context."""
+    from latentkv.eval import bench
+
+    hf = bench.load_transformers(directory, dtype)
+    rows = []
+    for ctx in contexts:
+        measure = partial(bench.bench_transformers, hf, args.model, dtype, ctx, args.decode_tokens)
+        rows.append(common.fastest(args.repeats, measure))
+        common.progress(f"transformers {dtype} ctx {ctx}: decode {rows[-1].decode_tps:.1f} tok/s", args.json)
+    del hf
+    gc.collect()
+    return rows
 
 
 _SPEC_NOTE = (
@@ -212,25 +253,27 @@ def _speculative(args: argparse.Namespace):
     return None if spec is None else dataclasses.replace(spec, adaptive=False)
 
 
-def _compile(model, cache_configs, notes: list[str], quiet: bool):
-    """Compile the decode step for every tier that can be; -> (the compiled step, those tiers).
-    The model is left eager: rows switch `model.compiled` on and off."""
-    from latentkv.models.compiled import CompileUnavailable, check_compilable
+def _compile(model, configs, notes: list[str], quiet: bool) -> tuple[CompiledDecode | None, set[str]]:
+    """Compile the decode step and warm it up for every tier that can be; -> (the compiled step,
+    those tiers). The model itself stays eager: the rows that want the compiled step are handed it."""
+    from latentkv.models.compiled import CompiledDecode, CompileUnavailable, check_compilable
 
     try:
         check_compilable(None)  # is there a C++ compiler at all
     except CompileUnavailable as exc:
         raise UserError(str(exc)) from None
+    step: CompiledDecode | None = None
     tiers = set()
-    for cache_config in cache_configs:
+    for config in configs:
         try:
-            seconds = model.compile_decode(cache_config, progress=not quiet)
+            check_compilable(config)
         except CompileUnavailable as exc:
-            notes.append(f"{cache_config.kv_cache_dtype}: no compiled row ({exc})")
+            notes.append(f"{config.kv_cache_dtype}: no compiled row ({exc})")
             continue
-        tiers.add(cache_config.kv_cache_dtype)
-        notes.append(f"{cache_config.kv_cache_dtype}: compiled in {seconds:.1f} s before timing")
-    step, model.compiled = model.compiled, None
+        step = step or CompiledDecode(model, config)
+        seconds = step.warm_up(partial(model.make_cache, config), progress=not quiet)
+        tiers.add(config.kv_cache_dtype)
+        notes.append(f"{config.kv_cache_dtype}: compiled in {seconds:.1f} s before timing")
     return step, tiers
 
 
@@ -275,7 +318,8 @@ def table(rows: list[dict]) -> str:
 
 
 def _row(args: argparse.Namespace, model, dtype: str, ctx: int, cache_config, **how):
-    """The fastest of --repeats runs of one latentkv row (`how`: the fill, or MTP drafting)."""
+    """The fastest of --repeats runs of one latentkv row (`how`: the fill and the compiled step,
+    or MTP drafting)."""
     from latentkv.eval import bench
 
     row = common.fastest(

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(
             f"--tokens {args.tokens} exceeds the model's context of {model.cfg.max_position_embeddings}"
         )
-    configs = common.cache_configs(model, tiers)
+    configs = common.checked_cache_configs(model, tiers)
     rows = []
     with tempfile.TemporaryDirectory(prefix="latentkv-resume-") as tmp:
         folder = args.kv_dir or Path(tmp)

@@ -166,7 +166,7 @@ def _ram_gb(args, directory: Path, cache, length: int, sequences: int, draft_tok
 
 
 def _rows(args, name: str, directory: Path, loaded, cache, drafts: list[int], concurrency: list[int]):
-    from latentkv.eval.bench.speculative import bench_speculative
+    from latentkv.eval.bench.measure_speculative import bench_speculative
 
     model, streamer = loaded.model, loaded.streamer
     rows = []

@@ -1,4 +1,6 @@
-"""Benchmarks behind `latentkv bench`: decode over every KV tier, and the attention read alone.
+"""Benchmarks behind `latentkv bench`: what each one measures (`measure_NAME.py`; the flags,
+the checks and the tables of `latentkv bench NAME` are `latentkv.commands.bench.NAME`), and the
+workload they share (`workload.py`: random prompts, random cache fill, KV byte accounting).
 
 decode      One row per (engine, weight dtype, KV tier, context). latentkv is timed pass by
             pass: prefill is the one batched prompt pass; decode tok/s is the (tokens - 1)
@@ -19,8 +21,21 @@ resume      a conversation of N tokens saved as a KV file, then brought back the
 KV memory is measured from the cache's tensors (`allocated_nbytes()`) and set beside the
 prediction `bytes_per_token_layer x layers x tokens`."""
 
-from latentkv.eval.bench.attention import AttentionRow, attention_layout, bench_attention, compare_attention
-from latentkv.eval.bench.common import (
+from latentkv.eval.bench.measure_attention import (
+    AttentionRow,
+    attention_layout,
+    bench_attention,
+    compare_attention,
+)
+from latentkv.eval.bench.measure_decode import (
+    BenchRow,
+    add_ratios,
+    bench_latentkv,
+    bench_transformers,
+    load_transformers,
+)
+from latentkv.eval.bench.measure_resume import ResumeRow, bench_resume, predicted_file_bytes
+from latentkv.eval.bench.workload import (
     FILL_CHUNK,
     FILL_MODES,
     fill_random,
@@ -28,14 +43,6 @@ from latentkv.eval.bench.common import (
     predicted_kv_bytes,
     random_prompt,
 )
-from latentkv.eval.bench.decode import (
-    BenchRow,
-    add_ratios,
-    bench_latentkv,
-    bench_transformers,
-    load_transformers,
-)
-from latentkv.eval.bench.resume import ResumeRow, bench_resume, predicted_file_bytes
 
 __all__ = [
     "AttentionRow",

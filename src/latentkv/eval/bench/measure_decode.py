@@ -6,12 +6,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from latentkv.config import CacheConfig
 from latentkv.engine.sampling import SamplingParams
-from latentkv.eval.bench.common import (
+from latentkv.eval.bench.workload import (
     FILL_MODES,
     fill_random,
     measured_index_bytes,
@@ -19,6 +20,9 @@ from latentkv.eval.bench.common import (
     random_prompt,
     timed_forward,
 )
+
+if TYPE_CHECKING:
+    from latentkv.models.compiled import CompiledDecode
 
 _GREEDY = SamplingParams()
 
@@ -51,11 +55,12 @@ class BenchRow:
         return asdict(self)
 
 
-def _decode_passes(model, cache, token: int, passes: int) -> list[float]:
-    """`passes` greedy one-token passes from `token`; returns each pass's seconds."""
+def _decode_passes(step, cache, token: int, passes: int) -> list[float]:
+    """`passes` greedy one-token passes of `step` (`Model.forward` or a compiled step) from
+    `token`; returns each pass's seconds."""
     times = []
     for _ in range(passes):
-        token, seconds = timed_forward(model, [token], cache)
+        token, seconds = timed_forward(step, [token], cache)
         times.append(seconds)
     return times
 
@@ -69,30 +74,34 @@ def bench_latentkv(
     cache_config: CacheConfig | None = None,
     fill: str = "prefill",
     speculative=None,
+    compiled: CompiledDecode | None = None,
 ) -> BenchRow:
-    """Prefill (or random-fill) `context` tokens, then time decode_tokens - 1 decode passes
-    (with `speculative`, a `SpeculativeConfig`: MTP drafting; see `bench_speculative`)."""
+    """Prefill (or random-fill) `context` tokens, then time decode_tokens - 1 decode passes:
+    eager, or through `compiled` (the model's decode step compiled and warmed up for this tier;
+    the prefill stays eager). With `speculative`, a `SpeculativeConfig`: MTP drafting instead
+    (see `bench_speculative`)."""
     if fill not in FILL_MODES:
         raise ValueError(f"unknown fill {fill!r}; choose from {', '.join(FILL_MODES)}")
     if speculative is not None:
         return bench_speculative(model, name, weight_dtype, context, decode_tokens, cache_config, speculative)
     cache_config = cache_config or CacheConfig()
+    step = compiled if compiled is not None else model.forward
     prompt = random_prompt(model.cfg.vocab_size, context)
     warm = model.make_cache(cache_config)  # warm up the allocator, RoPE and codec tables
-    token, _ = timed_forward(model, prompt[:8], warm)
-    _decode_passes(model, warm, token, 1)
+    token, _ = timed_forward(model.forward, prompt[:8], warm)
+    _decode_passes(step, warm, token, 1)
     del warm
 
     cache = model.make_cache(cache_config)
     if fill == "prefill":
-        token, seconds = timed_forward(model, prompt, cache)
+        token, seconds = timed_forward(model.forward, prompt, cache)
         prefill_tps = context / seconds
     else:
         fill_random(cache, context)
         token, prefill_tps = prompt[-1], None
-    times = _decode_passes(model, cache, token, decode_tokens - 1)
+    times = _decode_passes(step, cache, token, decode_tokens - 1)
     return BenchRow(
-        engine="latentkv+compile" if model.compiled is not None else "latentkv",
+        engine="latentkv+compile" if compiled is not None else "latentkv",
         model=name,
         weight_dtype=weight_dtype,
         kv_cache_dtype=cache.codec,

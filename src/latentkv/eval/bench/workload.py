@@ -54,10 +54,11 @@ def fill_random(
     return readers
 
 
-def timed_forward(model, tokens: list[int], cache) -> tuple[int, float]:
-    """One forward pass; returns (greedy next token, seconds)."""
+def timed_forward(forward, tokens: list[int], cache) -> tuple[int, float]:
+    """One pass of `forward` (`Model.forward`, or a compiled decode step for one token);
+    returns (greedy next token, seconds)."""
     ids = torch.tensor(tokens, dtype=torch.long)
     t0 = time.perf_counter()
-    logits = model.forward(ids, cache)[-1]
+    logits = forward(ids, cache)[-1]
     seconds = time.perf_counter() - t0
     return int(logits.argmax()), seconds

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from latentkv.config import CacheConfig
-from latentkv.eval.bench.common import random_prompt
+from latentkv.eval.bench.workload import random_prompt
 from latentkv.kv.slots import SlotPool
 
 

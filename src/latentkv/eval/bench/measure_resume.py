@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from latentkv.config import CacheConfig
-from latentkv.eval.bench.common import random_prompt, timed_forward
+from latentkv.eval.bench.workload import random_prompt, timed_forward
 from latentkv.kv.cache import LatentCache, PackedLatentCache
 
 
@@ -56,11 +56,11 @@ def bench_resume(
     from latentkv.models.loader import Checkpoint
 
     prompt = random_prompt(model.cfg.vocab_size, tokens)
-    timed_forward(model, prompt[:8], model.make_cache(cache_config))  # warm up RoPE and codec tables
+    timed_forward(model.forward, prompt[:8], model.make_cache(cache_config))  # warm up RoPE and codec tables
     prefill, cache = None, None
     for _ in range(repeats):
         fresh = model.make_cache(cache_config)
-        _, seconds = timed_forward(model, prompt, fresh)
+        _, seconds = timed_forward(model.forward, prompt, fresh)
         if prefill is None or seconds < prefill:
             prefill, cache = seconds, fresh
     path = folder / f"resume-{cache.codec}.kv"

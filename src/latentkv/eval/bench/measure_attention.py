@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from latentkv.config import CacheConfig
-from latentkv.eval.bench.common import fill_random, predicted_kv_bytes
+from latentkv.eval.bench.workload import fill_random, predicted_kv_bytes
 from latentkv.kv.cache import CacheLayout, RowReader, make_cache
 from latentkv.kv.codecs import get_codec
 
