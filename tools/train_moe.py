@@ -26,6 +26,11 @@ planted definition near the start that is used again near the end. A renamed nam
 only copied from earlier in the window, so predicting its later occurrences takes attention across
 the window, up to the full 4096 tokens.
 
+A copy curriculum (--synthetic-*, off by default) adds synthetic windows whose loss counts only
+tokens copied from earlier in the window (random tokens or text; segments scattered at spread
+distances or one segment repeated), meant to force induction heads early; --init-from continues
+from an exported model with a fresh optimizer. docs/stdlib-moe.md records what it did and did not do.
+
 Phases (the checkpoint records which one it is in):
 1. pretraining, bf16 autocast (AMX) with float32 master weights, AdamW, warmup + cosine; a length
    curriculum (1024-token windows first, 4096 later); next token + 0.3 x MTP (token after next);
