@@ -107,7 +107,7 @@ def run_child(args: argparse.Namespace) -> int:
     store = ensure_store(directory, args.weight_dtype)
     t0 = time.perf_counter()
     config = StreamConfig(budget=args.budget, policy=args.policy, history=args.history)
-    model, streamer = load_streamed(directory, store, config, weight_dtype=args.weight_dtype)
+    model, streamer = load_streamed(directory, store, config, weight_dtype=args.weight_dtype, device="cpu")
     if args.routing_trace:  # route and prefetch as the trace says (the parent checked it)
         routing_trace.attach(model, routing_trace.load(args.routing_trace), args.trace_first_layer)
     load_s = time.perf_counter() - t0

@@ -75,7 +75,12 @@ class _Recording:
 
 def record(directory: Path, tokens: list[int]) -> tuple[Trace, int]:
     trace: Trace = []
-    model = load_model(directory, experts=_Recording(load_model(directory), trace), load_mtp=False)
+    model = load_model(
+        directory,
+        experts=_Recording(load_model(directory, device="cpu"), trace),
+        load_mtp=False,
+        device="cpu",
+    )
     cache = model.make_cache()
     with torch.inference_mode():
         for t in tokens:

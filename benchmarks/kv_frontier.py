@@ -55,7 +55,7 @@ def window_bytes(model, cfg: CacheConfig) -> int:
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     directory = resolve(args.model)
-    model = load_model(directory)
+    model = load_model(directory, device="cpu")
     text_path = args.text or directory / "heldout.txt"
     ids = Tokenizer(directory).encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False)
     variants = [parse_variant(v) for v in args.variants.split(",") if v.strip()]

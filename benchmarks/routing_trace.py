@@ -89,7 +89,10 @@ def record(model_dir: Path, tokens: list[int]) -> dict:
 
     calls: dict[int, list[list[int]]] = {}
     model = load_model(
-        model_dir, experts=_Source(load_model(model_dir, load_mtp=False), calls), load_mtp=False
+        model_dir,
+        experts=_Source(load_model(model_dir, load_mtp=False, device="cpu"), calls),
+        load_mtp=False,
+        device="cpu",
     )
     layers = moe_layers(model)
     chosen = {}

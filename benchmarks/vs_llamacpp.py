@@ -257,7 +257,7 @@ def measure_memory(model_dir: str, dtype: str) -> dict:
 
     torch.zeros(1) @ torch.zeros(1)  # torch's own start-up allocations before the baseline
     before = rss_kib()
-    model = load_model(Path(model_dir), dtype)
+    model = load_model(Path(model_dir), dtype, device="cpu")
     gc.collect()
     after = rss_kib()
     try:  # glibc keeps freed load temporaries in its arenas; ask it to return them
@@ -307,7 +307,7 @@ def measure_bytes(
         PackedExperts = None
 
     torch.set_num_threads(threads)
-    model = load_model(Path(model_dir), dtype)
+    model = load_model(Path(model_dir), dtype, device="cpu")
     count, inside = [0], [0]
 
     def counting(fn):

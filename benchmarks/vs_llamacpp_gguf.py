@@ -90,7 +90,7 @@ def load_gguf(view: Path):
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        model = load_model(view, progress=True)
+        model = load_model(view, progress=True, device="cpu")
     lines = [x for x in err.getvalue().splitlines() if "GGUF matrices" in x]
     line = lines[0].removeprefix("latentkv: ") if lines else "all float"
     print(f"  {line}", file=sys.stderr)
@@ -110,7 +110,7 @@ def ours(args, ggufs: dict[str, Path]) -> tuple[list[dict], dict]:
     torch.set_num_threads(args.threads)
     directory = resolve(args.model)
     text = (args.text or directory / "heldout.txt").read_text(encoding="utf-8")
-    reference = load_model(directory)
+    reference = load_model(directory, device="cpu")
     rows, tokens = [], {}
     f32 = CacheConfig("f32")
     for name, path in ggufs.items():
@@ -119,7 +119,9 @@ def ours(args, ggufs: dict[str, Path]) -> tuple[list[dict], dict]:
         tokens[name] = len(ids)
         windows = ppl.make_windows(ids, args.context)[: args.chunks]
         model, mapping = load_gguf(view)
-        own = load_model(dequantized_folder(view, llamacpp.cache_dir() / "dequantized" / path.stem))
+        own = load_model(
+            dequantized_folder(view, llamacpp.cache_dir() / "dequantized" / path.stem), device="cpu"
+        )
         variants = [
             ppl.Variant(reference, f32, "safetensors f32"),
             ppl.Variant(own, f32, f"{name} dequantized"),

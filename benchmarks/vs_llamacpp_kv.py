@@ -109,7 +109,7 @@ def ours(args, tiers: list[str]) -> tuple[list[dict], int, tuple[int, int]]:
 
     torch.set_num_threads(args.threads)
     directory = resolve(args.model)
-    model = load_model(directory)
+    model = load_model(directory, device="cpu")
     text = (args.text or directory / "heldout.txt").read_text(encoding="utf-8")
     ids = Tokenizer(directory).encode(text, add_special_tokens=False)
     windows = ppl.make_windows(ids, args.context)[: args.chunks]  # llama-perplexity's first N chunks

@@ -54,7 +54,7 @@ def ours(checkpoint) -> Callable[[str], object]:
 
     def get(name: str):
         if name not in loaded:
-            loaded[name] = load_model(checkpoint(name))
+            loaded[name] = load_model(checkpoint(name), device="cpu")
         return loaded[name]
 
     return get

@@ -256,7 +256,7 @@ def test_demo_shows_a_seeded_sampled_continuation_as_text_then_greedy_tiers(caps
     assert header in out
     block = out.split(header, 1)[1].split("\n---\n", 1)[0]
     directory = builtin_path("fixture")
-    model, tok = load_model(directory), Tokenizer.of_model(directory)
+    model, tok = load_model(directory, device="cpu"), Tokenizer.of_model(directory)
     prompt = tok.encode(DEMO_PROMPT)
     sampled = generate(model, prompt, 8, SamplingParams(0.7, 0.9, seed=0), tok, stop_ids=())
     greedy = generate(model, prompt, 8, SamplingParams(), tok, stop_ids=())

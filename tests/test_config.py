@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -338,12 +339,30 @@ def test_cache_config_lists_the_supported_kv_dtypes():
         assert name in str(err.value)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"), [({"weight_dtype": "fp4"}, "weight dtype"), ({"threads": 0}, "threads")]
-)
+@pytest.mark.parametrize(("kwargs", "message"), [({"threads": 0}, "threads"), ({"ram_gb": -1.0}, "ram-gb")])
 def test_engine_config_is_validated(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["weight_dtype", "expert_dtype"])
+def test_weight_formats_are_the_registrys(field):
+    """The format names come from the weights registry alone: the CLI's choices list exactly its
+    names, and a load asking for another is refused in one line that lists them."""
+    from latentkv.commands.common import add_weight_arguments
+    from latentkv.errors import UserError
+    from latentkv.runtime import load
+    from latentkv.weights import FORMATS, format_names
+
+    assert set(format_names()) == set(FORMATS)
+    p = argparse.ArgumentParser()
+    add_weight_arguments(p)
+    choices = {a.dest: a.choices for a in p._actions}
+    assert tuple(choices["expert_dtype"]) == format_names() == tuple(choices["weight_dtype"])
+    with pytest.raises(
+        UserError, match="unknown weight format 'fp4'; valid formats: " + ", ".join(format_names())
+    ):
+        load("builtin:tiny", EngineConfig(**{field: "fp4"}), quiet=True)
 
 
 def test_environment_aliases(monkeypatch, tmp_path):

@@ -461,7 +461,8 @@ GROUPED_KV_CACHE_DTYPES = tuple(
 )
 KV_CACHE_ALIASES = {"auto": "f32", "fp32": "f32", "float32": "f32", "bfloat16": "bf16", "fp8_e4m3": "fp8"}
 DEFAULT_ROTATION_SEED = 0x9E3779B9
-WEIGHT_DTYPES = ("f32", "bf16", "int8", "int4")
+# Where a model runs (--device): "auto" is cuda when torch sees a CUDA device, else cpu.
+DEVICES = ("cpu", "cuda", "auto")
 
 
 @dataclass(frozen=True)
@@ -535,6 +536,9 @@ def kv_cache_dtype_from_env(environ: dict[str, str] | None = None) -> tuple[str 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """How a model is loaded and run. The weight formats are names in the registry of
+    `latentkv.weights` (checked where it is known: the CLI's choices, `runtime.resolve_load`)."""
+
     weight_dtype: str = "f32"
     threads: int | None = None  # None: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -543,11 +547,11 @@ class EngineConfig:
     ram_gb: float | None = None  # stream routed experts from disk within this RAM budget (GiB)
     expert_policy: str = "lru"  # the expert cache's eviction policy when streaming
     cluster: ClusterConfig | None = None  # expert-parallel over a cluster (started by torchrun)
+    device: str = "cpu"  # --device: cpu, cuda or auto (resolved once, by `runtime.resolve_device`)
 
     def __post_init__(self) -> None:
-        for flag, name in (("weight", self.weight_dtype), ("expert", self.expert_dtype or self.weight_dtype)):
-            if name not in WEIGHT_DTYPES:
-                raise ConfigError(f"unknown {flag} dtype {name!r}; choose from {', '.join(WEIGHT_DTYPES)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"unknown --device {self.device!r}; choose from {', '.join(DEVICES)}")
         if self.threads is not None:
             check_threads(self.threads)
         if self.ram_gb is not None:

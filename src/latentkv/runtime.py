@@ -3,13 +3,21 @@
     loaded = load("builtin:tiny", EngineConfig(cache=CacheConfig("tq4")))
     loaded.model, loaded.tokenizer, loaded.directory
 
+A load goes one way. `resolve_load` decides everything the flags and config.json decide, with
+no weight read: the device (`resolve_device`: the one place a device is chosen; every layer
+below is handed it), the weight and expert formats (the registry's names), MODEL's folder, a
+KV tier that can store the model's latent rows, --compile's support, the --ram-gb plan. Its
+`LoadSpec` goes to `build`, which makes the parts from the bottom up: the expert store or the
+cluster, the model over it, the tokenizer, the compiled step.
+
 The commands, the server (in-process or in its engine process) and the benchmarks all load
-through here, so a model that one of them accepts the others accept too. A KV tier that cannot
-store the model's latent rows is refused from config.json alone, before any weight is read.
+through here, so a model that one of them accepts the others accept too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -19,21 +27,59 @@ from typing import TYPE_CHECKING
 from latentkv.errors import UserError
 
 if TYPE_CHECKING:
+    import torch
+
     from latentkv.cluster.head import Cluster
     from latentkv.config import CacheConfig, EngineConfig, ModelConfig
     from latentkv.experts.streamed import ExpertStreamer
     from latentkv.models.model import Model
+    from latentkv.streaming.planner import Plan
     from latentkv.tokenizer import Tokenizer
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device -> the one torch device the model's weights, its KV caches and its passes use:
+    cpu; cuda (refused in one line where torch sees no CUDA device); auto (cuda when torch sees
+    one, else cpu). Everything below `runtime` is handed this device; nothing there picks one."""
+    import torch
+
+    from latentkv.config import DEVICES
+
+    if name not in DEVICES:
+        raise UserError(f"unknown --device {name!r}; choose from {', '.join(DEVICES)}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        why = (
+            "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        )
+        raise UserError(f"--device cuda: {why} (torch {torch.__version__}); use --device cpu")
+    return torch.device(name)
+
+
+def check_device(engine: EngineConfig) -> torch.device:
+    """The device of `engine`, refused in one line where this torch cannot use it or the run's
+    experts cannot follow it there (streamed from disk, or held by a cluster's ranks: both hand
+    their experts over in host memory)."""
+    device = resolve_device(engine.device)
+    if device.type != "cpu":
+        if engine.cluster is not None:
+            raise UserError(f"--device {engine.device}: a cluster runs on the CPU only (drop --device)")
+        if engine.ram_gb is not None:
+            raise UserError(
+                f"--device {engine.device}: experts streamed from disk (--ram-gb) run on the CPU only"
+            )
+    return device
 
 
 def check_tier(model_cfg: ModelConfig, cache: CacheConfig) -> None:
     """Refuse a tier that cannot store this model's latent rows (e.g. tq4 on a 24-wide latent)."""
-    from latentkv.kv.cache import CacheLayout, codecs_for
+    from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, codecs_for
 
     if cache.kv_cache_dtype == "f32":
         return
     try:
-        codecs_for(CacheLayout.for_model(model_cfg), cache)
+        codecs_for(CacheLayout.for_model(model_cfg, SHAPES_ONLY), cache)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -66,68 +112,134 @@ def load(
     max_num_seqs: int = 1,
     draft_tokens: int = 0,
 ) -> Loaded:
-    """Resolve MODEL, check the KV tier against its config.json, then load the weights (progress
-    on stderr) and the tokenizer if there is one. With `engine.ram_gb` the routed experts stream
-    from disk, planned for `max_model_len` (default: 4096) x `max_num_seqs` tokens of KV and for
-    MTP drafting of `draft_tokens` per step (0: none; the MTP layer's experts stream too)."""
+    """`build(resolve_load(...))`: resolve what the flags mean (every refusal before a weight is
+    read), then load the weights (progress on stderr) and the tokenizer if there is one."""
+    return build(resolve_load(model_arg, engine, max_model_len, max_num_seqs, draft_tokens), quiet)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What the flags mean for one load, every check made: the model's folder and config, the
+    weight and expert formats (`engine`), the device, the KV the memory is planned for, the
+    --ram-gb plan, the cluster. Built by `resolve_load`; `build` only reads it."""
+
+    model_arg: str  # MODEL as given (named in the load's report and the cluster's handshake)
+    directory: Path  # where MODEL resolved to
+    model_cfg: ModelConfig
+    engine: EngineConfig  # formats, KV tier, threads, --compile, --ram-gb, the cluster
+    device: torch.device
+    max_model_len: int  # tokens of KV per sequence planned for (streamed experts, a cluster)
+    max_num_seqs: int
+    draft_tokens: int  # MTP draft tokens per step planned for (0: none)
+    plan: Plan | None = None  # --ram-gb: the budget's split (the expert cache, the KV pool)
+
+    @property
+    def weight_format(self) -> str:
+        return self.engine.weight_dtype
+
+    @property
+    def expert_format(self) -> str:
+        return self.engine.experts
+
+
+def resolve_load(
+    model_arg: str,
+    engine: EngineConfig,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 1,
+    draft_tokens: int = 0,
+) -> LoadSpec:
+    """Every decision of a load, from config.json and the flags alone (no weight read): the
+    device, the formats (named in the registry of `latentkv.weights`), MODEL's folder, a KV tier
+    that can store the model's rows, --compile's support, and with `engine.ram_gb` the plan for
+    `max_model_len` (default: the model's context, at most 4096) x `max_num_seqs` tokens of KV
+    and MTP drafting of `draft_tokens` per step. UserError, one line, for anything refused."""
+    from latentkv.config import ModelConfig
+    from latentkv.models.compiled import check_compilable
+    from latentkv.models.registry import resolve
+    from latentkv.weights import format_class
+
+    device = check_device(engine)
+    with _user_errors():
+        for fmt in (engine.weight_dtype, engine.experts):
+            format_class(fmt)  # ValueError naming the registered formats
+        directory = resolve(model_arg)
+        cfg = ModelConfig.from_hf(directory)
+        check_tier(cfg, engine.cache)
+        if engine.compile:
+            check_compilable(engine.cache, (engine.weight_dtype, engine.experts))
+        length = max_model_len or min(cfg.max_position_embeddings, 4096)
+        spec = LoadSpec(model_arg, directory, cfg, engine, device, length, max_num_seqs, draft_tokens)
+        if engine.ram_gb is not None and engine.cluster is None:  # a cluster plans every rank itself
+            spec = dataclasses.replace(spec, plan=_stream_plan(spec))
+    return spec
+
+
+def build(spec: LoadSpec, quiet: bool = False) -> Loaded:
+    """Load what `spec` says, downward: the expert store (streamed runs: converted on first use)
+    or the cluster, then the model over it on `spec.device`, the tokenizer, the compiled step."""
     import torch
 
-    from latentkv.config import ConfigError, ModelConfig
-    from latentkv.models.compiled import CompileUnavailable, check_compilable
-    from latentkv.models.loader import CheckpointError
-    from latentkv.models.registry import ModelNotFound, resolve
     from latentkv.models.weights import load_model
     from latentkv.tokenizer import Tokenizer
 
+    engine = spec.engine
     if engine.threads:
         torch.set_num_threads(engine.threads)
     t0 = time.perf_counter()
-    try:
-        directory = resolve(model_arg)
-        check_tier(ModelConfig.from_hf(directory), engine.cache)
-        if engine.compile:
-            check_compilable(engine.cache, (engine.weight_dtype, engine.experts))
-        streamer = cluster = None
+    streamer = cluster = None
+    with _user_errors():
         if engine.cluster is not None:
-            model, streamer, cluster = _load_head(
-                directory, model_arg, engine, quiet, max_model_len, max_num_seqs, draft_tokens
-            )
-        elif engine.ram_gb is not None:
-            model, streamer = _load_streamed(
-                directory, engine, quiet, max_model_len, max_num_seqs, draft_tokens
-            )
+            model, streamer, cluster = _build_head(spec, quiet)
+        elif spec.plan is not None:
+            model, streamer = _build_streamed(spec, quiet)
         else:
             model = load_model(
-                directory, engine.weight_dtype, progress=not quiet, expert_dtype=engine.expert_dtype
+                spec.directory,
+                spec.weight_format,
+                progress=not quiet,
+                device=spec.device,
+                expert_dtype=engine.expert_dtype,
             )
-    except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable, ValueError) as exc:
-        raise UserError(str(exc)) from None
     seconds = time.perf_counter() - t0
-    tokenizer = Tokenizer.of_model(directory)
+    tokenizer = Tokenizer.of_model(spec.directory)
     if not quiet:
-        _report_load(model_arg, model, engine, seconds)
+        _report_load(spec.model_arg, model, engine, seconds)
     if engine.compile:
         model.compile_decode(engine.cache, progress=not quiet)
-    return Loaded(model, tokenizer, directory, seconds, streamer, cluster)
+    return Loaded(model, tokenizer, spec.directory, seconds, streamer, cluster)
 
 
-def _load_head(
-    directory: Path,
-    model_arg: str,
-    engine: EngineConfig,
-    quiet: bool,
-    max_model_len: int | None,
-    max_num_seqs: int,
-    draft_tokens: int,
-):
+@contextlib.contextmanager
+def _user_errors():
+    """A model, config, checkpoint or flag that cannot be used: one line for the user."""
+    from latentkv.config import ConfigError
+    from latentkv.models.compiled import CompileUnavailable
+    from latentkv.models.loader import CheckpointError
+    from latentkv.models.registry import ModelNotFound
+
+    try:
+        yield
+    except (ModelNotFound, ConfigError, CheckpointError, CompileUnavailable, ValueError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def _build_head(spec: LoadSpec, quiet: bool):
     """The head of a cluster (torchrun, WORLD_SIZE > 1): (model, its own streamer, the cluster)."""
     from latentkv.cluster.load import load_head
     from latentkv.cluster.rendezvous import StoreGone
-    from latentkv.config import ModelConfig
 
-    length = max_model_len or min(ModelConfig.from_hf(directory).max_position_embeddings, 4096)
     try:
-        model, head = load_head(directory, model_arg, engine, quiet, length, max_num_seqs, draft_tokens)
+        model, head = load_head(
+            spec.directory,
+            spec.model_arg,
+            spec.engine,
+            quiet,
+            spec.max_model_len,
+            spec.max_num_seqs,
+            spec.draft_tokens,
+            device=spec.device,
+        )
     except (StoreGone, TimeoutError) as exc:
         raise UserError(f"the cluster did not start: {exc}") from None
     return model, head.streamer, head.cluster
@@ -148,59 +260,62 @@ def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: fl
         file=sys.stderr,
     )
     for fmt in dict.fromkeys((engine.weight_dtype, engine.experts)):
-        if fmt in ("bf16", "int8", "int4"):
-            print(describe(fmt), file=sys.stderr)
+        if (line := describe(fmt)) is not None:
+            print(line, file=sys.stderr)
 
 
-def _load_streamed(
-    directory: Path,
-    engine: EngineConfig,
-    quiet: bool,
-    max_model_len: int | None,
-    max_num_seqs: int,
-    draft_tokens: int = 0,
-) -> tuple[Model, ExpertStreamer]:
-    """Plan --ram-gb, convert the experts if needed, load the dense weights: (model, streamer).
-    Drafting (`draft_tokens`) with a store that lacks the MTP layer's experts is refused."""
-    from latentkv.config import ModelConfig
-    from latentkv.experts.streamed import StreamConfig
-    from latentkv.streaming.attach import default_store_dir, ensure_store, load_streamed, mtp_store_problem
+def _stream_plan(spec: LoadSpec) -> Plan:
+    """--ram-gb split for `spec` (the expert store planned before it is written); refused in one
+    line when it does not fit."""
+    from latentkv.streaming.attach import default_store_dir
     from latentkv.streaming.planner import GIB, make_plan
 
-    cfg = ModelConfig.from_hf(directory)
-    length = max_model_len or min(cfg.max_position_embeddings, 4096)
-    store = default_store_dir(directory, engine.experts)  # planned before it is written
+    engine = spec.engine
     plan = make_plan(
-        cfg,
-        directory,
+        spec.model_cfg,
+        spec.directory,
         int(engine.ram_gb * GIB),
-        engine.weight_dtype,
+        spec.weight_format,
         engine.cache,
-        length,
-        max_num_seqs,
-        store_dir=store,
-        draft_tokens=draft_tokens,
+        spec.max_model_len,
+        spec.max_num_seqs,
+        store_dir=default_store_dir(spec.directory, spec.expert_format),
+        draft_tokens=spec.draft_tokens,
     )
     if not plan.fits:
         raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")
-    store = ensure_store(directory, engine.experts, progress=not quiet)
-    if draft_tokens and (problem := mtp_store_problem(directory, store)) is not None:
+    return plan
+
+
+def _build_streamed(spec: LoadSpec, quiet: bool) -> tuple[Model, ExpertStreamer]:
+    """Convert the experts if needed, load the dense weights over them: (model, streamer).
+    Drafting (`draft_tokens`) with a store that lacks the MTP layer's experts is refused."""
+    from latentkv.experts.streamed import StreamConfig
+    from latentkv.streaming.attach import ensure_store, load_streamed, mtp_store_problem
+    from latentkv.streaming.planner import GIB
+
+    engine, plan = spec.engine, spec.plan
+    assert plan is not None
+    store = ensure_store(spec.directory, spec.expert_format, progress=not quiet)
+    if spec.draft_tokens and (problem := mtp_store_problem(spec.directory, store)) is not None:
         raise UserError(problem)
     config = StreamConfig(budget=plan.expert_cache_bytes, policy=engine.expert_policy)
-    model, streamer = load_streamed(directory, store, config, engine.weight_dtype, progress=not quiet)
+    model, streamer = load_streamed(
+        spec.directory, store, config, spec.weight_format, progress=not quiet, device=spec.device
+    )
     if not quiet:
         _note(
             f"streaming experts from {store}: cache {plan.expert_cache_bytes / GIB:.2f} GiB "
             f"({plan.cached_experts} of {plan.experts_total} experts, {engine.expert_policy}); "
-            f"KV pool {plan.kv_bytes / GIB:.2f} GiB for {length} tokens x {max_num_seqs}"
+            f"KV pool {plan.kv_bytes / GIB:.2f} GiB for {spec.max_model_len} tokens x {spec.max_num_seqs}"
         )
         for note in streamer.notes:
             _note(note)
-        if draft_tokens:
+        if spec.draft_tokens:
             _note(
                 "drafting with streamed experts: each round also asks for the MTP layer's experts and "
-                f"routes {draft_tokens + 1} tokens per sequence through every MoE layer; the pause rule "
-                "stops drafting while it measures slower (docs/speculative.md)"
+                f"routes {spec.draft_tokens + 1} tokens per sequence through every MoE layer; the pause "
+                "rule stops drafting while it measures slower (docs/speculative.md)"
             )
     return model, streamer
 

@@ -14,7 +14,14 @@ from latentkv.kv.cache import CacheLayout, resolve_tier
 pytest.importorskip("triton")
 
 N_C, N_R, H = 64, 16, 5
-LAYOUT = CacheLayout(num_layers=1, row_width=N_C + N_R, kv_lora_rank=N_C, index_layers=(), index_head_dim=0)
+LAYOUT = CacheLayout(
+    num_layers=1,
+    row_width=N_C + N_R,
+    kv_lora_rank=N_C,
+    index_layers=(),
+    index_head_dim=0,
+    device=torch.device("cpu"),
+)
 CUDA = torch.device("cuda")  # a device name only: refuse() never touches the CUDA runtime
 EXACT = TritonDecode(precision="ieee")  # float32 products, as the reference: a tight comparison
 

@@ -53,7 +53,7 @@ def test_glm5_bytes_are_the_issue_numbers_and_come_from_the_codecs(glm5):
             get_codec(name, 64).bytes_per_row,
         )
     for name, t in tiers.items():  # every tier, not just the issue's five
-        c, r = codecs_for(CacheLayout(78, 576, 512, (), 0), CacheConfig(name))
+        c, r = codecs_for(CacheLayout(78, 576, 512, (), 0, device=torch.device("cpu")), CacheConfig(name))
         assert t["bytes_per_token_per_layer"] == c.bytes_per_row + r.bytes_per_row
         assert t["codec"] == {"c": c.params(), "r": r.params()}
 

@@ -30,7 +30,7 @@ EOS = 0  # the fixture's <|endoftext|>
 @pytest.fixture(scope="module")
 def fixture():
     directory = builtin_path("fixture")
-    model = load_model(directory)
+    model = load_model(directory, device="cpu")
     grammars = Grammars(directory / "tokenizer.json", model.cfg.vocab_size, (EOS,))
     yield model, Tokenizer(directory), grammars
     grammars.close()

@@ -381,7 +381,7 @@ def test_sixteen_concurrent_greedy_clients_on_the_trained_fixture():
     from latentkv.tokenizer import Tokenizer
 
     directory = builtin_path("fixture")
-    model = load_model(directory)
+    model = load_model(directory, device="cpu")
     text_ids = Tokenizer(directory).encode((directory / "heldout.txt").read_text(encoding="utf-8"))
     requests = [(text_ids[3000 * i : 3000 * i + 20 + 5 * i], 12) for i in range(16)]
     scheduler = Scheduler(model, CacheConfig(), max_num_seqs=16, model_dir=directory)
@@ -438,7 +438,8 @@ def test_requests_admitted_together_prefill_in_one_pass(ours, make):
         assert _collect(handle)[0] == _alone(model, prompt, n)
     assert counting.prefills == [4, 1]
     assert max(counting.decodes) == 4
-    assert scheduler._pool is not None and len(scheduler._pool) == 0  # every slot released
+    pool = scheduler._running.pool
+    assert pool is not None and len(pool) == 0  # every slot released
 
 
 def test_queued_seconds_is_the_wait_for_a_slot(make):

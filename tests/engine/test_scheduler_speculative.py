@@ -25,7 +25,7 @@ FIXTURE = builtin_path("fixture")
 
 @pytest.fixture(scope="module")
 def fixture_model():
-    return load_model(FIXTURE)
+    return load_model(FIXTURE, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,9 @@ def heldout() -> list[int]:
 def random_mtp_model(tmp_path_factory):
     cfg = json.loads((builtin_path("tiny") / "config.json").read_text())
     cfg.update(num_nextn_predict_layers=1, index_topk=8)
-    return load_model(write_random_checkpoint(cfg, tmp_path_factory.mktemp("tiny-mtp"), seed=23))
+    return load_model(
+        write_random_checkpoint(cfg, tmp_path_factory.mktemp("tiny-mtp"), seed=23), device="cpu"
+    )
 
 
 def _collect(handle) -> tuple[list[int], Finished]:

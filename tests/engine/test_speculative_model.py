@@ -31,7 +31,7 @@ TIER_PARAMS = [t if t in FAST_TIERS else pytest.param(t, marks=pytest.mark.slow)
 
 @pytest.fixture(scope="module")
 def fixture_model():
-    return load_model(FIXTURE)
+    return load_model(FIXTURE, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def random_mtp_model(tmp_path_factory):
     cfg = json.loads((builtin_path("tiny") / "config.json").read_text())
     cfg.update(num_nextn_predict_layers=1, index_topk=8)
     directory = write_random_checkpoint(cfg, tmp_path_factory.mktemp("tiny-mtp"), seed=17)
-    return load_model(directory)
+    return load_model(directory, device="cpu")
 
 
 def _both(model, prompt, tier, n_tokens, draft_tokens, window=0):

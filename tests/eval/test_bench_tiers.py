@@ -230,7 +230,7 @@ def test_attention_table_prints_one_markdown_row_per_tier(capsys):
 
 
 def test_measured_bytes_of_an_f32_cache_come_from_its_row_tensors():
-    layout = bench.attention_layout(16, 8)
+    layout = bench.attention_layout(16, 8, torch.device("cpu"))
     cache = make_cache(layout, CacheConfig("f32"))
     bench.fill_random(cache, 10)
     assert cache.allocated_nbytes() == 10 * 24 * 4 == bench.predicted_kv_bytes(cache)

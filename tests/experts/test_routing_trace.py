@@ -56,7 +56,7 @@ def bench(tmp_path_factory):
 def test_the_trace_holds_the_models_own_routing(trace):
     """Chosen experts per token and layer equal the routers' picks in a plain decode of the same
     tokens (the resident model, no wiring); the first MoE layer has no early prediction."""
-    model = load_model(builtin_path("fixture"), load_mtp=False)
+    model = load_model(builtin_path("fixture"), load_mtp=False, device="cpu")
     picks: dict[int, list[list[int]]] = {}
     for i in trace["moe_layers"]:
         mlp = model.blocks[i].mlp
@@ -85,7 +85,9 @@ def test_replay_asks_for_the_traces_experts_and_measures_its_recall(rt, trace, b
     """Replayed on the random bench model, each pass asks the streamer for the trace's experts (the
     usage history counts them), and the streamer's own recall equals the trace's recall computed
     from its predictions: the replay prefetches what the trained model's prefetch would."""
-    model, streamer = load_streamed(bench, bench / "experts", StreamConfig(budget=1 << 30, history=True))
+    model, streamer = load_streamed(
+        bench, bench / "experts", StreamConfig(budget=1 << 30, history=True), device="cpu"
+    )
     try:
         used = rt.attach(model, trace)
         cache = model.make_cache(CacheConfig("f32"))

@@ -69,7 +69,7 @@ class ResidentSource:
 
 
 def _resident(model_dir):
-    return load_model(model_dir, experts=ResidentSource(model_dir), load_mtp=False)
+    return load_model(model_dir, experts=ResidentSource(model_dir), load_mtp=False, device="cpu")
 
 
 def _streamed(model_dir, store, experts_per_layer: int, prefetch: bool = True, **kw):
@@ -77,7 +77,7 @@ def _streamed(model_dir, store, experts_per_layer: int, prefetch: bool = True, *
     stride = max(e.layout.stride for e in m.layers.values())
     budget = experts_per_layer * len(m.layers) * stride
     return load_streamed(
-        model_dir, store, StreamConfig(budget=budget, history=False, **kw), prefetch=prefetch
+        model_dir, store, StreamConfig(budget=budget, history=False, **kw), prefetch=prefetch, device="cpu"
     )
 
 
@@ -115,7 +115,7 @@ def test_streamed_decode_is_identical_at_every_budget(converted, experts_per_lay
 
 def test_streamed_tokens_match_the_default_resident_model(converted):
     model_dir, store = converted
-    default = _greedy(load_model(model_dir), "f32")
+    default = _greedy(load_model(model_dir, device="cpu"), "f32")
     model, streamer = _streamed(model_dir, store, 1)
     got = _greedy(model, "f32")
     assert got[0] == default[0]
@@ -196,7 +196,7 @@ def test_load_streamed_never_reads_an_expert_tensor(converted, monkeypatch):
     read = []
     real_get = Checkpoint.get
     monkeypatch.setattr(Checkpoint, "get", lambda self, name: (read.append(name), real_get(self, name))[1])
-    model, streamer = load_streamed(model_dir, store, StreamConfig(budget=0, history=False))
+    model, streamer = load_streamed(model_dir, store, StreamConfig(budget=0, history=False), device="cpu")
     assert read and not [n for n in read if ".mlp.experts." in n]
     _check_identical(ref, _greedy(model, "f32"))
     streamer.close()
@@ -208,7 +208,7 @@ def test_a_store_of_another_model_is_refused(converted, tmp_path):
     model_dir, store = converted
     other = resolve("builtin:fixture" if "tiny" in str(model_dir) else "builtin:tiny")
     with pytest.raises(ExpertFileError, match="another model"):
-        load_streamed(other, store, StreamConfig(budget=0, history=False))
+        load_streamed(other, store, StreamConfig(budget=0, history=False), device="cpu")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -216,8 +216,10 @@ def test_packed_experts_stream_identically_to_resident_packed(tmp_path, fmt):
     model_dir = resolve("builtin:fixture")
     store = tmp_path / "experts"
     convert_experts(model_dir, store, fmt)
-    ref = _greedy(load_model(model_dir, expert_dtype=fmt), "f32")  # packed: no stacked fast path
-    model, streamer = load_streamed(model_dir, store, StreamConfig(budget=0, history=False))
+    ref = _greedy(
+        load_model(model_dir, expert_dtype=fmt, device="cpu"), "f32"
+    )  # packed: no stacked fast path
+    model, streamer = load_streamed(model_dir, store, StreamConfig(budget=0, history=False), device="cpu")
     _check_identical(ref, _greedy(model, "f32"))
     assert read_manifest(store).meta["weight_format"] == fmt
     streamer.close()

@@ -66,7 +66,7 @@ def _streamed(model_dir, store, experts_per_layer: int = 1):
     m = read_manifest(store)
     stride = max(e.layout.stride for e in m.layers.values())
     config = StreamConfig(budget=experts_per_layer * len(m.layers) * stride, history=False)
-    return load_streamed(model_dir, store, config)
+    return load_streamed(model_dir, store, config, device="cpu")
 
 
 def _tokens(model, prompt, spec=None, tier="f32") -> tuple[list[int], object]:
@@ -114,7 +114,7 @@ def test_streamed_draft_layer_matches_the_resident_one(converted):
     """The MTP layer's logits with its experts streamed (a one-expert-per-layer cache) against the
     resident model's, on the same hidden states (fused vs per-expert paths: tolerance 1e-4)."""
     model_dir, store, prompt = converted
-    resident = load_model(model_dir)
+    resident = load_model(model_dir, device="cpu")
     model, streamer = _streamed(model_dir, store)
     try:
         ids = torch.tensor(prompt)
@@ -134,7 +134,7 @@ def test_streamed_draft_layer_matches_the_resident_one(converted):
 )  # q8s and q4s: the tiers the README recommends
 def test_streamed_drafting_is_token_identical(converted, draft_tokens, tier):
     model_dir, store, prompt = converted
-    reference, _ = _tokens(load_model(model_dir), prompt, tier=tier)  # resident, no drafting
+    reference, _ = _tokens(load_model(model_dir, device="cpu"), prompt, tier=tier)  # resident, no drafting
     model, streamer = _streamed(model_dir, store)
     try:
         plain, _ = _tokens(model, prompt, tier=tier)
@@ -249,7 +249,9 @@ def test_a_store_without_the_mtp_experts_is_refused_in_one_line(old_store, capsy
     resident = json.loads(capsys.readouterr().out)["tokens"]
     assert main([*base, "--ram-gb", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == resident
-    model, streamer = load_streamed(model_dir, store, StreamConfig(budget=1 << 24, history=False))
+    model, streamer = load_streamed(
+        model_dir, store, StreamConfig(budget=1 << 24, history=False), device="cpu"
+    )
     assert model.mtp is None and any("MTP layer" in n for n in streamer.notes)
     streamer.close()
     # The load boundary refuses too (callers that skip the flag check, e.g. bench speculative).

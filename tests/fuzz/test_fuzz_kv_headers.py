@@ -31,7 +31,14 @@ from latentkv.kv.store import KVFile, KVMismatch, codec_spec_of, inspect
 from latentkv.kv.store_header import KVFileError, KVHeader, ModelFingerprint
 from latentkv.kv.store_session import Session
 
-LAYOUT = CacheLayout(num_layers=2, row_width=40, kv_lora_rank=32, index_layers=(0,), index_head_dim=8)
+LAYOUT = CacheLayout(
+    num_layers=2,
+    row_width=40,
+    kv_lora_rank=32,
+    index_layers=(0,),
+    index_head_dim=8,
+    device=torch.device("cpu"),
+)
 MODEL = ModelFingerprint("glm_moe_dsa", 2, 32, 8, (0,), 8, 256, "ab" * 32)
 TOKENS = 12
 SECONDS_PER_CASE = 20  # generous for a loaded 2-core machine; a hang takes forever
@@ -87,7 +94,7 @@ def test_a_tq4_file_whose_params_name_f32_is_refused_everywhere_and_kept(origina
         KVFile.open(path)
     info = inspect(path)
     assert info["verifies"] is False and info["error"].startswith("not loadable: header field codec.c")
-    session, cache = Session.resume(path, header, CacheConfig("tq4"))
+    session, cache = Session.resume(path, header, CacheConfig("tq4"), torch.device("cpu"))
     session.close()
     assert session.moved_to is not None and session.moved_to.read_bytes() == crafted  # kept aside
     assert cache.length == 0 and "cannot be read" in session.notes[0]
@@ -213,7 +220,9 @@ def _one_case(original, tmp: Path, crafted: bytes, sparse: int) -> None:
         try:
             with KVFile.open(path) as f:
                 result = f.load()
-                cache = result.to_cache()  # what opens also loads (never "loadable" then a raise)
+                cache = result.to_cache(
+                    None, torch.device("cpu")
+                )  # what opens also loads (never "loadable" then a raise)
                 assert cache.length == len(result.tokens) <= TOKENS
                 assert all(0 <= t < f.header.model.vocab_size for t in result.tokens)
         except KVFileError:
@@ -226,11 +235,13 @@ def _one_case(original, tmp: Path, crafted: bytes, sparse: int) -> None:
     if "error" not in info:  # what inspect calls readable loads, or is refused by a named verdict
         with KVFile.open(path) as f:
             try:
-                f.load().to_cache()
+                f.load().to_cache(None, torch.device("cpu"))
             except KVMismatch as exc:  # another codec revision: a verdict that names it
                 assert "revision" in exc.verdict.message
     size = path.stat().st_size
-    session, _ = Session.resume(path, header, CacheConfig("tq4"))  # never raises on a bad file
+    session, _ = Session.resume(
+        path, header, CacheConfig("tq4"), torch.device("cpu")
+    )  # never raises on a bad file
     session.close()
     if session.moved_to is not None:  # refused files are kept aside byte for byte
         moved = session.moved_to

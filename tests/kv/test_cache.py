@@ -8,7 +8,14 @@ import torch
 from latentkv.config import ModelConfig
 from latentkv.kv.cache import CacheLayout, LatentCache
 
-LAYOUT = CacheLayout(num_layers=3, row_width=5, kv_lora_rank=3, index_layers=(0, 2), index_head_dim=4)
+LAYOUT = CacheLayout(
+    num_layers=3,
+    row_width=5,
+    kv_lora_rank=3,
+    index_layers=(0, 2),
+    index_head_dim=4,
+    device=torch.device("cpu"),
+)
 
 
 def _rows(n: int, width: int, seed: int) -> torch.Tensor:
@@ -146,13 +153,13 @@ def test_byte_accounting_is_f32_rows_and_index_keys_separately():
 
 def test_layout_for_model_comes_from_the_config(helpers, checkpoint):
     cfg = ModelConfig.from_hf(checkpoint("glm5-tiny-dsa"))
-    layout = CacheLayout.for_model(cfg)
+    layout = CacheLayout.for_model(cfg, torch.device("cpu"))
     raw = helpers.read_config(checkpoint("glm5-tiny-dsa"))
     assert layout.row_width == raw["kv_lora_rank"] + raw["qk_rope_head_dim"]
     assert layout.kv_lora_rank == raw["kv_lora_rank"]
     assert layout.num_layers == raw["num_hidden_layers"]
     assert layout.index_layers == tuple(i for i, t in enumerate(raw["indexer_types"]) if t == "full")
     assert layout.index_head_dim == raw["index_head_dim"]
-    dsv3 = CacheLayout.for_model(ModelConfig.from_hf(checkpoint("dsv3-tiny")))
+    dsv3 = CacheLayout.for_model(ModelConfig.from_hf(checkpoint("dsv3-tiny")), torch.device("cpu"))
     assert dsv3.index_layers == ()
     assert LatentCache(dsv3).index_bytes_per_token() == 0

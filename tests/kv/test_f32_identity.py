@@ -136,7 +136,7 @@ def test_a_run_resumed_from_a_kv_file_in_f32_gives_the_same_bytes(name, ours, ch
     with KVFile.create(tmp_path / "run.kv", header) as f:
         f.append(tokens, cache, 0, len(tokens))
     with KVFile.open(tmp_path / "run.kv") as f:
-        resumed = f.load(expected=header).to_cache(CacheConfig("f32"))
+        resumed = f.load(expected=header).to_cache(CacheConfig("f32"), torch.device("cpu"))
     rest = run_logits(model, resumed, fed, start=half)
     assert torch.equal(torch.cat([first, rest]), reference)
 
@@ -216,7 +216,7 @@ def _record(reset: bool) -> None:
         # built here, as conftest builds them: under ATEN_CPU_CAPABILITY=default the seeded
         # weights themselves differ in the last bit (torch's scalar normal_ vs its vectorized one)
         built = builtin_path("tiny") if name == "glm5-tiny" else oracle.build(oracle.SPECS[name], root / name)
-        model = load_model(built)
+        model = load_model(built, device="cpu")
         if name not in models:  # greedy tokens of this machine, fed as given from now on
             cache, token, fed = model.make_cache(), 3, []
             model.forward(prompt_for(model), cache)

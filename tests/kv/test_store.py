@@ -82,7 +82,7 @@ def test_save_restart_resume_is_token_identical(ours, fingerprint, tmp_path, nam
         result = f.load(expected=header)
     assert result.tokens == history and result.notes == [] and result.verdict.action == "same"
     _assert_same_state(result.state, saved)
-    restored = result.to_cache(cfg)
+    restored = result.to_cache(cfg, torch.device("cpu"))
     _assert_same_state(restored.state(), saved)
     assert generate(model, next_prompt, 8, cache=restored).tokens == uninterrupted
 
@@ -104,7 +104,7 @@ def test_an_f32_file_resumes_reencoded_under_a_quantized_tier(ours, fingerprint,
         result = f.load(expected=current)
     assert result.verdict.action == "reencode"
     assert any(f"re-encoding it to {tier}" in note for note in result.notes)
-    restored = result.to_cache(CacheConfig(tier))
+    restored = result.to_cache(CacheConfig(tier), torch.device("cpu"))
     # exactly what the tier's cache stores for those f32 rows
     expected = make_cache(model.layout, CacheConfig(tier))
     for layer in range(model.cfg.num_layers):
@@ -127,7 +127,7 @@ def test_a_quantized_file_never_loads_as_f32(ours, fingerprint, tmp_path):
         f.load(expected=current)
     assert info.value.verdict.action == "refuse"
     with KVFile.open(path) as f, pytest.raises(KVMismatch):
-        f.load().to_cache(CacheConfig("f32"))
+        f.load().to_cache(CacheConfig("f32"), torch.device("cpu"))
 
 
 def test_truncate_keeps_the_common_prefix_and_appends_after_it(ours, fingerprint, tmp_path):
@@ -155,14 +155,14 @@ def test_session_saves_each_turn_and_resumes(ours, fingerprint, tmp_path):
     current = header_for(model.cfg, model.make_cache(cfg), fingerprint("glm5-tiny"))
     path = tmp_path / "sessions" / "chat.kv"
     path.parent.mkdir()
-    session, cache = Session.resume(path, current, cfg)
+    session, cache = Session.resume(path, current, cfg, torch.device("cpu"))
     assert session.tokens == [] and cache.length == 0 and path.exists()
     out = generate(model, _ids(12, 0), 8, cache=cache).tokens
     tokens = _ids(12, 0) + out[:-1]
     session.save(tokens, cache)
     session.close()
 
-    again, restored = Session.resume(path, current, cfg)
+    again, restored = Session.resume(path, current, cfg, torch.device("cpu"))
     assert again.tokens == tokens and again.notes == []
     _assert_same_state(restored.state(), cache.state())
     prompt = tokens + [out[-1], 9, 10]  # the next turn extends what was saved
@@ -184,14 +184,14 @@ def test_session_moves_a_refused_file_aside_and_starts_over(ours, fingerprint, t
     model = ours("glm5-tiny")
     path = tmp_path / "chat.kv"
     tq3 = header_for(model.cfg, model.make_cache(CacheConfig("tq3")), fingerprint("glm5-tiny"))
-    session, cache = Session.resume(path, tq3, CacheConfig("tq3"))
+    session, cache = Session.resume(path, tq3, CacheConfig("tq3"), torch.device("cpu"))
     generate(model, _ids(6, 0), 1, cache=cache)
     session.save(_ids(6, 0), cache)
     session.close()
     old = path.read_bytes()
 
     tq4 = header_for(model.cfg, model.make_cache(CacheConfig("tq4")), fingerprint("glm5-tiny"))
-    session, cache = Session.resume(path, tq4, CacheConfig("tq4"))
+    session, cache = Session.resume(path, tq4, CacheConfig("tq4"), torch.device("cpu"))
     assert session.tokens == [] and cache.length == 0
     assert session.moved_to is not None and session.moved_to.read_bytes() == old
     (note,) = session.notes
@@ -200,7 +200,7 @@ def test_session_moves_a_refused_file_aside_and_starts_over(ours, fingerprint, t
     assert inspect(path)["tier"] == "tq4"
 
     path.write_bytes(b"\x89LKV\r\n\x1a\n" + bytes(100))  # a damaged header
-    session, _ = Session.resume(path, tq4, CacheConfig("tq4"))
+    session, _ = Session.resume(path, tq4, CacheConfig("tq4"), torch.device("cpu"))
     assert "cannot be read" in session.notes[0] and session.moved_to.exists()
     session.close()
 
@@ -209,13 +209,13 @@ def test_session_rewrites_an_f32_file_in_the_current_tier_at_the_next_save(ours,
     model = ours("glm5-tiny")
     path = tmp_path / "chat.kv"
     f32 = header_for(model.cfg, model.make_cache(CacheConfig("f32")), fingerprint("glm5-tiny"))
-    session, cache = Session.resume(path, f32, CacheConfig("f32"))
+    session, cache = Session.resume(path, f32, CacheConfig("f32"), torch.device("cpu"))
     generate(model, _ids(6, 0), 1, cache=cache)
     session.save(_ids(6, 0), cache)
     session.close()
 
     tq4 = header_for(model.cfg, model.make_cache(CacheConfig("tq4")), fingerprint("glm5-tiny"))
-    session, cache = Session.resume(path, tq4, CacheConfig("tq4"))
+    session, cache = Session.resume(path, tq4, CacheConfig("tq4"), torch.device("cpu"))
     assert session.rewrite_pending and session.tokens == _ids(6, 0)
     assert inspect(path)["tier"] == "f32"  # untouched until the next save
     generate(model, [5], 1, cache=cache)
@@ -224,7 +224,9 @@ def test_session_rewrites_an_f32_file_in_the_current_tier_at_the_next_save(ours,
     assert inspect(path)["tier"] == "tq4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]  # no temporary left behind
     with KVFile.open(path) as f:
-        _assert_same_state(f.load(expected=tq4).to_cache(CacheConfig("tq4")).state(), cache.state())
+        _assert_same_state(
+            f.load(expected=tq4).to_cache(CacheConfig("tq4"), torch.device("cpu")).state(), cache.state()
+        )
 
 
 # --- the writer's refusals, locks, versions, inspection ----------------------------------------
@@ -367,7 +369,7 @@ def _write(path, data: bytes):
 def test_layout_of_refuses_a_partial_layer_set(small):
     _, _, header, _ = small
     with pytest.raises(KVFileError, match="layers"):
-        layout_of(dataclasses.replace(header, layers=(0, 1)))
+        layout_of(dataclasses.replace(header, layers=(0, 1)), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("tier", ["tq4", "tq4-r8"])
@@ -385,7 +387,7 @@ def test_resume_with_a_recent_window(ours, fingerprint, tmp_path, tier):
         f.append(history, cache, 0, len(history))
     with KVFile.open(path) as f:
         result = f.load(expected=header)
-    restored = result.to_cache(cfg)
+    restored = result.to_cache(cfg, torch.device("cpu"))
     assert restored.codec == tier and restored.recent_window == window
     _assert_same_state(restored.state(), cache.state())
     assert restored.window_nbytes() == cache.window_nbytes() > 0

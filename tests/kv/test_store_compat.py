@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from latentkv.config import DEFAULT_ROTATION_SEED, KV_CACHE_DTYPES, CacheConfig
 from latentkv.kv.cache import CacheLayout, make_cache
@@ -25,7 +26,12 @@ from latentkv.kv.store_header import KVFileError, KVHeader, ModelFingerprint
 
 # builtin:tiny's shape: kv_lora 32, rope 8, 5 layers, every layer a full DSA layer of width 32
 LAYOUT = CacheLayout(
-    num_layers=5, row_width=40, kv_lora_rank=32, index_layers=(0, 1, 2, 3, 4), index_head_dim=32
+    num_layers=5,
+    row_width=40,
+    kv_lora_rank=32,
+    index_layers=(0, 1, 2, 3, 4),
+    index_head_dim=32,
+    device=torch.device("cpu"),
 )
 MODEL = ModelFingerprint("glm_moe_dsa", 5, 32, 8, (0, 1, 2, 3, 4), 32, 256, "ab" * 32)
 

@@ -22,7 +22,14 @@ from latentkv.kv.store import KVFile, codec_spec_of
 from latentkv.kv.store_file import BLOCK, PREFIX, RecordFile
 from latentkv.kv.store_header import KVFileError, KVHeader, ModelFingerprint
 
-LAYOUT = CacheLayout(num_layers=2, row_width=40, kv_lora_rank=32, index_layers=(0,), index_head_dim=8)
+LAYOUT = CacheLayout(
+    num_layers=2,
+    row_width=40,
+    kv_lora_rank=32,
+    index_layers=(0,),
+    index_head_dim=8,
+    device=torch.device("cpu"),
+)
 TURNS = (4, 5, 3)  # records per append: three commits, so the older commit slot holds 9
 CASES = settings(
     max_examples=1000,
@@ -130,7 +137,7 @@ def _check_loaded(orig: Original, path: Path) -> int:
     assert n == scan.count and result.tokens == orig.tokens[:n]
     for key, value in orig.state.items():
         assert torch.equal(result.state[key], value[:n]), key
-    assert result.to_cache().length == n
+    assert result.to_cache(None, torch.device("cpu")).length == n
     return n
 
 

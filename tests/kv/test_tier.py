@@ -9,7 +9,14 @@ from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, Seque
 from latentkv.kv.codecs import TIER_NAMES, TIERS
 from latentkv.kv.slots import SlotPool
 
-LAYOUT = CacheLayout(num_layers=2, row_width=64 + 16, kv_lora_rank=64, index_layers=(1,), index_head_dim=8)
+LAYOUT = CacheLayout(
+    num_layers=2,
+    row_width=64 + 16,
+    kv_lora_rank=64,
+    index_layers=(1,),
+    index_head_dim=8,
+    device=torch.device("cpu"),
+)
 
 
 def test_the_tier_table_derives_from_the_one_list():
@@ -59,7 +66,14 @@ def test_a_recent_window_is_not_compiled():
 
 
 def test_a_tier_that_cannot_store_the_rows_is_refused_with_the_widths():
-    odd = CacheLayout(num_layers=1, row_width=24 + 8, kv_lora_rank=24, index_layers=(), index_head_dim=0)
+    odd = CacheLayout(
+        num_layers=1,
+        row_width=24 + 8,
+        kv_lora_rank=24,
+        index_layers=(),
+        index_head_dim=0,
+        device=torch.device("cpu"),
+    )
     with pytest.raises(ValueError, match="kv_lora_rank 24"):
         resolve_tier(odd, CacheConfig("tq4"))
 

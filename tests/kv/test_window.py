@@ -10,7 +10,9 @@ import torch
 from latentkv.config import CacheConfig, ConfigError
 from latentkv.kv.cache import CacheLayout, PackedLatentCache, PackedRows, WindowedRows, codecs_for, make_cache
 
-LAYOUT = CacheLayout(num_layers=2, row_width=40, kv_lora_rank=32, index_layers=(), index_head_dim=0)
+LAYOUT = CacheLayout(
+    num_layers=2, row_width=40, kv_lora_rank=32, index_layers=(), index_head_dim=0, device=torch.device("cpu")
+)
 TIERS = [
     ("tq4", None),
     ("tq4-r8", None),

@@ -25,7 +25,7 @@ PACKED_TOLERANCE = 2e-4
 
 @pytest.fixture(scope="module")
 def compiled(tiny_dir):
-    model = load_model(tiny_dir)
+    model = load_model(tiny_dir, device="cpu")
     model.compile_decode(progress=False)
     return model
 
@@ -91,7 +91,7 @@ def test_compiled_packed_weights_match_eager_in_one_graph(tiny_dir, fmt):
 
     if native.kernels() is None:
         pytest.skip(f"latentkv's kernels are not built here: {native.unavailable()}")
-    model, eager = load_model(tiny_dir, fmt), load_model(tiny_dir, fmt)
+    model, eager = load_model(tiny_dir, fmt, device="cpu"), load_model(tiny_dir, fmt, device="cpu")
     torch._dynamo.reset()
     model.compile_decode(progress=False)
     frames = dict(torch._dynamo.utils.counters["frames"])

@@ -36,7 +36,7 @@ FP8_MAX_KLD = 0.005
 def fixture_model():
     from latentkv.models.weights import load_model
 
-    return load_model(FIXTURE)
+    return load_model(FIXTURE, device="cpu")
 
 
 @pytest.fixture(scope="module")

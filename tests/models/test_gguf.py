@@ -72,7 +72,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def loaded(files):
     path, ref, view = files
-    return load_model(view), load_model(ref)
+    return load_model(view, device="cpu"), load_model(ref, device="cpu")
 
 
 def logits(model) -> torch.Tensor:
@@ -148,7 +148,10 @@ def test_logits_equal_the_dequantized_checkpoints(loaded):
 def test_a_float32_gguf_is_the_checkpoint_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.setenv("LATENTKV_CACHE", str(tmp_path / "cache"))
     path = write_gguf(builtin_path("fixture"), tmp_path / "f32.gguf", {})
-    assert torch.equal(logits(load_model(resolve(str(path)))), logits(load_model(builtin_path("fixture"))))
+    assert torch.equal(
+        logits(load_model(resolve(str(path)), device="cpu")),
+        logits(load_model(builtin_path("fixture"), device="cpu")),
+    )
 
 
 def test_types_without_an_exact_format_are_requantized_and_reported(tmp_path, monkeypatch, capsys):
@@ -157,7 +160,7 @@ def test_types_without_an_exact_format_are_requantized_and_reported(tmp_path, mo
     view = resolve(str(path))
     entries = json.loads((view / "latentkv-weights.json").read_text())["tensors"]
     assert {(e["gguf_type"], e["format"], e["exact"]) for e in entries.values()} == {("Q5_1", "int8", False)}
-    load_model(view, progress=True)
+    load_model(view, progress=True, device="cpu")
     line = [x for x in capsys.readouterr().err.splitlines() if "GGUF matrices" in x][0]
     assert "5 Q5_1 -> int8 (re-quantized, relative RMS error up to" in line  # 4 layers + MTP
     error = float(line.split("up to ")[1].split("%")[0])
@@ -179,7 +182,7 @@ def test_convert_writes_the_same_model(files, loaded, tmp_path, capsys):
     manifest = json.loads((out / "latentkv-weights.json").read_text())
     assert "model.layers.0.self_attn.k_b_proj.weight" in manifest["tensors"]
     assert not (out / "latentkv-gguf.json").exists()  # OUT stands on its own: no pointer to the GGUF
-    assert torch.equal(logits(load_model(out)), logits(loaded[0]))
+    assert torch.equal(logits(load_model(out, device="cpu")), logits(loaded[0]))
 
 
 def test_generate_takes_a_gguf_and_its_split_shards(files, tmp_path, monkeypatch, capsys):
@@ -291,10 +294,10 @@ def test_every_mla_architecture_through_gguf(name, checkpoint, tmp_path, monkeyp
     ids = {"bos_token_id": None, "eos_token_ids": ()}  # these checkpoints have no tokenizer to give them
     expected = dataclasses.replace(ModelConfig.from_hf(source), **ids)
     assert dataclasses.replace(ModelConfig.from_hf(f32), **ids) == expected
-    assert torch.equal(logits(load_model(f32)), logits(load_model(source)))
+    assert torch.equal(logits(load_model(f32, device="cpu")), logits(load_model(source, device="cpu")))
     path = write_gguf(source, tmp_path / "q.gguf", ORACLE_TYPES)
-    ours = logits(load_model(resolve(str(path))))
-    reference = logits(load_model(dequantized_checkpoint(path, source, tmp_path / "reference")))
+    ours = logits(load_model(resolve(str(path)), device="cpu"))
+    reference = logits(load_model(dequantized_checkpoint(path, source, tmp_path / "reference"), device="cpu"))
     kl = F.kl_div(F.log_softmax(ours, -1), F.log_softmax(reference, -1), log_target=True, reduction="none")
     assert kl.sum(-1).max() < 2e-5
 

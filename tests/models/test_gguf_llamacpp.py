@@ -61,10 +61,10 @@ def kl(p: torch.Tensor, q: torch.Tensor) -> float:
 def test_the_converters_float_ggufs_are_the_checkpoint(made, monkeypatch, tmp_path):
     _, files = made
     monkeypatch.setenv("LATENTKV_CACHE", str(tmp_path / "cache"))
-    reference = load_model(builtin_path("fixture"))
-    assert torch.equal(logits(load_model(resolve(str(files["F32"])))), logits(reference))
-    bf16 = load_model(resolve(str(files["BF16"])), "bf16")
-    assert torch.equal(logits(bf16), logits(load_model(builtin_path("fixture"), "bf16")))
+    reference = load_model(builtin_path("fixture"), device="cpu")
+    assert torch.equal(logits(load_model(resolve(str(files["F32"])), device="cpu")), logits(reference))
+    bf16 = load_model(resolve(str(files["BF16"])), "bf16", device="cpu")
+    assert torch.equal(logits(bf16), logits(load_model(builtin_path("fixture"), "bf16", device="cpu")))
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)
@@ -80,9 +80,9 @@ def test_llama_quantize_files_load_within_their_error(made, kind, monkeypatch, t
     sys.path.insert(0, str(Path(__file__).parent))
     from gguf_files import dequantized_checkpoint
 
-    own = load_model(dequantized_checkpoint(path, builtin_path("fixture"), tmp_path / "own"))
-    ours = logits(load_model(view))
-    original = logits(load_model(builtin_path("fixture")))
+    own = load_model(dequantized_checkpoint(path, builtin_path("fixture"), tmp_path / "own"), device="cpu")
+    ours = logits(load_model(view, device="cpu"))
+    original = logits(load_model(builtin_path("fixture"), device="cpu"))
     # against the values the file holds: only our formats' compute rounding (and any re-quantized
     # type, reported at load); against the original: the quantization llama-quantize made
     assert kl(ours, logits(own)) < 1e-3

@@ -116,7 +116,7 @@ def test_cos_sin_tables_match_transformers_rotary_embedding(case):
     hf_config = _hf_config(params)
     cfg = _ours(hf_config)
     positions = torch.tensor([0, 1, 2, 7, 100, 1000, 5000])
-    tables = Rope(cfg.rope, cfg.qk_rope_head_dim).tables(0, 5001)
+    tables = Rope(cfg.rope, cfg.qk_rope_head_dim, torch.device("cpu")).tables(0, 5001)
     cos, sin = tables.cos[positions], tables.sin[positions]
     hf_cos, hf_sin = DeepseekV3RotaryEmbedding(hf_config)(torch.zeros(1), positions[None])
     half = cfg.qk_rope_head_dim // 2  # transformers repeats the table: [cos | cos]
@@ -137,7 +137,7 @@ def test_softmax_scale_matches_transformers_attention(case):
 
 def test_rope_tables_grow_without_changing_earlier_rows():
     cfg = _ours(_hf_config(YARN_CASES["deepseek-v3"]))
-    rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
+    rope = Rope(cfg.rope, cfg.qk_rope_head_dim, torch.device("cpu"))
     early = rope.tables(0, 10)
     early_cos, early_sin = early.cos.clone(), early.sin.clone()
     late = rope.tables(3000, 1)
@@ -210,7 +210,9 @@ def test_rotation_keeps_relative_position_dot_products(interleaved):
     d = 8
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(1, d, generator=g), torch.randn(1, d, generator=g)
-    rope = Rope(_ours(_hf_config({"rope_type": "default", "rope_theta": 10000.0})).rope, d)
+    rope = Rope(
+        _ours(_hf_config({"rope_type": "default", "rope_theta": 10000.0})).rope, d, torch.device("cpu")
+    )
 
     def rot(x, p):
         return rope.tables(p, 1).rotate(x, interleaved)

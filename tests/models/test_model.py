@@ -174,11 +174,11 @@ def test_fused_decode_matches_the_per_head_path(name, checkpoint, monkeypatch):
     from latentkv.models import mla, moe
     from latentkv.models.weights import load_model
 
-    fused = load_model(checkpoint(name))
+    fused = load_model(checkpoint(name), device="cpu")
     assert all(b.attn._o_fused is not None for b in fused.blocks)
     monkeypatch.setattr(mla, "FUSED_DECODE_MAX_BYTES", 0)
     monkeypatch.setattr(moe, "EVERY_EXPERT_DECODE_MAX_BYTES", 0)
-    plain = load_model(checkpoint(name))
+    plain = load_model(checkpoint(name), device="cpu")
     assert all(b.attn._o_fused is None and b.attn._q_fused is None for b in plain.blocks)
     assert all(getattr(b.mlp, "_every", None) is None for b in plain.blocks)
     prompt = torch.randint(2, fused.cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(11))

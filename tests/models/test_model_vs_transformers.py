@@ -105,7 +105,7 @@ def family_model(request, tmp_path_factory):
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     directory = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(directory)
-    return request.param, hf_model, load_model(directory)
+    return request.param, hf_model, load_model(directory, device="cpu")
 
 
 @pytest.mark.parametrize("family_model", list(FAMILY_CONFIGS), indirect=True)

@@ -38,7 +38,7 @@ class Store(LocalStore):
 
 @pytest.fixture(scope="module")
 def moe_layer():
-    model = load_model(resolve("builtin:fixture"))
+    model = load_model(resolve("builtin:fixture"), device="cpu")
     mlp = next(b.mlp for b in model.blocks if isinstance(b.mlp, MoE))
     stacked = mlp.experts.stacked
     from latentkv.experts.base import Expert

@@ -38,7 +38,7 @@ def _train_module():
 def fixture_model():
     from latentkv.models.weights import load_model
 
-    return load_model(FIXTURE)
+    return load_model(FIXTURE, device="cpu")
 
 
 def _reference_mtp_logits(ids: torch.Tensor) -> torch.Tensor:

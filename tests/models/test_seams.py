@@ -50,7 +50,7 @@ def test_a_format_without_a_plain_tensor_runs_every_path(name, checkpoint, ours,
     from latentkv.models.weights import load_model
 
     monkeypatch.setitem(FORMATS, OpaqueF32.format, OpaqueF32)
-    opaque, f32 = load_model(checkpoint(name), OpaqueF32.format), ours(name)
+    opaque, f32 = load_model(checkpoint(name), OpaqueF32.format, device="cpu"), ours(name)
     moe = opaque.blocks[-1].mlp
     assert moe.experts.stacked is None and moe._every is None
     assert opaque.blocks[0].attn.w.w_uv.stacked is None

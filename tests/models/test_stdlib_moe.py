@@ -30,7 +30,7 @@ PPL_BAND = 0.02
 def model():
     from latentkv.models.weights import load_model
 
-    return load_model(MODEL)
+    return load_model(MODEL, device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def test_transformers_loads_every_tensor_and_agrees_with_us(small_slice, helpers
     assert not info["missing_keys"] and not info["unexpected_keys"]
     ids = helpers.random_ids(24, seed=600, vocab=SMALL_SLICE["vocab_size"])  # > index_topk: DSA selects
     want = helpers.hf_logits(hf_model.eval(), ids)
-    model = load_model(small_slice)
+    model = load_model(small_slice, device="cpu")
     got = model.forward(ids, model.make_cache(), all_logits=True)
     assert (got - want).abs().max().item() <= 1e-4
 

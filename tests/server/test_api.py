@@ -38,7 +38,7 @@ def ref(tiny_dir):
     """The same weights in this process, for reference outputs."""
 
     class Ref:
-        model = load_model(tiny_dir)
+        model = load_model(tiny_dir, device="cpu")
         tokenizer = Tokenizer(tiny_dir)
 
         def greedy(self, ids: list[int], max_tokens: int) -> list[int]:

@@ -111,7 +111,7 @@ def _run_lm_eval(server, task_dir: Path, out: Path) -> dict:
 def test_lm_eval_through_the_server_scores_like_the_in_process_scorer(server, task_dir, tiny_dir, tmp_path):
     got = _run_lm_eval(server, task_dir, tmp_path / "lm-eval")
     items = mc.load_items(task_dir / "nextline.jsonl", limit=LIMIT)
-    expected = mc.score_items(load_model(tiny_dir), Tokenizer(tiny_dir), items, CacheConfig())
+    expected = mc.score_items(load_model(tiny_dir, device="cpu"), Tokenizer(tiny_dir), items, CacheConfig())
     assert len(got["samples"]) == len(items) == LIMIT
     for sample, result in zip(got["samples"], expected, strict=True):
         lls = [float(resp[0]) for resp in sample["filtered_resps"]]

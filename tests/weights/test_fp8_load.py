@@ -77,7 +77,7 @@ CHILD = textwrap.dedent(
             time.sleep(0.002)
     t = threading.Thread(target=sample)
     t.start()
-    model = load_model(sys.argv[1], sys.argv[2])
+    model = load_model(sys.argv[1], sys.argv[2], device="cpu")
     done.set()
     t.join()
     gc.collect()

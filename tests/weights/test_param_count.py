@@ -18,7 +18,7 @@ def _checkpoint_count(directory) -> int:
     ("weights", "experts"), [("f32", None), ("bf16", None), ("int8", None), ("int4", None), ("bf16", "int4")]
 )
 def test_count_does_not_depend_on_the_format(tiny_dir, weights, experts):
-    model = load_model(tiny_dir, weights, expert_dtype=experts)
+    model = load_model(tiny_dir, weights, expert_dtype=experts, device="cpu")
     assert model.num_parameters() == _checkpoint_count(tiny_dir)
 
 
@@ -34,12 +34,14 @@ def test_a_tied_head_is_counted_once(tiny_dir, tmp_path, fmt):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((tiny_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    model = load_model(tmp_path, fmt)
+    model = load_model(tmp_path, fmt, device="cpu")
     assert model.num_parameters() == sum(t.numel() for t in tensors.values())
 
 
 def test_weight_bytes_follow_the_format(tiny_dir):
     """f32: four bytes per parameter exactly; each packed format smaller than the one above it."""
-    size = {fmt: load_model(tiny_dir, fmt).weight_bytes() for fmt in ("f32", "bf16", "int8", "int4")}
+    size = {
+        fmt: load_model(tiny_dir, fmt, device="cpu").weight_bytes() for fmt in ("f32", "bf16", "int8", "int4")
+    }
     assert size["f32"] == 4 * _checkpoint_count(tiny_dir)
     assert size["f32"] > size["bf16"] > size["int8"] > size["int4"], size

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from latentkv.cluster.head import Cluster, new_facts, start_head
 from latentkv.cluster.store import ClusterSource
 from latentkv.config import EngineConfig, ModelConfig
@@ -38,8 +40,10 @@ def load_head(
     max_model_len: int,
     max_num_seqs: int,
     draft_tokens: int,
+    *,
+    device: torch.device,
 ):
-    """(model, Head). UserError (one line) when a rank is refused, missing or cannot open its
+    """(model, Head), the model's dense weights on `device`. UserError (one line) when a rank is refused, missing or cannot open its
     share, or the head's own parts do not fit its budget."""
     from latentkv import version
     from latentkv.config import env_cluster_secret
@@ -92,7 +96,7 @@ def load_head(
             print(format_cluster_plan(plan), file=sys.stderr)
         head = _open_head_share(directory, ckpt.fingerprint(), engine, cluster, quiet)
         layers = set(moe_layer_ids(mcfg, mtp))
-        model = _build(directory, engine, quiet, cluster, head, mcfg, mtp is None or mtp in layers)
+        model = _build(directory, engine, quiet, cluster, head, mcfg, mtp is None or mtp in layers, device)
     except BaseException:
         cluster.close()
         raise
@@ -152,14 +156,23 @@ def _open_head_share(
 
 
 def _build(
-    directory: Path, engine: EngineConfig, quiet: bool, cluster: Cluster, head: Head, mcfg, keep_mtp: bool
+    directory: Path,
+    engine: EngineConfig,
+    quiet: bool,
+    cluster: Cluster,
+    head: Head,
+    mcfg,
+    keep_mtp: bool,
+    device: torch.device,
 ):
     from latentkv.models.loader import own_pages
     from latentkv.models.weights import load_model
 
     source = ClusterSource(cluster, head.streamer, mcfg.n_routed_experts, mcfg.num_experts_per_tok)
     try:
-        model = load_model(directory, engine.weight_dtype, not quiet, experts=source, load_mtp=keep_mtp)
+        model = load_model(
+            directory, engine.weight_dtype, not quiet, device=device, experts=source, load_mtp=keep_mtp
+        )
     except BaseException:
         if head.streamer is not None:
             head.streamer.close()

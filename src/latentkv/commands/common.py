@@ -28,6 +28,7 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, com
     if positional:
         p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     add_weight_arguments(p)
+    add_device_argument(p)
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
@@ -35,6 +36,20 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, com
     add_streaming_arguments(p)
     if compile:
         add_compile_argument(p)
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """--device: where the weights, the KV cache and the activations live."""
+    from latentkv.config import DEVICES
+
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=DEVICES,
+        help="where the weights, the KV cache and the activations live: cpu (default), cuda, or auto "
+        "(cuda when torch sees a CUDA device, else cpu); cuda is refused where torch has no CUDA, and "
+        "with --ram-gb or a cluster (docs/gpu.md: not yet measured on a GPU)",
+    )
 
 
 def add_streaming_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,14 +72,16 @@ def add_streaming_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> None:
     """--weight-dtype (one format, or a comma list when `multiple`) and --expert-dtype."""
-    from latentkv.config import WEIGHT_DTYPES
+    from latentkv.weights import format_names
 
-    names = ", ".join(WEIGHT_DTYPES)
+    formats = format_names()
+
+    names = ", ".join(formats)
     what = "comma-separated weight formats" if multiple else "format of the weight matrices in memory"
     p.add_argument(
         "--weight-dtype",
         default="f32",
-        choices=None if multiple else WEIGHT_DTYPES,
+        choices=None if multiple else formats,
         metavar="LIST" if multiple else "DTYPE",
         help=f"{what}: {names} (default: f32; int8 per-channel, int4 group-wise; norms and the "
         "router stay f32)",
@@ -72,7 +89,7 @@ def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> 
     p.add_argument(
         "--expert-dtype",
         default=None,
-        choices=WEIGHT_DTYPES,
+        choices=formats,
         metavar="DTYPE",
         help=f"format of the routed experts: {names} (default: the --weight-dtype)",
     )
@@ -80,13 +97,15 @@ def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> 
 
 def weight_dtypes(value: str) -> list[str]:
     """A --weight-dtype list, checked: each name a known format, one clear error otherwise."""
-    from latentkv.config import WEIGHT_DTYPES
+    from latentkv.weights import format_names
+
+    formats = format_names()
 
     names = [n.strip() for n in value.split(",") if n.strip()]
-    bad = [n for n in names if n not in WEIGHT_DTYPES]
+    bad = [n for n in names if n not in formats]
     if bad or not names:
         raise UserError(
-            f"unknown weight dtype {', '.join(bad) or repr(value)}; choose from {', '.join(WEIGHT_DTYPES)}"
+            f"unknown weight dtype {', '.join(bad) or repr(value)}; choose from {', '.join(formats)}"
         )
     return names
 
@@ -242,6 +261,7 @@ def engine_config(args: argparse.Namespace):
             ram_gb=getattr(args, "ram_gb", None),
             expert_policy=getattr(args, "expert_cache_policy", "lru"),
             cluster=cluster_config(args) if hasattr(args, "cluster_timeout") else None,
+            device=getattr(args, "device", "cpu"),
         )
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None

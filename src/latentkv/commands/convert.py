@@ -12,14 +12,16 @@ from latentkv.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from latentkv.config import WEIGHT_DTYPES
+    from latentkv.weights import format_names
+
+    formats = format_names()
 
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("out", metavar="OUT", type=Path, help="new directory for the converted model")
     p.add_argument(
         "--weight-dtype",
         default=None,
-        choices=WEIGHT_DTYPES,
+        choices=formats,
         help="format of the dense matrices (attention, dense MLP, shared experts, lm_head); required "
         "for a safetensors checkpoint; for a GGUF, the format of its float tensors (default f32: a "
         "GGUF's quantized matrices keep the formats they map onto, docs/models.md)",
@@ -27,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expert-dtype",
         default=None,
-        choices=WEIGHT_DTYPES,
+        choices=formats,
         help="format of the routed experts (default: --weight-dtype)",
     )
     p.add_argument("--json", action="store_true", help="print the manifest summary as JSON")

@@ -136,7 +136,7 @@ def _compare_tiers(model, tok, prompt: list[int], max_tokens: int, tiers: str) -
     from latentkv.config import CacheConfig, ConfigError, parse_kv_cache_dtypes
     from latentkv.engine.generate import generate
     from latentkv.engine.sampling import SamplingParams
-    from latentkv.kv.cache import CacheLayout, codecs_for
+    from latentkv.kv.cache import codecs_for
 
     try:
         names = parse_kv_cache_dtypes(tiers)
@@ -145,7 +145,7 @@ def _compare_tiers(model, tok, prompt: list[int], max_tokens: int, tiers: str) -
 
     reference = generate(model, prompt, max_tokens, SamplingParams(), tok, stop_ids=()).tokens  # f32, greedy
     print("\n  tier     B/token/layer   decode tok/s   tokens equal to f32's   first difference")
-    layout = CacheLayout.for_model(model.cfg)
+    layout = model.layout
     for name in names:
         config = CacheConfig(name)
         try:

@@ -15,7 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from latentkv.commands.common import add_cache_arguments, add_weight_arguments, emit, weight_dtypes
+from latentkv.commands.common import (
+    add_cache_arguments,
+    add_device_argument,
+    add_weight_arguments,
+    emit,
+    weight_dtypes,
+)
 from latentkv.errors import UserError
 
 PPL_TIERS = "f32,bf16,fp8,tq6,tq4,tq3,polar4"
@@ -41,6 +47,7 @@ def _add_common(p: argparse.ArgumentParser, tiers: str) -> None:
         note="; f32 is always run as the reference (with --weight-dtype other than f32 the default is f32)",
     )
     add_weight_arguments(p, multiple=tiers == PPL_TIERS)
+    add_device_argument(p)
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
@@ -161,7 +168,10 @@ def _load(args: argparse.Namespace, default_tiers: str, multiple_weights: bool =
     try:
         cfg = ModelConfig.from_hf(resolve(args.model))
         engines = [
-            EngineConfig(f, threads, expert_dtype=None if f == "f32" else args.expert_dtype) for f in formats
+            EngineConfig(
+                f, threads, expert_dtype=None if f == "f32" else args.expert_dtype, device=args.device
+            )
+            for f in formats
         ]
     except (ModelNotFound, ConfigError) as exc:
         raise UserError(str(exc)) from None

@@ -25,7 +25,9 @@ MAX_NODES = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from latentkv.config import WEIGHT_DTYPES
+    from latentkv.weights import format_names
+
+    formats = format_names()
 
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP + "; or a config.json alone")
     p.add_argument(
@@ -47,12 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weight-dtype",
         default=None,
-        choices=WEIGHT_DTYPES,
+        choices=formats,
         help="weight format of the dense weights (and of the experts unless --expert-dtype; default: "
         "f32; bf16 with --vram-gb)",
     )
     p.add_argument(
-        "--expert-dtype", default=None, choices=WEIGHT_DTYPES, help="weight format of the routed experts"
+        "--expert-dtype", default=None, choices=formats, help="weight format of the routed experts"
     )
     add_cache_arguments(p)
     p.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default: 4096)")

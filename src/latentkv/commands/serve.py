@@ -20,7 +20,7 @@ from latentkv.commands.common import (
     speculative_config,
 )
 from latentkv.errors import UserError
-from latentkv.runtime import check_tier
+from latentkv.runtime import check_device, check_tier
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -147,6 +147,7 @@ def server_config(args: argparse.Namespace):
     from latentkv.models.registry import ModelNotFound, resolve
 
     engine = engine_config(args)
+    check_device(engine)  # before the socket opens (the engine process would find it too late)
     try:
         model_cfg = ModelConfig.from_hf(resolve(args.model))
     except (ModelNotFound, ConfigError) as exc:

@@ -85,7 +85,7 @@ def generate_step(
     _check_prompt(model, prompt)
     generator = None if sampling.greedy else sampling.generator()
     t0 = time.perf_counter()
-    logits = model.forward(torch.tensor(prompt, dtype=torch.long), cache)[-1]
+    logits = model.forward(torch.tensor(prompt, dtype=torch.long, device=model.device), cache)[-1]
     stats.prompt_tokens += len(prompt)
     stats.prompt_seconds += time.perf_counter() - t0
     while True:
@@ -96,7 +96,7 @@ def generate_step(
             token = sample(logits, sampling, generator)
         yield token
         t0 = time.perf_counter()
-        logits = model.forward(torch.tensor([token], dtype=torch.long), cache)[-1]
+        logits = model.forward(torch.tensor([token], dtype=torch.long, device=model.device), cache)[-1]
         stats.decode_seconds += time.perf_counter() - t0
         stats.decode_passes += 1
         stats.decode_tokens += 1

@@ -7,10 +7,13 @@
         ...
     scheduler.shutdown()            # what is still queued or running finishes "cancelled"
 
-This module is the worker's loop. Around it: `request` (Request, its events, the checks made
-before queueing), `delivery` (handles and the outbox that wakes their readers), `sessions`
-(session names and files, shared with `--session`), `logprobs`, and `client` (the
-`EngineClient` protocol this class and `remote.EngineProcess` implement).
+This module is the front: the queue, the lock, the worker thread and its loop, `submit` and
+`stats`. The worker's half, the running sequences from admission to finish (the model steps,
+sampling, sessions saved), is `running` (`Running`; `Drafting` with --speculative). Around them:
+`request` (Request, its events, the checks made before queueing), `delivery` (handles and the
+outbox that wakes their readers), `sessions` (session names and files, shared with
+`--session`), `logprobs`, and `client` (the `EngineClient` protocol this class and
+`remote.EngineProcess` implement).
 
 Every step of the worker:
     1. drop cancelled requests (waiting or running): they finish "cancelled", their slot frees
@@ -22,7 +25,7 @@ Every step of the worker:
        With the f32 tier the running caches are placed in one `SlotPool` (their rows side by
        side, one write per layer and step); a leaving sequence's cache gets its own buffers back.
 
-With `speculative` (serve --speculative mtp), step 3 is `_verify_step` instead: each running
+With `speculative` (serve --speculative mtp), step 3 is `running.Drafting.step` instead: each running
 sequence drafts with the MTP layer (all draft passes batched), one `Model.verify_batch` pass
 checks every sequence's drafts, and each keeps its accepted prefix and rolls its cache back
 (`latentkv.engine.speculative`); the counters reach `SchedulerStats.speculative`.
@@ -56,22 +59,16 @@ step is retried one sequence at a time to find it); the worker and the other req
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import torch
 
 from latentkv.config import CacheConfig
 from latentkv.engine import sessions
 from latentkv.engine.delivery import Outbox, RequestHandle, Sink
-from latentkv.engine.grammar import Constraint, GrammarError, Grammars
-from latentkv.engine.logprobs import prompt_logprobs, token_logprobs
+from latentkv.engine.grammar import Grammars
 from latentkv.engine.request import (
     Finished,
     Request,
@@ -80,48 +77,18 @@ from latentkv.engine.request import (
     TokenEvent,
     check_group_size,
     check_room,
-    failure_code,
     validate_request,
 )
-from latentkv.engine.sampling import SamplingParams, sample
-from latentkv.engine.speculative import (
-    SpeculativeConfig,
-    SpeculativeDecoder,
-    SpeculativeStats,
-    check_model,
-    draft_together,
-)
-from latentkv.errors import Unavailable
-from latentkv.kv.slots import SlotPool
+from latentkv.engine.running import Drafting, Running, Sequence
+from latentkv.engine.sampling import SamplingParams
+from latentkv.engine.speculative import SpeculativeConfig, check_model
 
 if TYPE_CHECKING:
     from latentkv.cluster.head import Cluster
     from latentkv.experts.streamed import ExpertStreamer
 
-log = logging.getLogger("latentkv.engine")
-
-
-@dataclass
-class _Sequence:
-    """A request while the worker holds it."""
-
-    handle: RequestHandle
-    params: SamplingParams
-    prompt: list[int]
-    generator: torch.Generator | None = None
-    cache: object = None
-    session: object = None  # latentkv.kv.store_session.Session, when the request names one
-    cached_tokens: int = 0
-    generated: list[int] | None = None  # sampled tokens, the stop token included
-    pending: int | None = None  # the last sampled token, not yet in the cache
-    prompt_logprobs: list[dict | None] | None = None
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    submitted: float = 0.0  # time.monotonic() at submission
-    queued_seconds: float = 0.0  # from submission to admission
-    finished: bool = False
-    drafter: SpeculativeDecoder | None = None  # with --speculative mtp, after the first token
-    constraint: Constraint | None = None  # the request's grammar (engine.grammar), from admission
+# the request types, importable from here as from engine.request (tests and callers do)
+__all__ = ["Finished", "Request", "SamplingParams", "Scheduler", "SchedulerClosed", "TokenEvent"]
 
 
 class Scheduler:
@@ -168,33 +135,30 @@ class Scheduler:
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.streamer = streamer
         self.cluster = cluster  # the head of a cluster: its status and every rank's telemetry in stats
+        self.speculative = speculative
+        self.grammars = grammars
         self._on_shutdown = on_shutdown  # after the worker stops (the server's: `Loaded.close`)
         # sessions need the weights' fingerprint for the KV file header, hence model_dir
         self._sessions = (
             sessions.SessionFiles(model, cache_config, self.model_dir, self.kv_dir) if model_dir else None
         )
-        probe = model.make_cache(cache_config)  # fails here, not per request, if the tier cannot fit
-        per_token = probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
-        self._capacity = per_token * self.max_model_len * max_num_seqs
-        # float32 caches of running sequences live side by side (one write per layer and step)
-        self._pool = SlotPool(probe.layout, max_num_seqs) if probe.tier.poolable else None
         self._cond = threading.Condition()
-        self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._running: list[_Sequence] = []
-        self._busy_sessions: set[str] = set()
         self._outbox = Outbox(sink)
-        self._closing = False
-        self._thread: threading.Thread | None = None
-        self._prompt_total = 0
-        self._generation_total = 0
-        self._kv_in_use = 0
-        self._open_count = 0  # submitted and not finished: waiting, being admitted or running
-        self.speculative = speculative
+        # the worker's half: admission, the model steps, finishing (engine/running.py)
+        shared = dict(lock=self._cond, outbox=self._outbox, on_leave=self._left, session_files=self._sessions)
+        self._running = (
+            Running(model, cache_config, max_num_seqs, grammars=grammars, **shared)
+            if speculative is None
+            else Drafting(model, cache_config, max_num_seqs, speculative, grammars=grammars, **shared)
+        )
+        self._capacity = self._running.bytes_per_token * self.max_model_len * max_num_seqs
         if speculative is not None:
             check_model(model)
-        self._spec_stats = SpeculativeStats(speculative.draft_tokens) if speculative else None
-        self._spec_snapshot: dict | None = None
-        self.grammars = grammars
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._busy_sessions: set[str] = set()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._open_count = 0  # submitted and not finished: waiting, being admitted or running
 
     @classmethod
     def for_server(cls, config, loaded, max_model_len: int, sink: Sink | None = None) -> Scheduler:
@@ -273,7 +237,7 @@ class Scheduler:
         check_group_size(len(requests), self.max_num_seqs, self.max_queue)
         now = time.monotonic()
         seqs = [
-            _Sequence(
+            Sequence(
                 RequestHandle(r, self._cond, self._outbox),
                 r.params,
                 list(r.prompt),
@@ -292,17 +256,18 @@ class Scheduler:
         return [seq.handle for seq in seqs]
 
     def stats(self) -> SchedulerStats:
+        running = self._running
         with self._cond:
             return SchedulerStats(
-                running=len(self._running),
+                running=len(running.seqs),
                 waiting=len(self._waiting),
-                prompt_tokens_total=self._prompt_total,
-                generation_tokens_total=self._generation_total,
-                kv_bytes_in_use=self._kv_in_use,
+                prompt_tokens_total=running.prompt_total,
+                generation_tokens_total=running.generation_total,
+                kv_bytes_in_use=running.kv_in_use,
                 kv_bytes_capacity=self._capacity,
                 kv_cache_dtype=self.cache_config.kv_cache_dtype,
                 experts=self.streamer.snapshot() if self.streamer is not None else None,
-                speculative=self._spec_snapshot,
+                speculative=running.spec_snapshot,
                 cluster=self._cluster_stats(),
             )
 
@@ -326,7 +291,7 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._closing and not self._running and not self._waiting:
+                while not self._closing and not self._running.seqs and not self._waiting:
                     self._cond.wait()
                 if self._closing:
                     break
@@ -334,24 +299,26 @@ class Scheduler:
             try:
                 self._step(admitted)
             except Exception as exc:  # noqa: BLE001 - a bug here must not leave clients waiting forever
-                for seq in admitted + self._running:
-                    if not seq.finished:
-                        self._fail(seq, exc)
-                self._outbox.flush()
+                self._running.fail_all(admitted, exc)
         self._finish_all("cancelled")
 
-    def _step(self, admitted: list[_Sequence]) -> None:
-        self._drop_cancelled()
-        self._admit(admitted)
-        if self._running:
-            self._decode_step()
+    def _step(self, admitted: list[Sequence]) -> None:
+        """Drop what was cancelled, start what was admitted, one step of everything running."""
+        running = self._running
+        with self._cond:
+            gone = [s for s in self._waiting if s.handle.cancelled]
+            self._waiting = collections.deque(s for s in self._waiting if not s.handle.cancelled)
+        running.drop_cancelled(gone)
+        running.admit(admitted)
+        if running.seqs:
+            running.step()
         self._outbox.flush()
-        self._update_kv_bytes()
+        running.update_kv_bytes()
 
-    def _take_admissible(self) -> list[_Sequence]:
+    def _take_admissible(self) -> list[Sequence]:
         """Under the lock: waiting requests to start now (free slots; not on a busy session)."""
         taken, kept = [], collections.deque()
-        free = self.max_num_seqs - len(self._running)
+        free = self.max_num_seqs - len(self._running.seqs)
         while self._waiting:
             seq = self._waiting.popleft()
             name = seq.handle.request.session
@@ -369,326 +336,14 @@ class Scheduler:
         self._waiting = kept
         return taken
 
-    def _drop_cancelled(self) -> None:
+    def _left(self, seq: Sequence) -> None:
+        """A sequence finished (`Running.finish`): its place in the queue and its session free up."""
         with self._cond:
-            gone = [s for s in self._waiting if s.handle.cancelled]
-            self._waiting = collections.deque(s for s in self._waiting if not s.handle.cancelled)
-        for seq in gone + [s for s in self._running if s.handle.cancelled]:
-            self._finish(seq, "cancelled")
-
-    def _guarded(self, seq: _Sequence, step, *args):
-        """Run one sequence's step and return what it returns; an exception finishes that
-        request with reason "error" (and returns None)."""
-        try:
-            return step(seq, *args)
-        except sessions.SessionUnavailable as exc:  # not a failure of the model: the client is told 409
-            self._finish(seq, "error", str(exc), refused="session")
-            return None
-        except Unavailable as exc:  # a cluster rank is gone: the client is told 503, with the reason
-            self._finish(seq, "error", str(exc), refused="unavailable")
-            return None
-        except GrammarError as exc:  # the request's grammar, not the model: the client is told 400
-            self._finish(seq, "error", str(exc), refused="invalid" if not seq.generated else None)
-            return None
-        except Exception as exc:  # noqa: BLE001 - the worker must outlive any one request
-            self._fail(seq, exc)
-            return None
-
-    def _fail(self, seq: _Sequence, exc: Exception) -> None:
-        """Finish `seq` with reason "error": a damaged expert store or a refusing disk is one log
-        line and a `Finished.code` (the server's 503); anything else is a bug, with its traceback."""
-        code = failure_code(exc)
-        if code is None:
-            traceback.print_exception(exc)
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-        else:
-            log.error("request failed (%s): %s", code, exc)
-            self._finish(seq, "error", str(exc), code=code)
-
-    def _admit(self, admitted: list[_Sequence]) -> None:
-        """Start the admitted requests: open (or resume) each one's cache, prefill what is not
-        cached, sample the first token. Those that need only their last logits are prefilled
-        together in one pass (`Model.prefill_batch`); prompt_logprobs requests, and all of them
-        when the batched pass fails (so the one that fails is found), one at a time."""
-        opened = [(seq, todo) for seq in admitted if (todo := self._guarded(seq, self._open)) is not None]
-        together = [(seq, todo) for seq, todo in opened if not seq.params.prompt_logprobs]
-        if len(together) > 1 and self._prefill_together(together):
-            opened = [(seq, todo) for seq, todo in opened if seq.params.prompt_logprobs]
-        for seq, todo in opened:
-            self._guarded(seq, self._prefill, todo)
-            self._outbox.flush()  # its first token now, not after the others' prefills
-
-    def _prefill_together(self, together: list[tuple[_Sequence, list[int]]]) -> bool:
-        """One `Model.prefill_batch` pass for these; False (nothing committed) if it fails."""
-        t0 = time.perf_counter()
-        try:
-            prompts = [torch.tensor(todo, dtype=torch.long) for _, todo in together]
-            caches = [seq.cache for seq, _ in together]
-            if self.speculative:
-                logits, h = self.model.prefill_batch(prompts, caches, hidden=True)
-                hidden = list(h.split([len(todo) for _, todo in together]))
-            else:
-                logits, hidden = self.model.prefill_batch(prompts, caches), [None] * len(together)
-        except Unavailable as exc:
-            self._fail_unavailable([seq for seq, _ in together], exc)
-            return True
-        except Exception:  # noqa: BLE001 - the caller prefills each on its own, which finds the culprit
-            return False
-        seconds = time.perf_counter() - t0
-        for (seq, todo), row, h in zip(together, logits, hidden, strict=True):
-            self._guarded(seq, self._start, todo, row[None], seconds, h)
-        self._outbox.flush()
-        return True
-
-    def _open(self, seq: _Sequence) -> list[int]:
-        """The request's generator and cache (its session resumed); returns the tokens to prefill."""
-        seq.generator = None if seq.params.greedy else seq.params.generator()
-        if seq.params.grammar is not None:
-            seq.constraint = self.grammars.constraint(seq.params.grammar)
-        return self._open_cache(seq)
-
-    def _prefill(self, seq: _Sequence, todo: list[int]) -> None:
-        t0 = time.perf_counter()
-        ids = torch.tensor(todo, dtype=torch.long)
-        all_logits = seq.params.prompt_logprobs
-        if self.speculative is not None:
-            logits, hidden = self.model.forward(ids, seq.cache, all_logits=all_logits, hidden=True)
-        else:
-            logits, hidden = self.model.forward(ids, seq.cache, all_logits=all_logits), None
-        self._start(seq, todo, logits, time.perf_counter() - t0, hidden)
-
-    def _start(
-        self,
-        seq: _Sequence,
-        todo: list[int],
-        logits: torch.Tensor,
-        seconds: float,
-        hidden: torch.Tensor | None = None,
-    ) -> None:
-        """After its prefill (logits [S or 1, vocab]; with drafting, the prompt's hidden states
-        [S, D]): the sequence runs, or finishes at once."""
-        params = seq.params
-        seq.prefill_seconds = seconds
-        with self._cond:
-            self._prompt_total += len(todo)
-        if params.prompt_logprobs:
-            seq.prompt_logprobs = prompt_logprobs(seq.prompt, logits, params.logprobs)
-        if self._pool is not None:
-            self._pool.place(seq.cache)  # False (left in its own buffers) only past the pool's bound
-        self._running.append(seq)
-        if params.max_tokens == 0:
-            self._finish(seq, "length")
-            return
-        self._advance(seq, logits[-1])
-        if self.speculative is not None and not seq.finished:
-            seq.drafter = SpeculativeDecoder(
-                self.model, seq.cache, seq.params, self.speculative, self._spec_stats, seq.generator
-            )
-            seq.drafter.begin(todo, hidden, seq.pending)
-
-    def _open_cache(self, seq: _Sequence) -> list[int]:
-        """The sequence's cache (resumed from its session, if any); returns the tokens to prefill."""
-        name = seq.handle.request.session
-        if name is None:
-            seq.cache = self.model.make_cache(self.cache_config)
-            return seq.prompt
-        seq.session, seq.cache = self._sessions.open(name)
-        todo = sessions.resume(seq.session, seq.cache, seq.prompt, reuse=not seq.params.prompt_logprobs)
-        seq.cached_tokens = len(seq.prompt) - len(todo)
-        return todo
-
-    def _decode_step(self) -> None:
-        """One batched decode over every running sequence, then each samples its next token."""
-        if self.speculative is not None:
-            self._verify_step()
-            return
-        seqs = list(self._running)
-        tokens = torch.tensor([s.pending for s in seqs], dtype=torch.long)
-        if self.grammars is not None:  # the constrained sequences' masks, computed during the pass
-            self.grammars.prepare([s.constraint for s in seqs if s.constraint is not None])
-        t0 = time.perf_counter()
-        try:
-            rows = list(self.model.decode_batch(tokens, [s.cache for s in seqs], self._pool))
-        except Unavailable as exc:  # the whole step is lost (no retry: its caches are half written)
-            self._fail_unavailable(seqs, exc)
-            return
-        except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
-            rows = [self._decode_alone(s) for s in seqs]
-        seconds = time.perf_counter() - t0
-        for seq, logits in zip(seqs, rows, strict=True):
-            if logits is not None:
-                seq.decode_seconds += seconds
-                self._guarded(seq, self._advance, logits)
-
-    def _fail_unavailable(self, seqs: list[_Sequence], exc: Unavailable) -> None:
-        """A step that needed a lost cluster rank: every sequence in it fails (503 with the
-        reason; their session files keep the last saved turn)."""
-        for seq in seqs:
-            self._finish(seq, "error", str(exc), refused="unavailable")
-
-    def _decode_alone(self, seq: _Sequence) -> torch.Tensor | None:
-        try:
-            return self.model.decode_batch(torch.tensor([seq.pending]), [seq.cache])[0]
-        except Unavailable as exc:
-            self._finish(seq, "error", str(exc), refused="unavailable")
-            return None
-        except Exception as exc:  # noqa: BLE001
-            self._fail(seq, exc)
-            return None
-
-    def _verify_step(self) -> None:
-        """Speculative decoding: each running sequence drafts (or, paused, feeds its pending
-        token alone), one batched pass verifies every sequence's segment, and each keeps its
-        accepted prefix (`latentkv.engine.speculative`)."""
-        counts = {}
-        for seq in list(self._running):
-            n = self._guarded(seq, lambda s: s.drafter.decide(s.params.max_tokens - len(s.generated)))
-            if n is not None:
-                counts[id(seq)] = (seq, n)
-        seqs = [seq for seq, _ in counts.values()]
-        if not seqs:
-            return
-        # every sequence's draft-layer passes together (a failure here is the worker's: all fail)
-        draft_together(self.model, [s.drafter for s in seqs], [n for _, n in counts.values()])
-        segments = [torch.tensor(s.drafter.feed(), dtype=torch.long) for s in seqs]
-        t0 = time.perf_counter()
-        try:
-            logits, h = self.model.verify_batch(segments, [s.cache for s in seqs])
-            sizes = [len(seg) for seg in segments]
-            outs = list(zip(logits.split(sizes), h.split(sizes), strict=True))
-        except Unavailable as exc:
-            self._fail_unavailable(seqs, exc)
-            return
-        except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
-            outs = [self._verify_alone(s, seg) for s, seg in zip(seqs, segments, strict=True)]
-        seconds = time.perf_counter() - t0
-        for seq, seg, out in zip(seqs, segments, outs, strict=True):
-            if out is not None:
-                seq.decode_seconds += seconds
-                self._guarded(seq, self._settle, out, len(seg), seconds)
-
-    def _verify_alone(self, seq: _Sequence, segment: torch.Tensor):
-        try:
-            return self.model.verify_batch([segment], [seq.cache])
-        except Unavailable as exc:
-            self._finish(seq, "error", str(exc), refused="unavailable")
-            return None
-        except Exception as exc:  # noqa: BLE001
-            self._fail(seq, exc)
-            return None
-
-    def _settle(
-        self, seq: _Sequence, out: tuple[torch.Tensor, torch.Tensor], fed: int, seconds: float
-    ) -> None:
-        """A verified segment's logits and hidden states -> the tokens it yields, each taken in turn."""
-        logits, hidden = out
-        tokens = seq.drafter.settle(logits, hidden)
-        seq.drafter.record(fed - 1, len(tokens), seconds)
-        for row, token in zip(logits, tokens, strict=False):  # token j was chosen from row j
-            self._take(seq, token, row)
-            if seq.finished:
-                break
-
-    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token from logits [vocab] (only what its grammar allows, if it has
-        one): yield it, or finish."""
-        allowed = logits if seq.constraint is None else seq.constraint.allow(logits)
-        self._take(seq, sample(allowed, seq.params, seq.generator), logits)
-
-    def _take(self, seq: _Sequence, token: int, logits: torch.Tensor) -> None:
-        """`token`, chosen from logits [vocab]: yield it, or finish."""
-        params = seq.params
-        seq.generated.append(token)
-        with self._cond:
-            self._generation_total += 1
-        if token in params.stop_token_ids:
-            self._finish(seq, "stop")
-            return
-        logprob, top = None, None
-        if params.logprobs is not None:
-            logprob, top = token_logprobs(logits, token, params.logprobs)
-        seq.handle.emit(TokenEvent(token, logprob, top))
-        if seq.constraint is not None:
-            seq.constraint.consume(token)
-            if seq.constraint.stopped:  # the grammar is complete: nothing but the end may follow
-                self._finish(seq, "stop")
-                return
-        if len(seq.generated) >= params.max_tokens:
-            self._finish(seq, "length")
-        else:
-            seq.pending = token
-
-    def _finish(
-        self,
-        seq: _Sequence,
-        reason: str,
-        error: str | None = None,
-        refused: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        """The request leaves: save its session (unless it failed), free its slot, tell the client."""
-        if seq.finished:
-            return
-        seq.finished = True
-        if seq.drafter is not None and seq.generated:  # verified tokens past the end: as plain decoding
-            seq.cache.trim(min(seq.cache.length, len(seq.prompt) + len(seq.generated) - 1))
-        if seq in self._running:
-            self._running.remove(seq)
-        if self._pool is not None and seq.cache is not None:
-            self._pool.release(seq.cache)
-        if seq.session is not None and (failed := self._close_session(seq, save=reason != "error")):
-            error, code = failed
-        name = seq.handle.request.session
-        with self._cond:
-            self._busy_sessions.discard(name)
+            self._busy_sessions.discard(seq.handle.request.session)
             self._open_count -= 1
             self._cond.notify_all()
-        seq.handle.emit(
-            Finished(
-                reason="error" if error else reason,
-                prompt_tokens=len(seq.prompt),
-                completion_tokens=len(seq.generated or ()),
-                cached_tokens=seq.cached_tokens,
-                prompt_logprobs=seq.prompt_logprobs,
-                error=error,
-                prefill_seconds=seq.prefill_seconds,
-                decode_seconds=seq.decode_seconds,
-                queued_seconds=seq.queued_seconds,
-                refused=refused,
-                code=code if error else None,
-            )
-        )
-
-    def _close_session(self, seq: _Sequence, save: bool) -> tuple[str, str | None] | None:
-        """Save the cache's rows (prompt + every generated token fed back) and close the file;
-        (error, Finished.code) when saving failed (the file keeps its last commit)."""
-        session, seq.session = seq.session, None
-        try:
-            if save:
-                sessions.save(session, seq.prompt + seq.generated, seq.cache)
-            return None
-        except Exception as exc:  # noqa: BLE001
-            code = failure_code(exc)
-            text = f"saving session {seq.handle.request.session!r} failed: {exc}"
-            if code is None:
-                traceback.print_exception(exc)
-            else:
-                log.error("%s", text)
-            return text, code
-        finally:
-            session.close()
 
     def _finish_all(self, reason: str) -> None:
         with self._cond:
             waiting, self._waiting = list(self._waiting), collections.deque()
-        for seq in list(self._running) + waiting:
-            self._finish(seq, reason)
-        self._outbox.flush()
-        self._update_kv_bytes()
-
-    def _update_kv_bytes(self) -> None:
-        total = sum(s.cache.nbytes() + s.cache.index_nbytes() for s in self._running)
-        spec = self._spec_stats.as_dict() if self._spec_stats is not None else None
-        with self._cond:
-            self._kv_in_use = total
-            self._spec_snapshot = spec
+        self._running.finish_all(waiting, reason)

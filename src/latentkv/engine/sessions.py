@@ -105,7 +105,7 @@ class SessionFiles:
         except ValueError as exc:  # the folder cannot be made, or is a file
             raise SessionUnavailable(f"session {name!r} cannot be opened: {exc}") from None
         try:
-            return Session.resume(path, self.header(), self.cache_config)
+            return Session.resume(path, self.header(), self.cache_config, self.model.device)
         except KVFileBusy:
             raise SessionBusy(f"session {name!r} is in use by another process") from None
         except (KVFileUnavailable, OSError) as exc:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import CacheLayout, codecs_for
+from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, codecs_for
 from latentkv.kv.codecs import Codec
 
 GIB = 1 << 30
@@ -201,7 +201,7 @@ def report(
     real: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """The whole `kv stats` report as plain data; a tier the widths refuse gets an `error`."""
-    layout = CacheLayout.for_model(cfg)
+    layout = CacheLayout.for_model(cfg, SHAPES_ONLY)  # sizes and codecs only
     ram_bytes = int(ram_gib * GIB)
     gaussian = gaussian_rows(layout, gaussian_n)
     tiers: list[dict[str, Any]] = []

@@ -28,6 +28,8 @@ import torch
 
 from latentkv.config import CacheConfig
 
+CPU = torch.device("cpu")  # the oracle compares with transformers on the CPU
+
 if TYPE_CHECKING:
     from latentkv.models.model import Model
 
@@ -269,7 +271,7 @@ def check_tiers(
     ref_ok = reference is None or all(reference[k] == live[k] for k in ("prompt_ids", "greedy", "tf_argmax"))
     rows = []
     for weights in dict.fromkeys([weight_dtype, *more_weights]):
-        model = load_model(directory, weights)
+        model = load_model(directory, weights, device=CPU)
         for cache in caches:
             t0 = time.perf_counter()
             greedy, tf_logits = ours(model, prompt, sequence, cache)

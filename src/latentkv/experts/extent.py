@@ -26,7 +26,9 @@ from latentkv.experts.base import Expert
 from latentkv.experts.reader import Extent
 from latentkv.experts.store_file import ExtentLayout
 from latentkv.weights import int4
-from latentkv.weights.base import DenseLinear, Linear, format_class
+from latentkv.weights.base import FORMATS, DenseLinear, Linear, format_class
+from latentkv.weights.int4 import Int4Linear
+from latentkv.weights.int8 import Int8Linear
 
 PARTS = ("gate_up", "down")
 
@@ -68,8 +70,8 @@ def _dense_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) ->
 
 
 DENSE = LinearCodec(_dense_to_raw, _dense_from_raw)
-for _name in ("f32", "bf16"):
-    register_codec(_name, DENSE)
+for _cls in [c for c in FORMATS.values() if issubclass(c, DenseLinear)]:
+    register_codec(_cls.format, DENSE)
 
 
 def _with_bias(lin: Linear, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -134,8 +136,8 @@ def int4_portable(
     return int4.portable(raw["packed"], raw["scale_zeros"], params["out_features"], stored)
 
 
-register_codec("int8", LinearCodec(_int8_to_raw, _int8_from_raw))
-register_codec("int4", LinearCodec(_int4_to_raw, _int4_from_raw))
+register_codec(Int8Linear.format, LinearCodec(_int8_to_raw, _int8_from_raw))
+register_codec(Int4Linear.format, LinearCodec(_int4_to_raw, _int4_from_raw))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -42,6 +42,11 @@ from latentkv.config import CacheConfig, ModelConfig
 from latentkv.kv import attention
 from latentkv.kv.codecs import GROUPED_CODECS, TIERS, Codec, EncodedRows, get_codec
 
+# The device of a layout that only sizes rows (a plan, a KV file header's checks): torch's meta
+# device, whose tensors have shapes and no storage. A cache that holds rows gets its device from
+# the model (chosen once, in `runtime`); nothing here picks one.
+SHAPES_ONLY = torch.device("meta")
+
 
 @dataclass(frozen=True)
 class CacheLayout:
@@ -52,16 +57,18 @@ class CacheLayout:
     kv_lora_rank: int
     index_layers: tuple[int, ...]  # layers with their own indexer key cache
     index_head_dim: int
-    device: str = field(default="cpu", compare=False)  # where the rows live (not part of the identity)
+    device: torch.device = field(compare=False)  # where the rows live (not part of the identity)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, device: str = "cpu") -> CacheLayout:
+    def for_model(cls, cfg: ModelConfig, device: torch.device | str) -> CacheLayout:
         index_layers: tuple[int, ...] = ()
         index_dim = 0
         if cfg.dsa is not None:
             index_layers = tuple(i for i, t in enumerate(cfg.dsa.indexer_types) if t == "full")
             index_dim = cfg.dsa.index_head_dim
-        return cls(cfg.num_layers, cfg.kv_row_width, cfg.kv_lora_rank, index_layers, index_dim, str(device))
+        return cls(
+            cfg.num_layers, cfg.kv_row_width, cfg.kv_lora_rank, index_layers, index_dim, torch.device(device)
+        )
 
 
 class _Buffer:
@@ -76,7 +83,7 @@ class _Buffer:
     # compiled step is traced in it already and must not enter it again).
 
     def __init__(
-        self, width: int, dtype: torch.dtype = torch.float32, capacity: int = 64, device: str = "cpu"
+        self, width: int, dtype: torch.dtype = torch.float32, capacity: int = 64, *, device: torch.device
     ):
         with torch.inference_mode():
             self.data = _dynamic_rows(torch.empty(capacity, width, dtype=dtype, device=device))

@@ -16,7 +16,7 @@ the float32 row [c | r]; for packed tiers the codec's codes and float32 scales.
     with KVFile.create(path, header) as f:       # or KVFile.open(path, writable=True)
         f.append(tokens, cache, 0, len(tokens))   # durable when it returns
     result = KVFile.open(path).load(expected=header)   # KVMismatch when it does not load here
-    cache = result.to_cache(cache_config)              # ready, in the current tier
+    cache = result.to_cache(cache_config, model.device)  # ready, in the current tier
 
 `Session` (store_session.py) is the loop the CLI and server run on top of this: resume or start
 over, save after every turn, move refused files aside.
@@ -34,7 +34,7 @@ import torch
 
 from latentkv import fs
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import CacheLayout, KVTier, SequenceCache, make_cache, resolve_tier
+from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, KVTier, SequenceCache, make_cache, resolve_tier
 from latentkv.kv.codecs import Codec
 from latentkv.kv.store_compat import (
     REENCODE,
@@ -75,7 +75,7 @@ class KVMismatch(KVFileError):
 
 def header_for(cfg: ModelConfig, cache: Cache, checkpoint: str) -> KVHeader:
     """The header of a file holding `cache`'s rows for the model `cfg` (weights hash `checkpoint`)."""
-    layout = CacheLayout.for_model(cfg)
+    layout = CacheLayout.for_model(cfg, SHAPES_ONLY)
     if cache.layout != layout:
         raise ValueError(f"the cache's layout {cache.layout} is not the model's {layout}")
     model = ModelFingerprint(
@@ -129,7 +129,7 @@ def header_problem(header: KVHeader) -> str | None:
         if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
             return f"header field codec.{part}.params.group_size: {group!r:.40} is not a positive integer"
     try:  # the tier, with its knobs, must fit the model's widths (whatever the revision)
-        expected = codec_spec(layout_of(header), _own_config(spec))
+        expected = codec_spec(layout_of(header, SHAPES_ONLY), _own_config(spec))
     except (KVFileError, ValueError, TypeError, OverflowError) as exc:
         return f"header field codec: tier {spec.tier!r:.40} cannot be built for this model: {exc}"
     if spec.revision != CODEC_REVISION:  # other byte formats: `compare` refuses them by name
@@ -150,15 +150,21 @@ def _shown(part) -> str:
     )
 
 
-def layout_of(header: KVHeader) -> CacheLayout:
-    """The cache layout a file's records fill (a file must hold every layer to make a cache)."""
+def layout_of(header: KVHeader, device: torch.device) -> CacheLayout:
+    """The cache layout a file's records fill, its rows on `device` (a file must hold every layer
+    to make a cache)."""
     m = header.model
     if header.layers != tuple(range(m.num_layers)):
         raise KVFileError(
             f"the file holds layers {list(header.layers)} only; a cache needs all {m.num_layers}"
         )
     return CacheLayout(
-        m.num_layers, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank, m.index_layers, m.index_head_dim
+        m.num_layers,
+        m.kv_lora_rank + m.qk_rope_head_dim,
+        m.kv_lora_rank,
+        m.index_layers,
+        m.index_head_dim,
+        device,
     )
 
 
@@ -173,13 +179,14 @@ class LoadResult:
     verdict: Verdict | None = None  # compare(file, expected) when `load` got an expected header
     notes: list[str] = field(default_factory=list)  # what loading found: damage cut back, ...
 
-    def to_cache(self, cache_config: CacheConfig | None = None) -> Cache:
-        """A cache holding the loaded tokens in the tier of `cache_config` (default: the file's).
+    def to_cache(self, cache_config: CacheConfig | None, device: torch.device) -> Cache:
+        """A cache on `device` holding the loaded tokens in the tier of `cache_config` (None: the
+        file's).
 
         The same codec loads as stored; an f32 file under another tier is re-encoded from its
         exact rows; anything else raises KVMismatch.
         """
-        layout = layout_of(self.header)
+        layout = layout_of(self.header, device)
         cfg = cache_config or _own_config(self.header.codec)
         verdict = compare_codec(self.header.codec, codec_spec(layout, cfg))
         if verdict.action == SAME:
@@ -262,7 +269,7 @@ class KVFile:
         `start` must be the file's record count. Returns the new count.
         """
         count = self.raw.recover()
-        if codec_spec_of(cache) != self.header.codec or cache.layout != layout_of(self.header):
+        if codec_spec_of(cache) != self.header.codec or cache.layout != layout_of(self.header, SHAPES_ONLY):
             raise ValueError(
                 f"the cache ({describe(codec_spec_of(cache))}) does not match the file ({describe(self.header.codec)})"
             )

@@ -1,6 +1,6 @@
 """A conversation that survives restarts: the loop the CLI (`--session`) and the server run.
 
-    session, cache = Session.resume(path, current_header, cache_config)
+    session, cache = Session.resume(path, current_header, cache_config, model.device)
     keep = reusable_prefix(session.tokens, prompt)       # tokens whose rows are already cached
     cache.trim(keep); session.keep(keep)                 # then prefill prompt[keep:] as usual
     ...generate...
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import torch
 
 from latentkv.config import CacheConfig
 from latentkv.kv.cache import make_cache
@@ -39,10 +41,13 @@ class Session:
         self._kept = len(tokens)  # leading records whose rows the caller's cache still holds
 
     @classmethod
-    def resume(cls, path: str | Path, current: KVHeader, cache_config: CacheConfig) -> tuple[Session, Cache]:
-        """Open or create the session file at `path`; returns it and a cache holding its tokens."""
+    def resume(
+        cls, path: str | Path, current: KVHeader, cache_config: CacheConfig, device: torch.device
+    ) -> tuple[Session, Cache]:
+        """Open or create the session file at `path`; returns it and a cache on `device` holding
+        its tokens."""
         path = Path(path)
-        layout = layout_of(current)
+        layout = layout_of(current, device)
         if path.is_symlink() and not path.exists():
             raise KVFileUnavailable(
                 f"{path} is a symbolic link to {os.readlink(path)}, which does not exist: restore that "
@@ -58,7 +63,7 @@ class Session:
             return cls._start_over(path, current, layout, cache_config, f"the KV file cannot be read: {exc}")
         try:
             result = file.load(expected=current)
-            cache = result.to_cache(cache_config)
+            cache = result.to_cache(cache_config, device)
         except KVMismatch as exc:
             file.close()
             return cls._start_over(path, current, layout, cache_config, exc.verdict.message)

@@ -33,6 +33,7 @@ import torch
 
 from latentkv.kv.codecs.tiers import COMPILABLE, TIERS
 from latentkv.weights import native
+from latentkv.weights.base import format_class
 
 if TYPE_CHECKING:
     from latentkv.config import CacheConfig, ModelConfig
@@ -72,10 +73,11 @@ def check_compilable(cache: CacheConfig | None, formats: tuple[str | None, ...] 
     can be compiled here. int8 and int4 trace as latentkv's kernels (one call per matrix, and a
     layer's resident experts in one call): without them (torch's ops) the experts' Python
     would break the graph at every layer, so they are refused."""
-    if {"int8", "int4"} & set(formats) and native.kernels() is None:
+    needs = [f for f in dict.fromkeys(formats) if f is not None and format_class(f).compile_needs_native]
+    if needs and native.kernels() is None:
         raise CompileUnavailable(
-            "--compile runs int8 and int4 weights through latentkv's own kernels, which are not "
-            f"available here ({native.unavailable()}): drop --compile, or use f32/bf16 weights"
+            f"--compile runs {' and '.join(needs)} weights through latentkv's own kernels, which are not "
+            f"available here ({native.unavailable()}): drop --compile, or use another weight format"
         )
     tier = cache.kv_cache_dtype if cache is not None else "f32"
     if not TIERS[tier].compilable or (cache is not None and cache.recent_window):

@@ -45,7 +45,7 @@ import torch
 from latentkv import fs
 from latentkv.config import ModelConfig, read_json_object
 from latentkv.models.loader import GGUF_POINTER, Checkpoint, CheckpointError, dequantize_fp8_blocks
-from latentkv.weights.base import DenseLinear, format_class
+from latentkv.weights.base import DenseLinear, dense_dtype, format_class
 
 MANIFEST = "latentkv-weights.json"
 FORMAT, VERSION = "latentkv-weights", 1
@@ -155,7 +155,7 @@ def output_bytes(ckpt: Checkpoint, roles: dict[str, str], fmt_of: dict[str, str]
         else:  # kept as floats (`_stored`)
             total += n * (
                 2
-                if fmt == "bf16" or ckpt.dtype(name) not in ("F32", "BF16")
+                if _kept_bf16(fmt) or ckpt.dtype(name) not in ("F32", "BF16")
                 else FLOAT_BYTES[ckpt.dtype(name)]
             )
     return total
@@ -297,11 +297,16 @@ def _float(ckpt: Checkpoint, name: str, block: tuple[int, int] | None) -> torch.
     return t
 
 
+def _kept_bf16(fmt: str | None) -> bool:
+    """Whether a matrix of format `fmt` (None: not a matrix) is stored as bfloat16 floats."""
+    return fmt is not None and dense_dtype(fmt) == torch.bfloat16
+
+
 def _stored(t: torch.Tensor, fmt: str | None, weight_dtype: str) -> torch.Tensor:
     """A tensor kept as floats: in its checkpoint dtype (float32 or bfloat16; float16 as float32;
     an fp8 tensor, now dequantized, as bfloat16), so the loader makes of it exactly what it makes
     of the original; bf16 when that is the chosen format."""
-    if fmt == "bf16" or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if _kept_bf16(fmt) or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return t.to(torch.bfloat16)
     return t.float() if t.dtype == torch.float16 else t  # a GGUF's F16: float32 holds it exactly
 

@@ -87,7 +87,7 @@ def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
 class Rope:
     """cos/sin tables for one rotary width, grown on demand; positions index rows."""
 
-    def __init__(self, rope: RopeConfig, dim: int, device: torch.device | str = "cpu"):
+    def __init__(self, rope: RopeConfig, dim: int, device: torch.device):
         inv_freq, self.attention_scaling = rope_inv_freq(rope, dim)
         self.inv_freq = inv_freq.to(device)
         self.dim = dim
@@ -190,18 +190,20 @@ def _rotation_pattern(
     cos | -sin | cos | sin (as `RotaryTables.matrix` fills them), then the pass-through ones."""
     key = (interleaved, half, width, offset, device)
     if key not in _PATTERNS:
-        _PATTERNS[key] = tuple(t.to(device) for t in _build_rotation_pattern(*key[:4]))
+        _PATTERNS[key] = _build_rotation_pattern(*key)
     return _PATTERNS[key]
 
 
 def _build_rotation_pattern(
-    interleaved: bool, half: int, width: int, offset: int
+    interleaved: bool, half: int, width: int, offset: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if offset + 2 * half > width:
         raise ValueError(f"cannot rotate {2 * half} values at offset {offset} of a {width}-wide axis")
-    i = torch.arange(half)
+    i = torch.arange(half, device=device)
     a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
     src = torch.cat([a, b, b, a]) + offset
     dst = torch.cat([i, i, i + half, i + half]) + offset
-    j = torch.cat([torch.arange(offset), torch.arange(offset + 2 * half, width)])
+    j = torch.cat(
+        [torch.arange(offset, device=device), torch.arange(offset + 2 * half, width, device=device)]
+    )
     return src * width + dst, j * width + j

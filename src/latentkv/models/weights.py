@@ -32,17 +32,13 @@ from latentkv.models.mla import MLA, MLAWeights
 from latentkv.models.model import Block, Model
 from latentkv.models.moe import Lookahead, MoE, PrefetchingMLP, Router, RouterWeights
 from latentkv.models.mtp import MTPLayer, checkpoint_prefix
-from latentkv.weights import FORMATS, Linear, make_linear
-from latentkv.weights.base import DenseLinear, format_class
+from latentkv.weights import Linear, make_linear
+from latentkv.weights.base import dense_dtype, format_class
 from latentkv.weights.heads import HeadLinears
 from latentkv.weights.stack import RowStack
 
-# The table a token id reads (the embedding) in each format: bfloat16 under int8 and int4 (a
-# gather reads one row per token, so 16 bits suffice there); float32 for other formats.
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 # transformers builds the q-LoRA and kv-a norms without the config's eps: they use 1e-6.
 LORA_NORM_EPS = 1e-6
-TABLE_DTYPES = {**DTYPES, "int8": torch.bfloat16, "int4": torch.bfloat16}
 
 
 class _Reader:
@@ -53,7 +49,7 @@ class _Reader:
         ckpt: Checkpoint,
         fmt: str,
         block_size: tuple[int, int] | None,
-        device: str = "cpu",
+        device: torch.device | str,
         expert_fmt: str | None = None,
         packed: dict | None = None,
     ):
@@ -62,7 +58,7 @@ class _Reader:
         self.packed = packed or {}  # a converted checkpoint's pre-quantized matrices (its manifest)
         self.fmt = fmt
         self.expert_fmt = expert_fmt or fmt  # routed experts' format (--expert-dtype)
-        self.dtype = TABLE_DTYPES.get(fmt, torch.float32)  # the embedding table's
+        self.dtype = format_class(fmt).table_dtype  # the embedding table's (a token reads one row)
         self.block_size = block_size
         self.used: set[str] = set()
 
@@ -184,7 +180,8 @@ def load_model(
     directory: str | Path,
     weight_dtype: str = "f32",
     progress: bool = False,
-    device: str = "cpu",
+    *,
+    device: torch.device | str,
     experts: ExpertSource | None = None,
     expert_dtype: str | None = None,
     load_mtp: bool = True,
@@ -207,11 +204,11 @@ def load_model(
         weight_dtype,
         tuple(block) if block else None,
         progress,
-        device,
-        experts,
-        expert_dtype,
-        packed,
-        load_mtp,
+        device=device,
+        experts=experts,
+        expert_dtype=expert_dtype,
+        packed=packed,
+        load_mtp=load_mtp,
     )
     if progress and ckpt.gguf is not None and packed:
         from latentkv.models.gguf import report_line
@@ -260,7 +257,8 @@ def build_model(
     weight_dtype: str = "f32",
     block_size: tuple[int, int] | None = None,
     progress: bool = False,
-    device: str = "cpu",
+    *,
+    device: torch.device | str,
     experts: ExpertSource | None = None,
     expert_dtype: str | None = None,
     packed: dict | None = None,
@@ -272,8 +270,7 @@ def build_model(
     before the first one are built with the `Lookahead` of the next MoE layer. Without it the
     experts are read into `ResidentExperts`. `load_mtp=False` leaves the MTP layer out."""
     for name in (weight_dtype, expert_dtype or weight_dtype):
-        if name not in FORMATS:
-            raise ValueError(f"weight dtype {name!r} not in {sorted(FORMATS)}")
+        format_class(name)  # ValueError naming the valid formats
     rd = _Reader(ckpt, weight_dtype, block_size, device, expert_dtype, packed)
     routed = _Routed(cfg, rd, experts)
     D, V = cfg.hidden_size, cfg.vocab_size
@@ -520,14 +517,12 @@ def _resident(cfg: ModelConfig, rd: _Reader, p: str) -> ResidentExperts:
         gate_up = rd.raw(p + "experts.gate_up_proj", (E, 2 * I, D))
         down = rd.raw(p + "experts.down_proj", (E, D, I))
         return ResidentExperts.from_float(gate_up, down, rd.expert_fmt)
-    if not issubclass(format_class(rd.expert_fmt), DenseLinear) or rd.has_packed(
-        f"{p}experts.0.down_proj.weight"
-    ):
+    dtype = dense_dtype(rd.expert_fmt)
+    if dtype is None or rd.has_packed(f"{p}experts.0.down_proj.weight"):
         # a packed format, or experts stored pre-quantized (a converted checkpoint's, a GGUF's):
         # each expert straight into its format, one at a time (never the layer in float)
         return ResidentExperts([_expert(rd, f"{p}experts.{e}.", D, I) for e in range(E)])
     # per-expert tensors, as checkpoints ship them: stacked here (the one copy)
-    dtype = DTYPES[rd.expert_fmt]
     gate_up = torch.empty(E, 2 * I, D, dtype=dtype, device=rd.device)
     down = torch.empty(E, D, I, dtype=dtype, device=rd.device)
     for e in range(E):

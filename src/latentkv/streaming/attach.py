@@ -1,6 +1,6 @@
 """A model whose MoE layers are served by an `ExpertStreamer`, built with its streamed stores.
 
-    model, streamer = load_streamed(MODEL, "MODEL/experts", StreamConfig(budget=...))
+    model, streamer = load_streamed(MODEL, "MODEL/experts", StreamConfig(budget=...), device=device)
 
 The loader builds each MoE layer over the streamed store of its layer (`StreamedSource`): the
 same router, shared expert and computation (`models.moe.MoE`), its routed experts asked from
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from latentkv.experts.streamed import ExpertStreamer, StreamConfig, StreamedExperts
 from latentkv.models.moe import MoE
@@ -57,9 +59,12 @@ def load_streamed(
     weight_dtype: str = "f32",
     prefetch: bool = True,
     progress: bool = False,
+    *,
+    device: torch.device | str,
 ):
-    """Load the dense weights of the checkpoint at `model_dir` and serve its routed experts from
-    the expert store at `store_dir` (which must be this checkpoint's): (model, streamer)."""
+    """Load the dense weights of the checkpoint at `model_dir` onto `device` and serve its routed
+    experts from the expert store at `store_dir` (which must be this checkpoint's): (model,
+    streamer)."""
     from latentkv.config import ModelConfig
     from latentkv.models.loader import Checkpoint
     from latentkv.models.mtp import routed_layer
@@ -73,6 +78,7 @@ def load_streamed(
             model_dir,
             weight_dtype,
             progress,
+            device=device,
             experts=StreamedSource(streamer, cfg.num_experts_per_tok, prefetch),
             load_mtp=_keeps_mtp(streamer, routed_layer(cfg, ckpt)),
         )

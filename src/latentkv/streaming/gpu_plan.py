@@ -26,7 +26,7 @@ from pathlib import Path
 
 from latentkv.config import CacheConfig, ModelConfig
 from latentkv.experts.reader import SPARE_BUFFERS
-from latentkv.kv.cache import CacheLayout, resolve_tier
+from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, resolve_tier
 from latentkv.streaming.planner import (
     ACTIVATION_BASE,
     DEFAULT_RAM_SHARE,
@@ -95,7 +95,7 @@ def make_gpu_plan(
         avail, where = available_memory()
         ram_bytes = int(avail * DEFAULT_RAM_SHARE)
         source = f"{DEFAULT_RAM_SHARE:.0%} of {where} ({avail / GIB:.1f} GiB)"
-    layout = CacheLayout.for_model(cfg)
+    layout = CacheLayout.for_model(cfg, SHAPES_ONLY)
     index_bytes = len(layout.index_layers) * layout.index_head_dim * 4
     per_token = resolve_tier(layout, cache).bytes_per_token_layer * layout.num_layers + index_bytes
     kv = per_token * max_model_len * max_num_seqs

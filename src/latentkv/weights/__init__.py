@@ -10,14 +10,32 @@ A new format is one file here: a `Linear` subclass decorated with `@register` (s
 import torch
 
 from latentkv.weights import bf16, f32, int4, int8, native  # noqa: F401  (register the built-in formats)
-from latentkv.weights.base import FORMATS, Linear, make_linear, register
+from latentkv.weights.base import (
+    FORMATS,
+    Linear,
+    dense_dtype,
+    format_class,
+    format_names,
+    make_linear,
+    register,
+)
 from latentkv.weights.kernels import cpu_features, matmul_dtype
 
-__all__ = ["FORMATS", "Linear", "describe", "make_linear", "register"]
+__all__ = [
+    "FORMATS",
+    "Linear",
+    "dense_dtype",
+    "describe",
+    "format_class",
+    "format_names",
+    "make_linear",
+    "register",
+]
 
 
-def describe(fmt: str) -> str:
-    """One line for the start of a run: which kernel a format uses on this CPU."""
+def describe(fmt: str) -> str | None:
+    """One line for the start of a run: which kernel a format uses on this CPU; None for a
+    format that is plain torch matmul in float32 (nothing to say)."""
     f = cpu_features()
     extras = [name for name in ("vnni", "avx512_bf16", "amx") if f[name]]
     cpu = str(f["capability"]) + (f" + {', '.join(extras)}" if extras else "")
@@ -43,5 +61,5 @@ def describe(fmt: str) -> str:
         "int8": f"decode via {decode['int8']}, prefill via dequantized {tile} tiles",
         "int4": f"decode via {decode['int4']}, prefill via {int4_prefill}",
     }
-    how = kernels.get(fmt, "torch matmul")
-    return f"weights: {fmt} {how} ({cpu})"
+    how = kernels.get(fmt)
+    return None if how is None else f"weights: {fmt} {how} ({cpu})"

@@ -17,6 +17,11 @@ Contract of a format (a subclass registered with `@register`):
                 directly (f32, bf16): fast paths (fused decode matrices, every-expert MoE,
                 gathered experts) stack such matrices; None for packed formats, which then
                 take the general path through `__call__`.
+  table_dtype   the dtype of the embedding table when the model's matrices are in this format
+  compile_needs_native  --compile traces the format only through latentkv's own kernels
+
+The registry is the one list of format names: the CLI's choices, the loader's checks and the
+planner all ask it (`format_names`, `format_class`), never a list of their own.
 """
 
 from __future__ import annotations
@@ -46,8 +51,20 @@ def format_class(fmt: str) -> type[Linear]:
         return FORMATS[fmt]
     except KeyError:
         raise ValueError(
-            f"unknown weight format {fmt!r}; valid formats: {', '.join(sorted(FORMATS))}"
+            f"unknown weight format {fmt!r}; valid formats: {', '.join(format_names())}"
         ) from None
+
+
+def format_names() -> tuple[str, ...]:
+    """Every registered format's name (`--weight-dtype`, `--expert-dtype`), sorted."""
+    return tuple(sorted(FORMATS))
+
+
+def dense_dtype(fmt: str) -> torch.dtype | None:
+    """The dtype a format keeps its matrices in when they are plain tensors (f32, bf16); None
+    for packed formats."""
+    cls = format_class(fmt)
+    return cls.dtype if issubclass(cls, DenseLinear) else None
 
 
 def make_linear(w: torch.Tensor, fmt: str, bias: torch.Tensor | None = None, **params) -> Linear:
@@ -67,6 +84,8 @@ class Linear(ABC):
     """One weight matrix W [out, in] (and an optional bias [out]) in some storage format."""
 
     format: ClassVar[str]
+    table_dtype: ClassVar[torch.dtype] = torch.float32  # the embedding table's, beside these matrices
+    compile_needs_native: ClassVar[bool] = False  # --compile traces it through latentkv's kernels only
     in_features: int
     out_features: int
     bias: torch.Tensor | None = None  # [out], added by __call__

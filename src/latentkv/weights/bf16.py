@@ -25,6 +25,7 @@ from latentkv.weights.kernels import matmul_dtype
 class Bf16Linear(DenseLinear):
     format = "bf16"
     dtype = torch.bfloat16
+    table_dtype = torch.bfloat16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight, bias)

@@ -105,6 +105,8 @@ def _padded(n: int, multiple: int) -> int:
 @register
 class Int4Linear(Linear):
     format = "int4"
+    table_dtype = torch.bfloat16  # a gather reads one row per token: 16 bits suffice there
+    compile_needs_native = True
     pieces = ("nibbles", "scale", "zero")  # the portable state a file stores (`quantize_state`, `from_state`)
     scale_pieces = ("scale", "zero")  # the pieces a factor multiplies: W~ * c (`scaled_state`)
     scale_zeros_lo: torch.Tensor | None = None  # float32 scales: the rest of the scale, as scale_zeros

@@ -82,6 +82,8 @@ def quantize_int8_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor
 @register
 class Int8Linear(Linear):
     format = "int8"
+    table_dtype = torch.bfloat16  # a gather reads one row per token: 16 bits suffice there
+    compile_needs_native = True
     pieces = ("q", "scale")  # the portable state a file stores (`quantize_state`, `from_state`)
     scale_pieces = ("scale",)  # the pieces a factor multiplies: W~ * c (`scaled_state`)
 

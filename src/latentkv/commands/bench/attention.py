@@ -33,6 +33,8 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+
     from latentkv.config import CacheConfig
     from latentkv.eval import bench
     from latentkv.kv.cache import make_cache
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise UserError(f"--repeats must be positive (got {args.repeats})")
     common.set_threads(args.threads)
-    layout = bench.attention_layout(args.kv_lora, args.rope)
+    layout = bench.attention_layout(args.kv_lora, args.rope, torch.device("cpu"))
     for tier in tiers:  # refuse a tier that cannot store these widths before timing anything
         try:
             make_cache(layout, CacheConfig(tier))

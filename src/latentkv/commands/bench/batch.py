@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from latentkv.commands.bench import common
-from latentkv.commands.common import add_weight_arguments
+from latentkv.commands.common import add_device_argument, add_weight_arguments
 from latentkv.errors import UserError
 
 
@@ -27,6 +27,7 @@ def add(sub) -> None:
     )
     b.add_argument("--kv-cache-dtype", default="f32", help="comma-separated KV tiers, or all (default: f32)")
     add_weight_arguments(b)
+    add_device_argument(b)
     common.add_output(b)
 
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> dict:
     common.set_threads(args.threads)
     loaded = load(
         args.model,
-        EngineConfig(weight_dtype=args.weight_dtype, expert_dtype=args.expert_dtype),
+        EngineConfig(weight_dtype=args.weight_dtype, expert_dtype=args.expert_dtype, device=args.device),
         quiet=args.json,
     )
     model = loaded.model

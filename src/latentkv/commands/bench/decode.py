@@ -9,7 +9,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from latentkv.commands.bench import common
-from latentkv.commands.common import add_streaming_arguments, add_weight_arguments
+from latentkv.commands.common import add_device_argument, add_streaming_arguments, add_weight_arguments
 from latentkv.commands.common import weight_dtypes as weight_list
 from latentkv.errors import UserError
 
@@ -45,6 +45,7 @@ def add(sub) -> None:
         "(default: 1; use 3+ on a shared machine)",
     )
     add_weight_arguments(d, multiple=True)
+    add_device_argument(d)
     add_streaming_arguments(d)
     d.add_argument(
         "--kv-cache-dtype",
@@ -92,6 +93,7 @@ class _Plan:
 def run(args: argparse.Namespace) -> dict:
     from latentkv.commands.common import run_as_worker
     from latentkv.eval import bench
+    from latentkv.weights import dense_dtype
 
     if (status := run_as_worker(args)) is not None:
         raise SystemExit(status)
@@ -102,8 +104,10 @@ def run(args: argparse.Namespace) -> dict:
     cluster_report: list[dict] = []
     for dtype in plan.weight_dtypes:  # a cluster runs one
         directory, cluster_report = _latentkv_rows(args, plan, dtype, rows, notes)
-        if args.vs_transformers and dtype not in ("f32", "bf16"):
-            notes.append(f"transformers runs f32 and bf16 weights only: no transformers row for {dtype}")
+        if args.vs_transformers and dense_dtype(dtype) is None:
+            notes.append(
+                f"transformers runs plain-tensor weights only (f32, bf16): no transformers row for {dtype}"
+            )
         elif args.vs_transformers:
             rows.extend(_transformers_rows(args, directory, dtype, plan.contexts))
     bench.add_ratios(rows)
@@ -165,6 +169,7 @@ def _load(args: argparse.Namespace, plan: _Plan, dtype: str):
             ram_gb=args.ram_gb,
             expert_policy=args.expert_cache_policy,
             cluster=plan.cluster,
+            device=args.device,
         )
     except ConfigError as exc:
         raise UserError(str(exc)) from None

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from latentkv.commands.bench import common
-from latentkv.commands.common import add_weight_arguments
+from latentkv.commands.common import add_device_argument, add_weight_arguments
 from latentkv.errors import UserError
 
 
@@ -25,6 +25,7 @@ def add(sub) -> None:
         "--kv-cache-dtype", default="f32,tq4", help="comma-separated KV tiers, or all (default: f32,tq4)"
     )
     add_weight_arguments(r)
+    add_device_argument(r)
     r.add_argument(
         "--repeats",
         type=int,
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> dict:
     common.set_threads(args.threads)
     loaded = load(
         args.model,
-        EngineConfig(weight_dtype=args.weight_dtype, expert_dtype=args.expert_dtype),
+        EngineConfig(weight_dtype=args.weight_dtype, expert_dtype=args.expert_dtype, device=args.device),
         quiet=args.json,
     )
     model = loaded.model

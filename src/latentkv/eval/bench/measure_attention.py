@@ -13,6 +13,8 @@ from latentkv.eval.bench.workload import fill_random, predicted_kv_bytes
 from latentkv.kv.cache import CacheLayout, RowReader, make_cache
 from latentkv.kv.codecs import get_codec
 
+CPU = torch.device("cpu")  # the attention bench times the CPU's read
+
 
 @dataclass
 class AttentionRow:
@@ -38,14 +40,15 @@ class AttentionRow:
         return asdict(self)
 
 
-def attention_layout(kv_lora_rank: int, rope_dim: int) -> CacheLayout:
-    """One layer of latent rows, no indexer: what one MLA layer's attention reads."""
+def attention_layout(kv_lora_rank: int, rope_dim: int, device: torch.device) -> CacheLayout:
+    """One layer of latent rows on `device`, no indexer: what one MLA layer's attention reads."""
     return CacheLayout(
         num_layers=1,
         row_width=kv_lora_rank + rope_dim,
         kv_lora_rank=kv_lora_rank,
         index_layers=(),
         index_head_dim=0,
+        device=device,
     )
 
 
@@ -57,7 +60,7 @@ def bench_attention(
     Returns the row (speed_vs_f32 and rel_err_vs_f32 unset) and the context output [H, 1, Lkv],
     so callers can compare tiers; the rows and the query depend only on `seed`.
     """
-    cache = make_cache(attention_layout(kv_lora_rank, rope_dim), CacheConfig(tier))
+    cache = make_cache(attention_layout(kv_lora_rank, rope_dim, CPU), CacheConfig(tier))
     (reader,) = fill_random(cache, context, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     width = kv_lora_rank + rope_dim

@@ -20,6 +20,7 @@ from latentkv.eval.bench.workload import (
     random_prompt,
     timed_forward,
 )
+from latentkv.weights import dense_dtype
 
 if TYPE_CHECKING:
     from latentkv.models.compiled import CompiledDecode
@@ -195,7 +196,8 @@ class _Clock:
 def load_transformers(directory: Path, weight_dtype: str):
     import transformers
 
-    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[weight_dtype]
+    dtype = dense_dtype(weight_dtype)  # transformers runs the plain-tensor formats only
+    assert dtype is not None, weight_dtype
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
 
 

@@ -103,7 +103,7 @@ def _timed_resume(model, directory: Path, path: Path, cache_config: CacheConfig,
     for _ in range(repeats):
         t0 = time.perf_counter()
         current = header_for(model.cfg, model.make_cache(cache_config), Checkpoint(directory).fingerprint())
-        session, cache = Session.resume(path, current, cache_config)
+        session, cache = Session.resume(path, current, cache_config, model.device)
         seconds = time.perf_counter() - t0
         session.close()
         if best is None or seconds < best:

@@ -1,0 +1,101 @@
+"""--device: cpu changes nothing; cuda is refused in one line (exit 2) where torch has no CUDA.
+
+Torch's CUDA probe is patched to "none" so these hold on a GPU machine too; what runs on a GPU
+is benchmarks/gpu_check.py's to show (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from latentkv.cli import main
+from latentkv.config import EngineConfig
+from latentkv.errors import UserError
+from latentkv.runtime import check_device, load, resolve_device
+
+PROMPT = ["--prompt-ids", "5,17,3,99,42", "--max-tokens", "8", "--json"]
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "builtin:tiny", *PROMPT],
+        ["chat", "builtin:tiny"],
+        ["serve", "builtin:tiny", "--port", "0"],
+        ["bench", "decode", "builtin:tiny", "--context", "8", "--decode-tokens", "2"],
+        ["bench", "batch", "builtin:tiny"],
+        ["bench", "resume", "builtin:tiny"],
+        ["eval", "ppl", "builtin:tiny"],
+    ],
+    ids=["generate", "chat", "serve", "bench-decode", "bench-batch", "bench-resume", "eval-ppl"],
+)
+def test_cuda_without_cuda_is_one_line_and_exit_2(capsys, monkeypatch, no_cuda, argv):
+    if argv[0] == "serve":  # past the check the server would start and wait for requests
+        import uvicorn
+
+        monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("serve started"))
+    code, out, err = _run(capsys, *argv, "--device", "cuda")
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--device cuda:" in lines[0] and "use --device cpu" in lines[0], err
+    assert "Traceback" not in err and "loaded" not in err  # refused before any weight is read
+
+
+def test_an_unknown_device_is_argparses_refusal(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "builtin:tiny", *PROMPT, "--device", "tpu"])
+    assert exit_.value.code == 2 and "invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_device_cpu_and_auto_without_cuda_generate_the_same_tokens(capsys, no_cuda):
+    outputs = []
+    for flags in ([], ["--device", "cpu"], ["--device", "auto"]):
+        code, out, err = _run(capsys, "generate", "builtin:tiny", *PROMPT, *flags)
+        assert code == 0, err
+        outputs.append(json.loads(out)["tokens"])
+    assert len(outputs[0]) == 8 and outputs[0] == outputs[1] == outputs[2]
+
+
+def test_device_cpu_loads_the_same_model_bit_for_bit():
+    """The CPU path is unchanged: every logit equal with and without device="cpu"."""
+    ids = torch.tensor([5, 17, 3, 99, 42, 7])
+    logits = []
+    for engine in (EngineConfig(), EngineConfig(device="cpu")):
+        loaded = load("builtin:tiny", engine, quiet=True)
+        assert loaded.model.device == torch.device("cpu")
+        with torch.inference_mode():
+            logits.append(loaded.model.forward(ids, loaded.model.make_cache(), all_logits=True))
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_resolve_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda") == resolve_device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(UserError, match="--device cuda: .*use --device cpu"):
+        resolve_device("cuda")
+    with pytest.raises(UserError, match="unknown --device 'gpu'; choose from cpu, cuda, auto"):
+        resolve_device("gpu")
+
+
+def test_cuda_with_streamed_experts_is_refused(monkeypatch):
+    """Streamed experts come to the MoE layer in host memory: not with cuda (yet)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError, match="--ram-gb"):
+        check_device(EngineConfig(device="cuda", ram_gb=4.0))
