@@ -646,9 +646,10 @@ def load_exported(folder: Path) -> tuple[dict, dict, dict]:
 
 
 def new_state(args, tok) -> dict:
-    cfg = model_config(tok.get_vocab_size(), args)
-    config, model, mtp = tf.build(cfg, args.seed)
-    if args.init_from is not None:  # continue from an exported model: its weights, a fresh optimizer
+    if args.init_from is None:
+        cfg = model_config(tok.get_vocab_size(), args)
+        config, model, mtp = tf.build(cfg, args.seed)
+    else:  # continue from an exported model: its config and weights, a fresh optimizer
         cfg, model_state, mtp_state = load_exported(Path(args.init_from))
         config, model, mtp = tf.build(cfg, args.seed)
         model.load_state_dict(model_state)
@@ -956,8 +957,9 @@ def parse(argv: list[str] | None):
         "--synthetic-share",
         type=float,
         default=0.0,
-        help="share of each step's windows that are random tokens with repeated segments, whose "
-        "loss counts only the copies: a curriculum that makes induction heads form (default: 0)",
+        help="share of each step's windows that are synthetic copy windows, whose loss counts only "
+        "the copies: a curriculum meant to make induction heads form (on the shipped model it did "
+        "not in the steps tried: docs/stdlib-moe.md) (default: 0)",
     )
     t.add_argument(
         "--synthetic-final-share",
