@@ -84,7 +84,7 @@ def head_child(
     import torch
 
     from latentkv.commands.common import cluster_config
-    from latentkv.config import CacheConfig, EngineConfig
+    from latentkv.config import EngineConfig
     from latentkv.runtime import load
 
     class Flags:
@@ -99,7 +99,7 @@ def head_child(
     engine = EngineConfig(weight_dtype=weight_dtype, threads=1, ram_gb=ram_gb, cluster=cluster_config(Flags))
     loaded = load(model, engine, max_model_len=context + 2 * tokens + 1)
     try:
-        model_, cache = loaded.model, loaded.model.make_cache(CacheConfig())
+        model_, cache = loaded.model, loaded.model.make_cache(loaded.model.tier())
         g = torch.Generator().manual_seed(0)
         logits = model_.forward(torch.randint(0, model_.cfg.vocab_size, (context,), generator=g), cache)[-1]
         for _ in range(tokens if warm else 0):

@@ -96,7 +96,6 @@ def run_child(args: argparse.Namespace) -> int:
     """In the limited process: load streamed, prefill, decode greedily; print one JSON line."""
     import torch
 
-    from latentkv.config import CacheConfig
     from latentkv.experts.streamed import StreamConfig
     from latentkv.models.registry import resolve
     from latentkv.streaming.attach import ensure_store, load_streamed
@@ -113,7 +112,7 @@ def run_child(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g)
-    cache = model.make_cache(CacheConfig(args.kv_cache_dtype))
+    cache = model.make_cache(model.tier(args.kv_cache_dtype))
     if args.filled:
         from latentkv.eval.bench.workload import fill_random
 

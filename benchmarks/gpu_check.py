@@ -11,7 +11,7 @@ section still runs; a section that would overrun the time budget is skipped and 
   read + written over the median time): the yardstick for the decode kernel.
 - kernels: every tier the Triton decode kernel serves, at GLM-5's widths (512 + 64, 64 heads,
   4 ragged sequences, split-K, and the DSA gather on a few), against the torch consumers
-  (`latentkv.kv.attention`, run on CPU copies of the same bytes) and a float64
+  (`latentkv.attention.consumers`, run on CPU copies of the same bytes) and a float64
   dequantize-then-attend reference, for float32 ("ieee") and bfloat16 operands.
 - bandwidth: the decode kernel at 4k, 32k and 128k tokens of context (one sequence, 64 heads):
   stored bytes read per call over the median time (triton.testing.do_bench, L2 flushed between
@@ -188,7 +188,7 @@ def _errors(codec_c, codec_r, q, encoded, out, picks=None) -> tuple[float, float
     relative to max(1, the reference's largest value)."""
     import torch
 
-    from latentkv.kv import attention as consumers
+    from latentkv.attention import consumers
 
     torch_err = f64_err = 0.0
     for b, (c, r) in enumerate(encoded):

@@ -8,7 +8,7 @@ bench decode` on an idle one).
     attention  one decode token of --heads heads over --rows rows of kv_lora 512 + rope 64 (the
                slice's widths; 2,048 rows is what DSA reads at 4,096 tokens of context): f32 as
                `F32Rows` (one matmul over float32 rows), every other tier through
-               `kv.attention.attend` over its packed rows
+               `attention.consumers.attend` over its packed rows
     fixture    greedy generation of --tokens tokens of the demo prompt on builtin:fixture
 
     PYTHONPATH=src .venv/bin/python benchmarks/kv_block_speed.py --out benchmarks/results/kv-block-speed.json
@@ -49,9 +49,17 @@ def fastest(runs: dict[str, object], repeats: int) -> dict[str, float]:
 
 
 def attention_runs(tiers: list[str], rows: int, heads: int) -> dict[str, object]:
-    from latentkv.kv import attention
     from latentkv.kv.cache import F32Rows
     from latentkv.kv.codecs import get_codec
+
+    try:
+        from latentkv.attention import consumers as attention
+        from latentkv.attention.readers import attend as attend_rows
+    except ImportError:  # a checkout from before the attention backend held the arithmetic
+        from latentkv.kv import attention
+
+        def attend_rows(query, reader, allowed):
+            return reader.attend(query, allowed)
 
     g = torch.Generator().manual_seed(0)
     query = torch.randn(heads, 1, 576, generator=g) * 0.05
@@ -60,7 +68,7 @@ def attention_runs(tiers: list[str], rows: int, heads: int) -> dict[str, object]
         x = torch.randn(rows, 576, generator=g)
         if tier == "f32":
             reader = F32Rows(x, 512)
-            runs[tier] = lambda reader=reader: reader.attend(query, None)
+            runs[tier] = lambda reader=reader: attend_rows(query, reader, None)
             continue
         codec_c, codec_r = get_codec(tier, 512), get_codec(tier, 64)
         c, r = codec_c.encode(x[:, :512]), codec_r.encode(x[:, 512:])
@@ -69,7 +77,7 @@ def attention_runs(tiers: list[str], rows: int, heads: int) -> dict[str, object]
 
 
 def fixture_runs(tiers: list[str], tokens: int) -> dict[str, object]:
-    from latentkv.config import CacheConfig, EngineConfig
+    from latentkv.config import EngineConfig
     from latentkv.engine.generate import generate
     from latentkv.engine.sampling import SamplingParams
     from latentkv.runtime import load
@@ -79,7 +87,7 @@ def fixture_runs(tiers: list[str], tokens: int) -> dict[str, object]:
     prompt = tok.encode(PROMPT)
 
     def run(tier: str) -> None:
-        cache = model.make_cache(CacheConfig(tier))
+        cache = model.make_cache(model.tier(tier))
         generate(model, prompt, tokens, SamplingParams(0.0, 1.0), tok, cache=cache, stop_ids=())
 
     return {tier: (lambda tier=tier: run(tier)) for tier in tiers}

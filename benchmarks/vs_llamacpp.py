@@ -294,7 +294,6 @@ def measure_bytes(
     them). Also the read bandwidth: a float32 torch sum over `mib` MiB with the same threads."""
     import torch
 
-    from latentkv.config import CacheConfig
     from latentkv.eval.bench.workload import fill_random, measured_index_bytes, predicted_kv_bytes
     from latentkv.experts.base import Expert
     from latentkv.models.weights import load_model
@@ -337,7 +336,7 @@ def measure_bytes(
     out = {"weights": dtype, "kv_tier": tier, "weight_bytes": {}, "kv_bytes": {}}
     with torch.inference_mode():
         for depth in depths:
-            cache = model.make_cache(CacheConfig(tier))
+            cache = model.make_cache(model.tier(tier))
             fill_random(cache, max(depth, 1))
             model.forward(torch.tensor([5]), cache)  # warm-up step
             count[0] = 0

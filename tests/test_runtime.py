@@ -42,5 +42,5 @@ def test_build_is_load():
         build(resolve_load("builtin:tiny", engine), True).model,
     ]
     with torch.inference_mode():
-        a, b = (m.forward(ids, m.make_cache(engine.cache), all_logits=True) for m in models)
+        a, b = (m.forward(ids, m.make_cache(m.tier(engine.cache)), all_logits=True) for m in models)
     assert torch.equal(a, b)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from latentkv.cluster.head import Cluster
     from latentkv.config import CacheConfig, EngineConfig, ModelConfig
     from latentkv.experts.streamed import ExpertStreamer
+    from latentkv.kv.cache import KVTier
     from latentkv.models.model import Model
     from latentkv.streaming.planner import Plan
     from latentkv.tokenizer import Tokenizer
@@ -90,6 +91,7 @@ class Loaded:
     tokenizer: Tokenizer | None  # None: the model folder has no tokenizer.json (token ids only)
     directory: Path
     seconds: float
+    tier: KVTier  # --kv-cache-dtype resolved for this model, once: every cache of the run is made in it
     streamer: ExpertStreamer | None = None  # the experts stream from disk (--ram-gb)
     cluster: Cluster | None = None  # the head of a cluster: the other ranks hold experts too
 
@@ -167,7 +169,9 @@ def resolve_load(
         cfg = ModelConfig.from_hf(directory)
         check_tier(cfg, engine.cache)
         if engine.compile:
-            check_compilable(engine.cache, (engine.weight_dtype, engine.experts))
+            check_compilable(
+                engine.cache.kv_cache_dtype, engine.cache.recent_window, (engine.weight_dtype, engine.experts)
+            )
         length = max_model_len or min(cfg.max_position_embeddings, 4096)
         spec = LoadSpec(model_arg, directory, cfg, engine, device, length, max_num_seqs, draft_tokens)
         if engine.ram_gb is not None and engine.cluster is None:  # a cluster plans every rank itself
@@ -205,9 +209,10 @@ def build(spec: LoadSpec, quiet: bool = False) -> Loaded:
     tokenizer = Tokenizer.of_model(spec.directory)
     if not quiet:
         _report_load(spec.model_arg, model, engine, seconds)
+    tier = model.tier(engine.cache)  # check_tier refused a tier that cannot store these rows
     if engine.compile:
-        model.compile_decode(engine.cache, progress=not quiet)
-    return Loaded(model, tokenizer, spec.directory, seconds, streamer, cluster)
+        model.compile_decode(tier, progress=not quiet)
+    return Loaded(model, tokenizer, spec.directory, seconds, tier, streamer, cluster)
 
 
 @contextlib.contextmanager

@@ -26,21 +26,23 @@ CUDA = torch.device("cuda")  # a device name only: refuse() never touches the CU
 EXACT = TritonDecode(precision="ieee")  # float32 products, as the reference: a tight comparison
 
 
-@pytest.mark.parametrize("tier", KV_CACHE_DTYPES)
-def test_serves_cuda_for_every_tier_but_polar(tier):
+@pytest.mark.parametrize("name", KV_CACHE_DTYPES)
+def test_serves_cuda_for_every_tier_but_polar(name):
+    tier = resolve_tier(LAYOUT, CacheConfig(name))
     reason = TRITON.refuse(tier, CUDA)
-    if "polar" in tier:
+    if "polar" in name:
         assert "polar" in reason and "no Triton decode kernel" in reason
-        assert backend_for(tier, "cuda") is REFERENCE
+        assert backend_for(tier, CUDA) is REFERENCE
     else:
         assert reason is None
-        assert backend_for(tier, "cuda") is TRITON
+        assert backend_for(tier, CUDA) is TRITON
 
 
-@pytest.mark.parametrize("tier", KV_CACHE_DTYPES)
-def test_the_cpu_keeps_the_torch_reference(tier):
+@pytest.mark.parametrize("name", KV_CACHE_DTYPES)
+def test_the_cpu_keeps_the_torch_reference(name):
+    tier = resolve_tier(LAYOUT, CacheConfig(name))
     assert TRITON.refuse(tier, torch.device("cpu")) == "needs a CUDA device (not cpu)"
-    assert backend_for(tier, "cpu") is REFERENCE
+    assert backend_for(tier, torch.device("cpu")) is REFERENCE
 
 
 def readers(tier: str, lengths, seed: int):

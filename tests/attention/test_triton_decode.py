@@ -6,7 +6,7 @@ boundaries fall inside a tile of BLOCK_T = 16 rows; rows of 64 + 16 values (32 +
 narrow case, where the rope key is narrower than the kernel's padded tile). Two references,
 neither from the code under test:
 
-- torch: `latentkv.kv.attention.attend`, the consumers the engine runs on the CPU;
+- torch: `latentkv.attention.consumers.attend`, the consumers the engine runs on the CPU;
 - float64: every row decoded by its codec (`Codec.decode`), then attention in float64.
 
 Tolerances, relative to max(1, the reference's largest value): float32 products ("ieee")
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latentkv.kv import attention as consumers
+from latentkv.attention import consumers
 from latentkv.kv.codecs import TIERS, EncodedRows, get_codec
 
 pytest.importorskip("triton")

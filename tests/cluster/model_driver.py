@@ -51,7 +51,7 @@ def run(out: str, model_arg: str, tier: str, steps: int = 5) -> None:
 
 
 def _single(model, cache_config, prompt, steps: int) -> list[torch.Tensor]:
-    cache = model.make_cache(cache_config)
+    cache = model.make_cache(model.tier(cache_config))
     logits = [model.forward(prompt, cache)[-1]]
     for _ in range(steps):
         logits.append(model.forward(logits[-1].argmax().reshape(1), cache)[-1])
@@ -59,7 +59,7 @@ def _single(model, cache_config, prompt, steps: int) -> list[torch.Tensor]:
 
 
 def _batched(model, cache_config, prompts, steps: int) -> list[torch.Tensor]:
-    caches = [model.make_cache(cache_config) for _ in prompts]
+    caches = [model.make_cache(model.tier(cache_config)) for _ in prompts]
     rows = model.prefill_batch(prompts, caches)
     logits = [rows]
     for _ in range(steps):

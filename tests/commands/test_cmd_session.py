@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from latentkv.cli import main
-from latentkv.config import CacheConfig
 from latentkv.engine.generate import generate
 from latentkv.kv.store import KVFile
 
@@ -66,7 +65,7 @@ def test_a_restarted_generate_resumes_and_continues_token_identically(tmp_path, 
     assert two["stats"]["resume_seconds"] >= 0 and two["session"]["notes"] == []
 
     model = ours("glm5-tiny")
-    uninterrupted = generate(model, prompt, 6, cache=model.make_cache(CacheConfig(tier)), stop_ids=())
+    uninterrupted = generate(model, prompt, 6, cache=model.make_cache(model.tier(tier)), stop_ids=())
     assert two["tokens"] == uninterrupted.tokens
     with KVFile.open(tmp_path / "s.kv") as f:
         assert f.load().tokens == (prompt + two["tokens"])[:-1]

@@ -7,7 +7,6 @@ import inspect
 
 import pytest
 
-from latentkv.config import CacheConfig
 from latentkv.engine.client import EngineClient
 from latentkv.engine.remote import EngineProcess
 from latentkv.engine.scheduler import Scheduler
@@ -28,7 +27,9 @@ def test_each_engine_has_the_protocols_methods_and_signatures(cls):
 
 
 def test_a_scheduler_has_the_protocols_attributes(ours):
-    scheduler = Scheduler(ours("glm5-tiny"), CacheConfig(), max_num_seqs=2, max_queue=3, max_model_len=64)
+    scheduler = Scheduler(
+        ours("glm5-tiny"), ours("glm5-tiny").tier(), max_num_seqs=2, max_queue=3, max_model_len=64
+    )
     attributes = inspect.get_annotations(EngineClient)
     assert set(attributes) == {"max_num_seqs", "max_queue", "max_model_len", "failure"}
     assert (scheduler.max_num_seqs, scheduler.max_queue, scheduler.max_model_len) == (2, 3, 64)

@@ -8,7 +8,6 @@ import stat
 import pytest
 import torch
 
-from latentkv.config import CacheConfig
 from latentkv.engine.sessions import (
     SessionBusy,
     SessionFiles,
@@ -37,7 +36,7 @@ def test_names_are_plain_file_names_and_the_folder_is_private(tmp_path):
 
 def test_open_resume_save_and_refusals(ours, tiny_dir, tmp_path):
     model = ours("glm5-tiny")
-    files = SessionFiles(model, CacheConfig(), tiny_dir, tmp_path)
+    files = SessionFiles(model, model.tier(), tiny_dir, tmp_path)
     prompt = [5, 6, 7, 8]
     session, cache = files.open("a")
     assert resume(session, cache, prompt) == prompt  # a new session: everything to prefill

@@ -13,7 +13,6 @@ import jsonschema_rs
 import pytest
 import torch
 
-from latentkv.config import CacheConfig
 from latentkv.engine.generate import generate
 from latentkv.engine.grammar import GrammarError, Grammars, GrammarSpec, check_grammar, unpack
 from latentkv.engine.request import Request
@@ -37,7 +36,7 @@ def fixture():
 
 
 def _scheduler(model, grammars, **kwargs) -> Scheduler:
-    scheduler = Scheduler(model, CacheConfig(), grammars=grammars, **kwargs)
+    scheduler = Scheduler(model, model.tier(), grammars=grammars, **kwargs)
     scheduler.start()
     return scheduler
 
@@ -141,6 +140,6 @@ def test_a_bad_schema_names_what_is_wrong(schema, words):
 
 def test_a_scheduler_without_grammars_refuses_a_grammar(fixture):
     model, _, _ = fixture
-    scheduler = Scheduler(model, CacheConfig())
+    scheduler = Scheduler(model, model.tier())
     with pytest.raises(ValueError, match="tokenizer.json"):
         scheduler.submit(Request([5, 6], SamplingParams(grammar=GrammarSpec.json_object())))

@@ -33,7 +33,7 @@ def _collect(handle) -> tuple[list[int], list[TokenEvent], Finished]:
 def _alone(model, prompt: list[int], max_tokens: int, cache_config=None, **sampler) -> list[int]:
     """The tokens the plain engine generates for this request, nothing else running."""
     params = sampling.SamplingParams(**({"temperature": 0.0} | sampler))
-    cache = model.make_cache(cache_config)
+    cache = model.make_cache(model.tier(cache_config))
     return generate(model, prompt, max_tokens, params, cache=cache, stop_ids=()).tokens
 
 
@@ -43,7 +43,8 @@ def make(ours, tiny_dir):
     made = []
 
     def build(model=None, cache_config=None, start=True, **kwargs):
-        s = Scheduler(model or ours("glm5-tiny"), cache_config or CacheConfig(), model_dir=tiny_dir, **kwargs)
+        model = model or ours("glm5-tiny")
+        s = Scheduler(model, model.tier(cache_config), model_dir=tiny_dir, **kwargs)
         if start:
             s.start()
         made.append(s)
@@ -320,8 +321,11 @@ class _Flaky:
         self.model = model
         self.cfg = model.cfg
 
-    def make_cache(self, config=None):
-        return self.model.make_cache(config)
+    def tier(self, config=None):
+        return self.model.tier(config)
+
+    def make_cache(self, tier=None):
+        return self.model.make_cache(tier)
 
     def forward(self, tokens, cache, all_logits=False):
         if 7 in tokens.tolist():
@@ -365,7 +369,7 @@ def test_worker_survives_requests_that_raise(ours, make, capsys):
 def test_stats(make):
     scheduler = make(start=False, max_num_seqs=3, max_model_len=100, cache_config=CacheConfig("tq4"))
     stats = scheduler.stats()
-    probe = scheduler.model.make_cache(CacheConfig("tq4"))
+    probe = scheduler.model.make_cache(scheduler.model.tier("tq4"))
     per_token = probe.bytes_per_token_layer() * scheduler.model.cfg.num_layers + probe.index_bytes_per_token()
     assert stats.kv_bytes_capacity == per_token * 100 * 3
     assert (stats.running, stats.waiting, stats.kv_bytes_in_use, stats.kv_cache_dtype) == (0, 0, 0, "tq4")
@@ -384,7 +388,7 @@ def test_sixteen_concurrent_greedy_clients_on_the_trained_fixture():
     model = load_model(directory, device="cpu")
     text_ids = Tokenizer(directory).encode((directory / "heldout.txt").read_text(encoding="utf-8"))
     requests = [(text_ids[3000 * i : 3000 * i + 20 + 5 * i], 12) for i in range(16)]
-    scheduler = Scheduler(model, CacheConfig(), max_num_seqs=16, model_dir=directory)
+    scheduler = Scheduler(model, model.tier(), max_num_seqs=16, model_dir=directory)
     scheduler.start()
     try:
         handles = [
@@ -406,8 +410,11 @@ class _Counting:
         self.prefills: list[int] = []
         self.decodes: list[int] = []
 
-    def make_cache(self, config=None):
-        return self.model.make_cache(config)
+    def tier(self, config=None):
+        return self.model.tier(config)
+
+    def make_cache(self, tier=None):
+        return self.model.make_cache(tier)
 
     def forward(self, tokens, cache, all_logits=False):
         self.prefills.append(1)

@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from latentkv.config import CacheConfig
 from latentkv.engine import sampling
 from latentkv.engine.generate import generate
 from latentkv.engine.scheduler import Finished, Request, SamplingParams, Scheduler, TokenEvent
@@ -49,14 +48,14 @@ def _collect(handle) -> tuple[list[int], Finished]:
 
 
 def _alone(model, prompt, n, tier):
-    cache = model.make_cache(CacheConfig(tier))
+    cache = model.make_cache(model.tier(tier))
     return generate(model, prompt, n, sampling.SamplingParams(), cache=cache, stop_ids=()).tokens
 
 
 def _run(model, tier, requests, max_num_seqs, draft_tokens):
     scheduler = Scheduler(
         model,
-        CacheConfig(tier),
+        model.tier(tier),
         max_num_seqs=max_num_seqs,
         speculative=SpeculativeConfig(draft_tokens=draft_tokens, adaptive=False),
     )
@@ -99,4 +98,4 @@ def test_batched_verify_greedy_matches_alone_with_random_drafts(random_mtp_model
 
 def test_a_scheduler_refuses_drafting_without_an_mtp_layer(ours):
     with pytest.raises(ValueError, match="MTP"):
-        Scheduler(ours("glm5-tiny"), CacheConfig(), speculative=SpeculativeConfig())
+        Scheduler(ours("glm5-tiny"), ours("glm5-tiny").tier(), speculative=SpeculativeConfig())

@@ -52,9 +52,9 @@ def random_mtp_model(tmp_path_factory):
 
 def _both(model, prompt, tier, n_tokens, draft_tokens, window=0):
     cache_cfg = CacheConfig(tier, recent_window=window)
-    plain_cache = model.make_cache(cache_cfg)
+    plain_cache = model.make_cache(model.tier(cache_cfg))
     plain = generate(model, prompt, n_tokens, SamplingParams(), cache=plain_cache, stop_ids=())
-    spec_cache = model.make_cache(cache_cfg)
+    spec_cache = model.make_cache(model.tier(cache_cfg))
     spec = generate(
         model,
         prompt,

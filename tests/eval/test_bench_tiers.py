@@ -14,7 +14,7 @@ import torch
 from latentkv.cli import main
 from latentkv.config import CacheConfig
 from latentkv.eval import bench
-from latentkv.kv.cache import make_cache
+from latentkv.kv.cache import resolve_tier
 from latentkv.kv.codecs import get_codec
 
 TIERS = ("f32", "fp8", "tq4")
@@ -114,7 +114,7 @@ def test_random_fill_skips_the_prompt_and_reports_prefill_as_na(capsys, helpers,
 
 def test_random_fill_appends_rows_to_every_layer_and_indexer(ours):
     model = ours("glm5-tiny")
-    cache = model.make_cache(CacheConfig("fp8"))
+    cache = model.make_cache(model.tier("fp8"))
     readers = bench.fill_random(cache, 50, chunk=16)
     layout = cache.layout
     assert cache.length == 50 and len(readers) == layout.num_layers
@@ -231,6 +231,6 @@ def test_attention_table_prints_one_markdown_row_per_tier(capsys):
 
 def test_measured_bytes_of_an_f32_cache_come_from_its_row_tensors():
     layout = bench.attention_layout(16, 8, torch.device("cpu"))
-    cache = make_cache(layout, CacheConfig("f32"))
+    cache = resolve_tier(layout, CacheConfig("f32")).make_cache()
     bench.fill_random(cache, 10)
     assert cache.allocated_nbytes() == 10 * 24 * 4 == bench.predicted_kv_bytes(cache)

@@ -152,13 +152,13 @@ def _requests(item: dict) -> list[tuple[str, str]]:
 def _one_pass(model, ctx: list[int], cont: list[int], tier: CacheConfig) -> float:
     """log p(cont | ctx) from a single forward over ctx + cont[:-1], as lm_eval's backends score it."""
     ids = torch.tensor(ctx + cont)
-    logits = model.forward(ids[:-1], model.make_cache(tier), all_logits=True)[-len(cont) :]
+    logits = model.forward(ids[:-1], model.make_cache(model.tier(tier)), all_logits=True)[-len(cont) :]
     return float(torch.log_softmax(logits.double(), -1)[torch.arange(len(cont)), torch.tensor(cont)].sum())
 
 
 def _decoded(model, ctx: list[int], cont: list[int], tier: CacheConfig) -> float:
     """The reference: log p(cont | ctx) from decoding ctx + cont[:-1] one token at a time over the tier."""
-    cache, ids = model.make_cache(tier), ctx + cont
+    cache, ids = model.make_cache(model.tier(tier)), ctx + cont
     logits = torch.cat([model.forward(torch.tensor(ids[t : t + 1]), cache) for t in range(len(ids) - 1)])
     log_p = torch.log_softmax(logits[-len(cont) :].double(), -1)
     return float(log_p[torch.arange(len(cont)), torch.tensor(cont)].sum())
@@ -169,7 +169,7 @@ def test_loglikelihood_equals_token_by_token_decode_over_the_tier(tier, ours, bp
     model, tok = ours("dsv3-tiny"), Tokenizer(bpe_dir)
     items = mc.build_items(code_text, mc.BuildConfig(items=1, seed=5, context_chars=150))
     pairs = [p for it in items for p in _requests(it)]
-    got = loglik.loglikelihood(model, tok, pairs, CacheConfig(tier))
+    got = loglik.loglikelihood(model, tok, pairs, model.tier(tier))
     assert len(got) == len(pairs) == 8  # 4 choices after the context, 4 alone
     for (context, continuation), (ll, _) in zip(pairs, got, strict=True):
         ctx, cont = loglik.encode_pair(tok, context, continuation, loglik.prefix_token(model.cfg))

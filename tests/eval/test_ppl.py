@@ -24,7 +24,7 @@ def _ids(n: int, seed: int, vocab: int = 256) -> torch.Tensor:
 
 
 def _decode(model, ids: torch.Tensor, tier: CacheConfig) -> torch.Tensor:
-    cache = model.make_cache(tier)
+    cache = model.make_cache(model.tier(tier))
     return torch.cat([model.forward(ids[t : t + 1], cache) for t in range(ids.shape[0])])
 
 
@@ -35,15 +35,15 @@ def test_window_scoring_equals_token_by_token_decode(tier, name, ours):
     model = ours(name)
     ids = _ids(24, seed=len(tier) + 13 * len(name))
     cache = CacheConfig(tier)
-    one_pass = ppl.score_window(model, ids, cache)
+    one_pass = ppl.score_window(model, ids, model.tier(cache))
     stepped = _decode(model, ids, cache)
     assert one_pass.shape == stepped.shape == (24, model.cfg.vocab_size)
     torch.testing.assert_close(one_pass, stepped, rtol=0, atol=DECODE_ATOL)
     if tier != "f32":  # the tier is really in the path: its logits are not the f32 cache's
-        assert float((one_pass - ppl.score_window(model, ids, CacheConfig())).abs().max()) > 1e-5
+        assert float((one_pass - ppl.score_window(model, ids, model.tier())).abs().max()) > 1e-5
 
     # the window's NLL from the one pass against a float64 reference over the decoded logits
-    reference = ppl.score_window(model, ids, CacheConfig())[:-1]
+    reference = ppl.score_window(model, ids, model.tier())[:-1]
     score = ppl.compare(reference, one_pass[:-1], ids[1:])
     log_q = torch.log_softmax(stepped[:-1].double(), dim=-1)
     assert score.nll == pytest.approx(float(-log_q[torch.arange(23), ids[1:]].sum()), abs=1e-3)
@@ -101,7 +101,7 @@ def test_score_context_and_summary(ours):
     # ppl from the per-window sums, recomputed from logits by hand
     total = 0.0
     for w in windows:
-        log_q = torch.log_softmax(ppl.score_window(model, w, CacheConfig()).double(), dim=-1)
+        log_q = torch.log_softmax(ppl.score_window(model, w, model.tier()).double(), dim=-1)
         total -= float(log_q[torch.arange(31), w[1:]].sum())
     assert f32["ppl"] == pytest.approx(np.exp(total / (6 * 31)), rel=1e-9)
     for r in rows.values():
@@ -249,8 +249,8 @@ def test_score_from_scores_only_the_later_positions(ours):
     scores = ppl.score_context(model, windows, tiers, score_from=12)
     assert scores.tokens_per_window == 7 and scores.score_from == 12
     for w in range(2):
-        full_ref = ppl.score_window(model, windows[w], tiers[0]).double()
-        full = ppl.score_window(model, windows[w], tiers[1]).double()
+        full_ref = ppl.score_window(model, windows[w], model.tier(tiers[0])).double()
+        full = ppl.score_window(model, windows[w], model.tier(tiers[1])).double()
         log_p, log_q = torch.log_softmax(full_ref[12:-1], -1), torch.log_softmax(full[12:-1], -1)
         targets = windows[w, 13:]
         assert scores.nll[1, w] == pytest.approx(float(-log_q[torch.arange(7), targets].sum()), abs=1e-3)

@@ -13,7 +13,6 @@ import pytest
 import torch
 from tests.experts.test_bench_model import SMALL  # the benchmark model's small widths
 
-from latentkv.config import CacheConfig
 from latentkv.experts.streamed import StreamConfig
 from latentkv.models.registry import builtin_path
 from latentkv.models.weights import load_model
@@ -68,7 +67,7 @@ def test_the_trace_holds_the_models_own_routing(trace):
             return idx, w
 
         mlp.router = spy
-    cache = model.make_cache(CacheConfig("f32"))
+    cache = model.make_cache(model.tier("f32"))
     with torch.inference_mode():
         for t in trace["tokens"]:
             model.forward(torch.tensor([t]), cache)
@@ -90,7 +89,7 @@ def test_replay_asks_for_the_traces_experts_and_measures_its_recall(rt, trace, b
     )
     try:
         used = rt.attach(model, trace)
-        cache = model.make_cache(CacheConfig("f32"))
+        cache = model.make_cache(model.tier("f32"))
         with torch.inference_mode():
             for t in range(TOKENS):
                 model.forward(torch.tensor([t % 100]), cache)

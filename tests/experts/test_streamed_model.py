@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from latentkv.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig
+from latentkv.config import KV_CACHE_DTYPES, ModelConfig
 from latentkv.experts.base import Expert, LocalStore
 from latentkv.experts.store_file import read_manifest
 from latentkv.experts.streamed import StreamConfig
@@ -82,7 +82,7 @@ def _streamed(model_dir, store, experts_per_layer: int, prefetch: bool = True, *
 
 
 def _greedy(model, tier: str) -> tuple[list[int], list[torch.Tensor]]:
-    cache = model.make_cache(CacheConfig(tier))
+    cache = model.make_cache(model.tier(tier))
     logits = model.forward(torch.tensor(PROMPT), cache)[-1]
     tokens, seen = [], [logits]
     for _ in range(STEPS):
@@ -144,7 +144,7 @@ def test_every_kv_tier_is_identical_streamed_slow(converted, tier):
 
 
 def _batched(model, tier: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    caches = [model.make_cache(CacheConfig(tier)) for _ in prompts]
+    caches = [model.make_cache(model.tier(tier)) for _ in prompts]
     last = torch.stack([model.forward(torch.tensor(p), c)[-1] for p, c in zip(prompts, caches, strict=True)])
     out = [last]
     for _ in range(4):

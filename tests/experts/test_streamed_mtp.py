@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv.cli import main
-from latentkv.config import CacheConfig, EngineConfig, ModelConfig
+from latentkv.config import EngineConfig, ModelConfig
 from latentkv.engine.generate import generate
 from latentkv.engine.sampling import SamplingParams
 from latentkv.engine.scheduler import Finished, Request, Scheduler
@@ -75,7 +75,7 @@ def _tokens(model, prompt, spec=None, tier="f32") -> tuple[list[int], object]:
         prompt,
         N_TOKENS,
         SamplingParams(),
-        cache=model.make_cache(CacheConfig(tier)),
+        cache=model.make_cache(model.tier(tier)),
         stop_ids=(),
         speculative=spec,
     )
@@ -120,8 +120,8 @@ def test_streamed_draft_layer_matches_the_resident_one(converted):
         ids = torch.tensor(prompt)
         outs = []
         for m in (resident, model):
-            _, h = m.forward(ids, m.make_cache(CacheConfig("f32")), hidden=True)
-            outs.append(m.draft(ids[1:], h[:-1], m.make_draft_cache(CacheConfig("f32")), 0)[0])
+            _, h = m.forward(ids, m.make_cache(m.tier("f32")), hidden=True)
+            outs.append(m.draft(ids[1:], h[:-1], m.make_draft_cache(m.tier("f32")), 0)[0])
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
         t = streamer.snapshot()
         assert t["draft_asked"] > 0 and t["resident_bytes"] <= t["budget"]
@@ -162,7 +162,7 @@ def test_streamed_drafting_batched_is_token_identical(converted, tier):
         alone = [_tokens(model, p, tier=tier)[0] for p in prompts]
         scheduler = Scheduler(
             model,
-            CacheConfig(tier),
+            model.tier(tier),
             max_num_seqs=3,
             speculative=SpeculativeConfig(draft_tokens=2, adaptive=False),
         )

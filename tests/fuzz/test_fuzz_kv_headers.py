@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from kvcraft import craft, payloads_of, split
 
 from latentkv.config import CacheConfig
-from latentkv.kv.cache import CacheLayout, make_cache
+from latentkv.kv.cache import CacheLayout, resolve_tier
 from latentkv.kv.store import KVFile, KVMismatch, codec_spec_of, inspect
 from latentkv.kv.store_header import KVFileError, KVHeader, ModelFingerprint
 from latentkv.kv.store_session import Session
@@ -48,7 +48,7 @@ PEAK_BYTES = 64 << 20  # what loading may allocate at most, whatever the header 
 @pytest.fixture(scope="module")
 def original(tmp_path_factory) -> tuple[bytes, KVHeader]:
     """A tq4 file of 12 records (two appends) and the header that writes it."""
-    cache = make_cache(LAYOUT, CacheConfig("tq4"))
+    cache = resolve_tier(LAYOUT, CacheConfig("tq4")).make_cache()
     header = KVHeader(MODEL, codec_spec_of(cache), (0, 1))
     path = tmp_path_factory.mktemp("craft") / "original.kv"
     g = torch.Generator().manual_seed(0)
@@ -94,7 +94,7 @@ def test_a_tq4_file_whose_params_name_f32_is_refused_everywhere_and_kept(origina
         KVFile.open(path)
     info = inspect(path)
     assert info["verifies"] is False and info["error"].startswith("not loadable: header field codec.c")
-    session, cache = Session.resume(path, header, CacheConfig("tq4"), torch.device("cpu"))
+    session, cache = Session.resume(path, header, resolve_tier(LAYOUT, CacheConfig("tq4")))
     session.close()
     assert session.moved_to is not None and session.moved_to.read_bytes() == crafted  # kept aside
     assert cache.length == 0 and "cannot be read" in session.notes[0]
@@ -220,9 +220,7 @@ def _one_case(original, tmp: Path, crafted: bytes, sparse: int) -> None:
         try:
             with KVFile.open(path) as f:
                 result = f.load()
-                cache = result.to_cache(
-                    None, torch.device("cpu")
-                )  # what opens also loads (never "loadable" then a raise)
+                cache = result.to_cache(result.own_tier(torch.device("cpu")))  # what opens also loads
                 assert cache.length == len(result.tokens) <= TOKENS
                 assert all(0 <= t < f.header.model.vocab_size for t in result.tokens)
         except KVFileError:
@@ -235,12 +233,13 @@ def _one_case(original, tmp: Path, crafted: bytes, sparse: int) -> None:
     if "error" not in info:  # what inspect calls readable loads, or is refused by a named verdict
         with KVFile.open(path) as f:
             try:
-                f.load().to_cache(None, torch.device("cpu"))
+                result = f.load()
+                result.to_cache(result.own_tier(torch.device("cpu")))
             except KVMismatch as exc:  # another codec revision: a verdict that names it
                 assert "revision" in exc.verdict.message
     size = path.stat().st_size
     session, _ = Session.resume(
-        path, header, CacheConfig("tq4"), torch.device("cpu")
+        path, header, resolve_tier(LAYOUT, CacheConfig("tq4"))
     )  # never raises on a bad file
     session.close()
     if session.moved_to is not None:  # refused files are kept aside byte for byte

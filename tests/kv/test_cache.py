@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from latentkv.config import ModelConfig
-from latentkv.kv.cache import CacheLayout, LatentCache
+from latentkv.kv.cache import CacheLayout, LatentCache, resolve_tier
 
 LAYOUT = CacheLayout(
     num_layers=3,
@@ -42,7 +42,7 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 def test_append_returns_committed_plus_new_rows_and_commit_publishes_them():
-    cache = LatentCache(LAYOUT)
+    cache = LatentCache(resolve_tier(LAYOUT))
     first = _fill(cache, 4, seed=0)
     new = _rows(2, 5, seed=9)
     seen = cache.append(1, new)
@@ -58,7 +58,7 @@ def test_append_returns_committed_plus_new_rows_and_commit_publishes_them():
 
 
 def test_growth_past_the_initial_capacity_keeps_every_row():
-    cache = LatentCache(LAYOUT)
+    cache = LatentCache(resolve_tier(LAYOUT))
     written = _fill(cache, 50, seed=0)
     for step in range(3):  # 50 -> 90 -> 130 -> 300 rows: several reallocations
         written = _merge(written, _fill(cache, (40, 40, 170)[step], seed=10 * (step + 1)))
@@ -70,7 +70,7 @@ def test_growth_past_the_initial_capacity_keeps_every_row():
 
 
 def test_many_single_row_appends_match_one_big_append():
-    one, many = LatentCache(LAYOUT), LatentCache(LAYOUT)
+    one, many = LatentCache(resolve_tier(LAYOUT)), LatentCache(resolve_tier(LAYOUT))
     written = _fill(one, 200, seed=3)
     for i in range(200):
         for layer in range(3):
@@ -83,7 +83,7 @@ def test_many_single_row_appends_match_one_big_append():
 
 
 def test_trim_forgets_the_tail_and_later_writes_overwrite_it():
-    cache = LatentCache(LAYOUT)
+    cache = LatentCache(resolve_tier(LAYOUT))
     first = _fill(cache, 10, seed=0)
     cache.trim(6)
     assert cache.length == 6
@@ -98,7 +98,7 @@ def test_trim_forgets_the_tail_and_later_writes_overwrite_it():
 
 @pytest.mark.parametrize("length", [-1, 11, 100])
 def test_trim_outside_the_cache_is_refused(length):
-    cache = LatentCache(LAYOUT)
+    cache = LatentCache(resolve_tier(LAYOUT))
     _fill(cache, 10, seed=0)
     with pytest.raises(ValueError, match=f"cannot trim a cache of 10 tokens to {length}"):
         cache.trim(length)
@@ -106,13 +106,13 @@ def test_trim_outside_the_cache_is_refused(length):
 
 
 def test_state_round_trip():
-    cache = LatentCache(LAYOUT)
+    cache = LatentCache(resolve_tier(LAYOUT))
     written = _merge(_fill(cache, 70, seed=0), _fill(cache, 5, seed=7))
     state = cache.state()
     assert set(state) == {"rows.0", "rows.1", "rows.2", "index.0", "index.2"}
     for key, value in written.items():
         assert torch.equal(state[key], value), key
-    restored = LatentCache.from_state(LAYOUT, state)
+    restored = LatentCache.from_state(resolve_tier(LAYOUT), state)
     assert restored.length == 75
     for layer in range(3):
         assert torch.equal(restored.view(layer), cache.view(layer))
@@ -123,7 +123,7 @@ def test_state_round_trip():
 
 
 def test_state_is_a_copy_and_excludes_uncommitted_rows():
-    cache = LatentCache(LAYOUT)
+    cache = LatentCache(resolve_tier(LAYOUT))
     written = _fill(cache, 4, seed=0)
     cache.append(0, _rows(3, 5, seed=99))  # a pass in progress
     state = cache.state()
@@ -133,22 +133,22 @@ def test_state_is_a_copy_and_excludes_uncommitted_rows():
 
 
 def test_state_of_an_empty_cache_round_trips():
-    state = LatentCache(LAYOUT).state()
-    restored = LatentCache.from_state(LAYOUT, state)
+    state = LatentCache(resolve_tier(LAYOUT)).state()
+    restored = LatentCache.from_state(resolve_tier(LAYOUT), state)
     assert restored.length == 0
     written = _fill(restored, 2, seed=0)
     assert torch.equal(restored.view(2), written["rows.2"])
 
 
 def test_byte_accounting_is_f32_rows_and_index_keys_separately():
-    cache = LatentCache(LAYOUT)
+    cache = LatentCache(resolve_tier(LAYOUT))
     _fill(cache, 7, seed=0)
     cache.append(0, _rows(2, 5, seed=1))  # uncommitted rows are not counted
     assert cache.bytes_per_token_layer() == 4 * 5
     assert cache.nbytes() == 4 * 5 * 3 * 7
     assert cache.index_bytes_per_token() == 4 * 4 * 2
     assert cache.index_nbytes() == 4 * 4 * 2 * 7
-    assert cache.codec == "f32"
+    assert cache.tier.name == "f32"
 
 
 def test_layout_for_model_comes_from_the_config(helpers, checkpoint):
@@ -162,4 +162,4 @@ def test_layout_for_model_comes_from_the_config(helpers, checkpoint):
     assert layout.index_head_dim == raw["index_head_dim"]
     dsv3 = CacheLayout.for_model(ModelConfig.from_hf(checkpoint("dsv3-tiny")), torch.device("cpu"))
     assert dsv3.index_layers == ()
-    assert LatentCache(dsv3).index_bytes_per_token() == 0
+    assert LatentCache(resolve_tier(dsv3)).index_bytes_per_token() == 0

@@ -116,12 +116,11 @@ def test_every_way_of_asking_for_f32_gives_the_same_bytes(name, ours):
     fed = recorded()["models"][name]["fed"]
     reference = run_logits(model, model.make_cache(), fed)
     for config in (CacheConfig("f32"), CacheConfig("auto"), CacheConfig("fp32"), CacheConfig()):
-        assert torch.equal(run_logits(model, model.make_cache(config), fed), reference), config
+        assert torch.equal(run_logits(model, model.make_cache(model.tier(config)), fed), reference), config
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_a_run_resumed_from_a_kv_file_in_f32_gives_the_same_bytes(name, ours, checkpoint, tmp_path):
-    from latentkv.config import CacheConfig
     from latentkv.kv.store import KVFile, header_for
     from latentkv.models.loader import Checkpoint
 
@@ -136,7 +135,7 @@ def test_a_run_resumed_from_a_kv_file_in_f32_gives_the_same_bytes(name, ours, ch
     with KVFile.create(tmp_path / "run.kv", header) as f:
         f.append(tokens, cache, 0, len(tokens))
     with KVFile.open(tmp_path / "run.kv") as f:
-        resumed = f.load(expected=header).to_cache(CacheConfig("f32"), torch.device("cpu"))
+        resumed = f.load(expected=header).to_cache(model.tier())
     rest = run_logits(model, resumed, fed, start=half)
     assert torch.equal(torch.cat([first, rest]), reference)
 
@@ -151,7 +150,7 @@ def test_the_pooled_batched_step_gives_the_own_buffers_bytes(ours):
         cache = model.make_cache()
         model.forward(torch.randint(2, model.cfg.vocab_size, (n,), generator=g), cache)
         own.append(cache)
-    pooled = [type(c).from_state(model.layout, c.state()) for c in own]
+    pooled = [c.tier.from_state(c.state()) for c in own]
     pool = SlotPool(model.layout, slots=3, capacity=8)
     assert all(pool.place(c) for c in pooled)
     tokens = torch.tensor([5, 6, 7])

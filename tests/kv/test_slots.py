@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latentkv.config import CacheConfig
 from latentkv.kv.slots import SlotPool
 
 
@@ -43,7 +42,7 @@ def test_place_and_release_keep_the_rows(ours):
     assert not pool.rows[0][1].any() and not pool.keys[model.layout.index_layers[0]][1].any()  # zeroed
     pool.release(caches[1])  # a second release is a no-op
     # the released cache decodes on in its own buffers, as a fresh copy of it does
-    twin = type(caches[1]).from_state(model.layout, before[1])
+    twin = caches[1].tier.from_state(before[1])
     token = torch.tensor([3])
     assert torch.equal(model.forward(token, caches[1]), model.forward(token, twin))
 
@@ -51,7 +50,7 @@ def test_place_and_release_keep_the_rows(ours):
 def test_place_refuses_what_it_cannot_hold(ours):
     model = ours("glm5-tiny-dsa")
     pool = SlotPool(model.layout, slots=1)
-    packed = model.make_cache(CacheConfig("tq4"))
+    packed = model.make_cache(model.tier("tq4"))
     assert not pool.place(packed)
     first, second = _filled(model, 3, seed=1), _filled(model, 3, seed=2)
     assert pool.place(first)
@@ -68,7 +67,7 @@ def test_a_bound_buffer_that_needs_room_grows_every_slot(ours):
     model = ours("glm5-tiny-dsa")
     pool = SlotPool(model.layout, slots=2, capacity=8)
     grower, other = _filled(model, 7, seed=3), _filled(model, 5, seed=4)
-    twin = type(grower).from_state(model.layout, grower.state())
+    twin = grower.tier.from_state(grower.state())
     kept = _state(other)
     pool.place(grower)
     pool.place(other)
@@ -85,7 +84,7 @@ def test_over_max_bytes_every_cache_gets_its_rows_back(ours):
     model = ours("glm5-tiny-dsa")
     pool = SlotPool(model.layout, slots=2, capacity=8, max_bytes=SlotPool(model.layout, 2, 8).bytes_for(16))
     a, b = _filled(model, 6, seed=5), _filled(model, 4, seed=6)
-    twins = [type(c).from_state(model.layout, c.state()) for c in (a, b)]
+    twins = [c.tier.from_state(c.state()) for c in (a, b)]
     pool.place(a)
     pool.place(b)
     assert pool.reserve(16)  # exactly the bound
@@ -119,7 +118,7 @@ def test_pooled_step_is_the_own_buffers_step(ours, name, order):
     model = ours(name)
     lengths = LENGTHS[:8] if order == "with gaps" else LENGTHS
     own = [_filled(model, n, seed=100 + i) for i, n in enumerate(lengths)]
-    pooled = [type(c).from_state(model.layout, c.state()) for c in own]
+    pooled = [c.tier.from_state(c.state()) for c in own]
     slots = 2 * len(lengths) if order == "with gaps" else len(lengths)
     pool = SlotPool(model.layout, slots=slots, capacity=16)
     fillers = [_filled(model, 1, seed=0) for _ in range(slots)]

@@ -14,7 +14,7 @@ import torch
 from latentkv.config import KV_CACHE_DTYPES, CacheConfig
 from latentkv.engine.generate import generate
 from latentkv.kv import store_file
-from latentkv.kv.cache import make_cache
+from latentkv.kv.cache import resolve_tier
 from latentkv.kv.store import KVFile, KVMismatch, header_for, inspect, layout_of, rewrite
 from latentkv.kv.store_file import BLOCK, PREFIX, RecordFile, record_check
 from latentkv.kv.store_header import KVFileError
@@ -51,7 +51,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
 def _run_first_turn(model, cfg: CacheConfig, seed: int = 0):
     """Prompt + 8 greedy tokens; returns (cache, the ids of its rows, the last generated token)."""
     prompt = _ids(12, seed)
-    cache = model.make_cache(cfg)
+    cache = model.make_cache(model.tier(cfg))
     out = generate(model, prompt, 8, cache=cache).tokens
     history = prompt + out[:-1]  # the last generated token is not in the cache yet
     assert cache.length == len(history)
@@ -82,7 +82,7 @@ def test_save_restart_resume_is_token_identical(ours, fingerprint, tmp_path, nam
         result = f.load(expected=header)
     assert result.tokens == history and result.notes == [] and result.verdict.action == "same"
     _assert_same_state(result.state, saved)
-    restored = result.to_cache(cfg, torch.device("cpu"))
+    restored = result.to_cache(model.tier(cfg))
     _assert_same_state(restored.state(), saved)
     assert generate(model, next_prompt, 8, cache=restored).tokens == uninterrupted
 
@@ -99,14 +99,14 @@ def test_an_f32_file_resumes_reencoded_under_a_quantized_tier(ours, fingerprint,
     path = tmp_path / "chat.kv"
     with KVFile.create(path, header_for(model.cfg, cache, fingerprint("glm5-tiny"))) as f:
         f.append(history, cache, 0, len(history))
-    current = header_for(model.cfg, model.make_cache(CacheConfig(tier)), fingerprint("glm5-tiny"))
+    current = header_for(model.cfg, model.make_cache(model.tier(tier)), fingerprint("glm5-tiny"))
     with KVFile.open(path) as f:
         result = f.load(expected=current)
     assert result.verdict.action == "reencode"
     assert any(f"re-encoding it to {tier}" in note for note in result.notes)
-    restored = result.to_cache(CacheConfig(tier), torch.device("cpu"))
+    restored = result.to_cache(model.tier(tier))
     # exactly what the tier's cache stores for those f32 rows
-    expected = make_cache(model.layout, CacheConfig(tier))
+    expected = resolve_tier(model.layout, CacheConfig(tier)).make_cache()
     for layer in range(model.cfg.num_layers):
         expected.append(layer, cache.view(layer))
     for layer in model.layout.index_layers:
@@ -122,12 +122,12 @@ def test_a_quantized_file_never_loads_as_f32(ours, fingerprint, tmp_path):
     path = tmp_path / "chat.kv"
     with KVFile.create(path, header_for(model.cfg, cache, fingerprint("glm5-tiny"))) as f:
         f.append(history, cache, 0, len(history))
-    current = header_for(model.cfg, model.make_cache(CacheConfig("f32")), fingerprint("glm5-tiny"))
+    current = header_for(model.cfg, model.make_cache(model.tier("f32")), fingerprint("glm5-tiny"))
     with KVFile.open(path) as f, pytest.raises(KVMismatch, match="--kv-cache-dtype tq4") as info:
         f.load(expected=current)
     assert info.value.verdict.action == "refuse"
     with KVFile.open(path) as f, pytest.raises(KVMismatch):
-        f.load().to_cache(CacheConfig("f32"), torch.device("cpu"))
+        f.load().to_cache(model.tier("f32"))
 
 
 def test_truncate_keeps_the_common_prefix_and_appends_after_it(ours, fingerprint, tmp_path):
@@ -152,17 +152,17 @@ def test_truncate_keeps_the_common_prefix_and_appends_after_it(ours, fingerprint
 
 def test_session_saves_each_turn_and_resumes(ours, fingerprint, tmp_path):
     model, cfg = ours("glm5-tiny"), CacheConfig("tq4")
-    current = header_for(model.cfg, model.make_cache(cfg), fingerprint("glm5-tiny"))
+    current = header_for(model.cfg, model.make_cache(model.tier(cfg)), fingerprint("glm5-tiny"))
     path = tmp_path / "sessions" / "chat.kv"
     path.parent.mkdir()
-    session, cache = Session.resume(path, current, cfg, torch.device("cpu"))
+    session, cache = Session.resume(path, current, model.tier(cfg))
     assert session.tokens == [] and cache.length == 0 and path.exists()
     out = generate(model, _ids(12, 0), 8, cache=cache).tokens
     tokens = _ids(12, 0) + out[:-1]
     session.save(tokens, cache)
     session.close()
 
-    again, restored = Session.resume(path, current, cfg, torch.device("cpu"))
+    again, restored = Session.resume(path, current, model.tier(cfg))
     assert again.tokens == tokens and again.notes == []
     _assert_same_state(restored.state(), cache.state())
     prompt = tokens + [out[-1], 9, 10]  # the next turn extends what was saved
@@ -183,15 +183,15 @@ def test_session_saves_each_turn_and_resumes(ours, fingerprint, tmp_path):
 def test_session_moves_a_refused_file_aside_and_starts_over(ours, fingerprint, tmp_path):
     model = ours("glm5-tiny")
     path = tmp_path / "chat.kv"
-    tq3 = header_for(model.cfg, model.make_cache(CacheConfig("tq3")), fingerprint("glm5-tiny"))
-    session, cache = Session.resume(path, tq3, CacheConfig("tq3"), torch.device("cpu"))
+    tq3 = header_for(model.cfg, model.make_cache(model.tier("tq3")), fingerprint("glm5-tiny"))
+    session, cache = Session.resume(path, tq3, model.tier("tq3"))
     generate(model, _ids(6, 0), 1, cache=cache)
     session.save(_ids(6, 0), cache)
     session.close()
     old = path.read_bytes()
 
-    tq4 = header_for(model.cfg, model.make_cache(CacheConfig("tq4")), fingerprint("glm5-tiny"))
-    session, cache = Session.resume(path, tq4, CacheConfig("tq4"), torch.device("cpu"))
+    tq4 = header_for(model.cfg, model.make_cache(model.tier("tq4")), fingerprint("glm5-tiny"))
+    session, cache = Session.resume(path, tq4, model.tier("tq4"))
     assert session.tokens == [] and cache.length == 0
     assert session.moved_to is not None and session.moved_to.read_bytes() == old
     (note,) = session.notes
@@ -200,7 +200,7 @@ def test_session_moves_a_refused_file_aside_and_starts_over(ours, fingerprint, t
     assert inspect(path)["tier"] == "tq4"
 
     path.write_bytes(b"\x89LKV\r\n\x1a\n" + bytes(100))  # a damaged header
-    session, _ = Session.resume(path, tq4, CacheConfig("tq4"), torch.device("cpu"))
+    session, _ = Session.resume(path, tq4, model.tier("tq4"))
     assert "cannot be read" in session.notes[0] and session.moved_to.exists()
     session.close()
 
@@ -208,14 +208,14 @@ def test_session_moves_a_refused_file_aside_and_starts_over(ours, fingerprint, t
 def test_session_rewrites_an_f32_file_in_the_current_tier_at_the_next_save(ours, fingerprint, tmp_path):
     model = ours("glm5-tiny")
     path = tmp_path / "chat.kv"
-    f32 = header_for(model.cfg, model.make_cache(CacheConfig("f32")), fingerprint("glm5-tiny"))
-    session, cache = Session.resume(path, f32, CacheConfig("f32"), torch.device("cpu"))
+    f32 = header_for(model.cfg, model.make_cache(model.tier("f32")), fingerprint("glm5-tiny"))
+    session, cache = Session.resume(path, f32, model.tier("f32"))
     generate(model, _ids(6, 0), 1, cache=cache)
     session.save(_ids(6, 0), cache)
     session.close()
 
-    tq4 = header_for(model.cfg, model.make_cache(CacheConfig("tq4")), fingerprint("glm5-tiny"))
-    session, cache = Session.resume(path, tq4, CacheConfig("tq4"), torch.device("cpu"))
+    tq4 = header_for(model.cfg, model.make_cache(model.tier("tq4")), fingerprint("glm5-tiny"))
+    session, cache = Session.resume(path, tq4, model.tier("tq4"))
     assert session.rewrite_pending and session.tokens == _ids(6, 0)
     assert inspect(path)["tier"] == "f32"  # untouched until the next save
     generate(model, [5], 1, cache=cache)
@@ -224,9 +224,7 @@ def test_session_rewrites_an_f32_file_in_the_current_tier_at_the_next_save(ours,
     assert inspect(path)["tier"] == "tq4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]  # no temporary left behind
     with KVFile.open(path) as f:
-        _assert_same_state(
-            f.load(expected=tq4).to_cache(CacheConfig("tq4"), torch.device("cpu")).state(), cache.state()
-        )
+        _assert_same_state(f.load(expected=tq4).to_cache(model.tier("tq4")).state(), cache.state())
 
 
 # --- the writer's refusals, locks, versions, inspection ----------------------------------------
@@ -255,7 +253,7 @@ def test_append_refuses_what_it_could_not_read_back(small, ours):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             f.append([999, 1], cache, 12, 14)
         with pytest.raises(ValueError, match="does not match the file"):
-            other = ours("glm5-tiny").make_cache(CacheConfig("tq3"))
+            other = ours("glm5-tiny").make_cache(ours("glm5-tiny").tier("tq3"))
             f.append([], other, 12, 12)
         with torch.inference_mode():  # the cache's storage is inference tensors
             cache.view(0).c.scales[12, 0] = float("nan")  # a scale we would never trust on reading
@@ -381,14 +379,14 @@ def test_resume_with_a_recent_window(ours, fingerprint, tmp_path, tier):
     cfg = CacheConfig(tier, recent_window=window)
     cache, history, last = _run_first_turn(model, cfg)
     header = header_for(model.cfg, cache, fingerprint("glm5-tiny"))
-    assert header == header_for(model.cfg, model.make_cache(CacheConfig(tier)), fingerprint("glm5-tiny"))
+    assert header == header_for(model.cfg, model.make_cache(model.tier(tier)), fingerprint("glm5-tiny"))
     path = tmp_path / "chat.kv"
     with KVFile.create(path, header) as f:
         f.append(history, cache, 0, len(history))
     with KVFile.open(path) as f:
         result = f.load(expected=header)
-    restored = result.to_cache(cfg, torch.device("cpu"))
-    assert restored.codec == tier and restored.recent_window == window
+    restored = result.to_cache(model.tier(cfg))
+    assert restored.tier.name == tier and restored.tier.recent_window == window
     _assert_same_state(restored.state(), cache.state())
     assert restored.window_nbytes() == cache.window_nbytes() > 0
     # the same next step over both: the resumed window rows are decoded, the uninterrupted exact

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from latentkv.config import DEFAULT_ROTATION_SEED, KV_CACHE_DTYPES, CacheConfig
-from latentkv.kv.cache import CacheLayout, make_cache
+from latentkv.kv.cache import CacheLayout, resolve_tier
 from latentkv.kv.store import codec_spec, codec_spec_of
 from latentkv.kv.store_compat import (
     REENCODE,
@@ -149,7 +149,7 @@ def test_resume_flags_and_cache_config_rebuild_the_files_codec(tier):
     kw = {"group_size": 8} if tier in ("fp8", "tq4", "polar3", "tq4-r8") else kw
     spec = header(tier, **kw).codec
     assert codec_spec(LAYOUT, cache_config_for(spec)) == spec
-    assert codec_spec_of(make_cache(LAYOUT, cache_config_for(spec))) == spec
+    assert codec_spec_of(resolve_tier(LAYOUT, cache_config_for(spec)).make_cache()) == spec
     flags = resume_flags(spec)
     assert flags.startswith(f"--kv-cache-dtype {tier}")
     assert ("--kv-seed 0x1234" in flags) == ("rotation_seed" in kw)

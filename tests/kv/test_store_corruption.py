@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings  # a dev dependency: 
 from hypothesis import strategies as st
 
 from latentkv.config import CacheConfig
-from latentkv.kv.cache import CacheLayout, make_cache
+from latentkv.kv.cache import CacheLayout, resolve_tier
 from latentkv.kv.store import KVFile, codec_spec_of
 from latentkv.kv.store_file import BLOCK, PREFIX, RecordFile
 from latentkv.kv.store_header import KVFileError, KVHeader, ModelFingerprint
@@ -62,7 +62,7 @@ def _fill(cache, n: int, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def original(tmp_path_factory) -> Original:
-    cache = make_cache(LAYOUT, CacheConfig("tq4"))
+    cache = resolve_tier(LAYOUT, CacheConfig("tq4")).make_cache()
     model = ModelFingerprint("glm_moe_dsa", 2, 32, 8, (0,), 8, 256, "ab" * 32)
     header = KVHeader(model, codec_spec_of(cache), (0, 1))
     path = tmp_path_factory.mktemp("corruption") / "original.kv"
@@ -137,7 +137,7 @@ def _check_loaded(orig: Original, path: Path) -> int:
     assert n == scan.count and result.tokens == orig.tokens[:n]
     for key, value in orig.state.items():
         assert torch.equal(result.state[key], value[:n]), key
-    assert result.to_cache(None, torch.device("cpu")).length == n
+    assert result.to_cache(result.own_tier(torch.device("cpu"))).length == n
     return n
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from latentkv.config import KV_CACHE_DTYPES, CacheConfig
-from latentkv.kv.cache import CacheLayout, LatentCache, PackedLatentCache, SequenceCache, resolve_tier
+from latentkv.kv.cache import CacheLayout, LatentCache, SequenceCache, resolve_tier
 from latentkv.kv.codecs import TIER_NAMES, TIERS
 from latentkv.kv.slots import SlotPool
 
@@ -23,7 +23,7 @@ def test_the_tier_table_derives_from_the_one_list():
     assert TIER_NAMES == KV_CACHE_DTYPES
     assert (TIERS["tq4-r8"].c, TIERS["tq4-r8"].r) == ("tq4", "fp8")
     assert (TIERS["polar4-r16"].c, TIERS["polar4-r16"].r) == ("polar4", "bf16")
-    assert (TIERS["fp8"].c, TIERS["fp8"].r) == ("fp8", "fp8")
+    assert TIERS["fp8"] == ("fp8", "fp8")
 
 
 @pytest.mark.parametrize("name", KV_CACHE_DTYPES)
@@ -34,13 +34,9 @@ def test_a_resolved_tier_describes_the_cache_it_makes(name):
     assert tier.bytes_per_token_layer == cache.bytes_per_token_layer()
     assert tier.exact == isinstance(cache, LatentCache) == (name == "f32")
     assert tier.poolable == (name == "f32")
-    assert tier.compilable == (name in ("f32", "bf16", "fp8"))
-    # a cache built without the resolver knows its tier too, with the same key
-    if isinstance(cache, PackedLatentCache):
-        again = PackedLatentCache(LAYOUT, cache.codec_c, cache.codec_r, tier=name)
-    else:
-        again = LatentCache(LAYOUT)
-    assert again.tier.key == tier.key and again.tier.name == name
+    # every cache of the tier carries the one tier object it was made from
+    again = tier.make_cache()
+    assert again.tier is tier and type(again) is type(cache) and again is not cache
     rows = torch.randn(3, LAYOUT.row_width, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         for layer in range(LAYOUT.num_layers):
@@ -59,10 +55,6 @@ def test_tier_keys_group_caches_stored_alike():
     assert len(set(keys.values())) == len(keys)  # every tier stores its rows its own way
     assert resolve_tier(LAYOUT, CacheConfig("tq4", rotation_seed=1)).key != keys["tq4"]
     assert resolve_tier(LAYOUT).key == keys["f32"]
-
-
-def test_a_recent_window_is_not_compiled():
-    assert not resolve_tier(LAYOUT, CacheConfig("fp8", recent_window=4)).compilable
 
 
 def test_a_tier_that_cannot_store_the_rows_is_refused_with_the_widths():

@@ -34,12 +34,12 @@ def test_prefill_then_decode_equals_token_by_token(tier, name, ours):
     ids = _ids(seed=len(tier) * 31 + len(name), vocab=cfg.vocab_size)
     cache_cfg = CacheConfig(tier)
 
-    batched = model.make_cache(cache_cfg)
+    batched = model.make_cache(model.tier(cache_cfg))
     logits = [model.forward(ids[:N_PREFILL], batched, all_logits=True)]
     logits += [model.forward(ids[t : t + 1], batched) for t in range(N_PREFILL, N_TOKENS)]
     batched_logits = torch.cat(logits)  # [N_TOKENS, vocab]
 
-    stepped = model.make_cache(cache_cfg)
+    stepped = model.make_cache(model.tier(cache_cfg))
     stepped_logits = torch.cat([model.forward(ids[t : t + 1], stepped) for t in range(N_TOKENS)])
 
     assert batched_logits.shape == stepped_logits.shape == (N_TOKENS, cfg.vocab_size)
@@ -52,7 +52,7 @@ def test_prefill_then_decode_equals_token_by_token(tier, name, ours):
         + get_codec(parts.r, cfg.qk_rope_head_dim).bytes_per_row
     )
     for cache in (batched, stepped):
-        assert cache.codec == tier
+        assert cache.tier.name == tier
         assert cache.length == N_TOKENS
         assert cache.bytes_per_token_layer() == per_layer
         assert _stored_bytes(cache) == per_layer * cfg.num_layers * N_TOKENS == cache.nbytes()
@@ -63,20 +63,20 @@ def test_a_lossy_tier_changes_the_logits_but_not_the_shape(tier, ours):
     model = ours("glm5-tiny")
     ids = _ids(seed=7, vocab=model.cfg.vocab_size)
     f32 = model.forward(ids, model.make_cache(), all_logits=True)
-    lossy = model.forward(ids, model.make_cache(CacheConfig(tier)), all_logits=True)
+    lossy = model.forward(ids, model.make_cache(model.tier(tier)), all_logits=True)
     assert lossy.shape == f32.shape
     assert 1e-4 < float((lossy - f32).abs().max()) < 5.0
 
 
 def _prefill_then_decode(model, cache_cfg: CacheConfig, ids: torch.Tensor) -> torch.Tensor:
-    cache = model.make_cache(cache_cfg)
+    cache = model.make_cache(model.tier(cache_cfg))
     logits = [model.forward(ids[:N_PREFILL], cache, all_logits=True)]
     logits += [model.forward(ids[t : t + 1], cache) for t in range(N_PREFILL, N_TOKENS)]
     return torch.cat(logits)
 
 
 def _token_by_token(model, cache_cfg: CacheConfig, ids: torch.Tensor) -> torch.Tensor:
-    cache = model.make_cache(cache_cfg)
+    cache = model.make_cache(model.tier(cache_cfg))
     return torch.cat([model.forward(ids[t : t + 1], cache) for t in range(N_TOKENS)])
 
 
@@ -122,7 +122,7 @@ def test_a_long_prefill_tiled_by_mla_passes_the_positions(ours, monkeypatch):
     model = ours("glm5-tiny")
     ids = _ids(seed=3, vocab=model.cfg.vocab_size)
     cache_cfg = CacheConfig("tq4", recent_window=4)
-    whole = model.forward(ids, model.make_cache(cache_cfg), all_logits=True)
+    whole = model.forward(ids, model.make_cache(model.tier(cache_cfg)), all_logits=True)
     monkeypatch.setattr(mla, "SCORE_BLOCK_ELEMENTS", 64)  # a handful of queries per tile
-    tiled = model.forward(ids, model.make_cache(cache_cfg), all_logits=True)
+    tiled = model.forward(ids, model.make_cache(model.tier(cache_cfg)), all_logits=True)
     torch.testing.assert_close(tiled, whole, rtol=0, atol=1e-5)

@@ -7,8 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from latentkv.attention import readers
 from latentkv.config import CacheConfig, ConfigError
-from latentkv.kv.cache import CacheLayout, PackedLatentCache, PackedRows, WindowedRows, codecs_for, make_cache
+from latentkv.kv.cache import (
+    CacheLayout,
+    KVTier,
+    PackedLatentCache,
+    PackedRows,
+    WindowedRows,
+    codecs_for,
+    resolve_tier,
+)
 
 LAYOUT = CacheLayout(
     num_layers=2, row_width=40, kv_lora_rank=32, index_layers=(), index_head_dim=0, device=torch.device("cpu")
@@ -75,7 +84,7 @@ def test_prefill_block_matches_the_reference(tier, group, window):
     allowed &= torch.rand(S, T) < 0.8  # and a DSA-like selection
     allowed[torch.arange(S), qpos] = True
     query = torch.randn(4, S, 40)
-    ours = reader.attend(query, allowed)
+    ours = readers.attend(query, reader, allowed)
     use = exact_mask(qpos, torch.arange(T), window)
     expected = reference(query, exact, decoded_rows(reader), use, allowed)
     assert rel(ours, expected) < 1e-5
@@ -83,10 +92,10 @@ def test_prefill_block_matches_the_reference(tier, group, window):
         tier_only = reference(query, exact, decoded_rows(reader), torch.zeros_like(use), allowed)
         assert rel(tier_only, expected) > 1e-4
     # a slice of the pass's queries, with its positions given (how MLA tiles a long prefill)
-    part = reader.attend(query[:, 5:12], allowed[5:12], positions=qpos[5:12])
+    part = readers.attend(query[:, 5:12], reader, allowed[5:12], positions=qpos[5:12])
     assert rel(part, expected[:, 5:12]) < 1e-5
     torch.testing.assert_close(
-        reader.scores(query),
+        readers.scores(query, reader),
         torch.einsum(
             "hsw,stw->hst",
             query.double(),
@@ -98,7 +107,7 @@ def test_prefill_block_matches_the_reference(tier, group, window):
     w = torch.softmax(torch.randn(4, S, T), dim=-1)
     rows = torch.where(use[:, :, None], exact[None], decoded_rows(reader)[None])  # [S, T, 40]
     torch.testing.assert_close(
-        reader.context(w), torch.einsum("hst,stw->hsw", w, rows[..., :32]), rtol=1e-4, atol=1e-5
+        readers.context(w, reader), torch.einsum("hst,stw->hsw", w, rows[..., :32]), rtol=1e-4, atol=1e-5
     )
 
 
@@ -111,21 +120,24 @@ def test_decode_and_dsa_selection_match_the_reference(tier, group, window):
     query = torch.randn(4, 1, 40)
     qpos = torch.tensor([T - 1])
     use = exact_mask(qpos, torch.arange(T), window)
-    assert rel(reader.attend(query, None), reference(query, exact, decoded_rows(reader), use, None)) < 1e-5
+    assert (
+        rel(readers.attend(query, reader, None), reference(query, exact, decoded_rows(reader), use, None))
+        < 1e-5
+    )
     index = torch.tensor([T - 1, 3, T - 3, 17, 0, T - 2])  # DSA's top-k, in its own order
     picked = reader.select(index)
     assert len(picked) == len(index)
     use_picked = exact_mask(qpos, index, window)
     expected = reference(query, exact[index], decoded_rows(reader)[index], use_picked, None)
-    assert rel(picked.attend(query, None, positions=qpos), expected) < 1e-5
+    assert rel(readers.attend(query, picked, None, positions=qpos), expected) < 1e-5
 
 
 def test_a_slice_of_the_queries_needs_their_positions():
     reader = window_rows("tq4", None, random_rows(20), 4, 10, 10)
     with pytest.raises(ValueError, match="needs the positions of these 3 queries"):
-        reader.attend(torch.randn(2, 3, 40), None)
+        readers.attend(torch.randn(2, 3, 40), reader, None)
     with pytest.raises(ValueError, match=r"positions \(2,\) for 3 queries"):
-        reader.attend(torch.randn(2, 3, 40), None, positions=torch.tensor([11, 12]))
+        readers.attend(torch.randn(2, 3, 40), reader, None, positions=torch.tensor([11, 12]))
 
 
 # --- the cache: which exact rows it holds --------------------------------------------------
@@ -141,7 +153,7 @@ def step(cache: PackedLatentCache, rows: torch.Tensor, query: torch.Tensor) -> t
         if S > 1:
             allowed = torch.arange(start + S)[None, :] <= torch.arange(start, start + S)[:, None]
         if layer == 0:
-            out = reader.attend(query, allowed)
+            out = readers.attend(query, reader, allowed)
     cache.commit(S)
     return out
 
@@ -169,7 +181,7 @@ def check_step(cache, exact: list[torch.Tensor], exact_from: int, window: int, n
 @pytest.mark.parametrize("tier", ["tq4", "tq4-r8", "fp8"])
 def test_the_cache_keeps_the_last_w_rows_exact_across_passes(tier):
     window = 6
-    cache = make_cache(LAYOUT, CacheConfig(tier, recent_window=window))
+    cache = resolve_tier(LAYOUT, CacheConfig(tier, recent_window=window)).make_cache()
     assert isinstance(cache, PackedLatentCache) and cache.recent_window == window
     exact: list[torch.Tensor] = []
     for n_new in (9, 1, 1, 3, 1, 1, 1, 12, 1):
@@ -184,7 +196,7 @@ def test_trim_keeps_the_exact_rows_it_still_holds(trim_to, exact_from):
     """30 tokens, W = 8: the cache holds positions 22..29 exactly. After a trim, window rows older
     than 22 can only be refilled from the tier (decoded); rows from 22 on stay exact."""
     window = 8
-    cache = make_cache(LAYOUT, CacheConfig("tq4", recent_window=window))
+    cache = resolve_tier(LAYOUT, CacheConfig("tq4", recent_window=window)).make_cache()
     exact: list[torch.Tensor] = []
     check_step(cache, exact, 0, window, n_new=30)
     cache.trim(trim_to)
@@ -195,27 +207,26 @@ def test_trim_keeps_the_exact_rows_it_still_holds(trim_to, exact_from):
 
 def test_from_state_refills_the_window_from_the_tier():
     window = 5
-    cache = make_cache(LAYOUT, CacheConfig("tq4-r8", recent_window=window))
+    cache = resolve_tier(LAYOUT, CacheConfig("tq4-r8", recent_window=window)).make_cache()
     exact: list[torch.Tensor] = []
     check_step(cache, exact, 0, window, n_new=12)
-    codec_c, codec_r = codecs_for(LAYOUT, CacheConfig("tq4-r8"))
-    resumed = PackedLatentCache.from_state(
-        LAYOUT, codec_c, codec_r, cache.state(), tier="tq4-r8", recent_window=window
-    )
-    assert resumed.codec == "tq4-r8" and resumed.length == 12
+    resumed = cache.tier.from_state(cache.state())
+    assert resumed.tier.name == "tq4-r8" and resumed.length == 12
     assert resumed.window_nbytes() == cache.window_nbytes()
     check_step(resumed, exact, exact_from=12, window=window)  # only the rows after the resume are exact
     check_step(resumed, exact, exact_from=12, window=window, n_new=7)
 
 
 def test_no_window_is_the_plain_packed_reader():
-    cache = make_cache(LAYOUT, CacheConfig("tq4"))
+    cache = resolve_tier(LAYOUT, CacheConfig("tq4")).make_cache()
     assert isinstance(cache.append(0, random_rows(3)), PackedRows) and cache.window_nbytes() == 0
-    assert make_cache(LAYOUT, CacheConfig("f32", recent_window=4)).recent_window == 0  # f32 rows are exact
+    assert (
+        resolve_tier(LAYOUT, CacheConfig("f32", recent_window=4)).make_cache().tier.recent_window == 0
+    )  # f32 rows are exact
 
 
 def test_config_refuses_a_negative_window():
     with pytest.raises(ConfigError, match="--kv-recent-window must be an integer from 0"):
         CacheConfig("tq4", recent_window=-1)
-    with pytest.raises(ValueError, match="name the tier"):
-        PackedLatentCache(LAYOUT, *codecs("tq4-r8", None))
+    with pytest.raises(ValueError, match="recent_window must be >= 0"):
+        PackedLatentCache(KVTier("tq4-r8", *codecs("tq4-r8", None), LAYOUT, recent_window=-1))

@@ -35,7 +35,7 @@ def _prefilled(model, lengths: list[int], tier: str, seed: int) -> tuple[list, l
     caches, last = [], []
     for n in lengths:
         prompt = torch.randint(2, model.cfg.vocab_size, (n,), generator=g)
-        cache = model.make_cache(CacheConfig(tier))
+        cache = model.make_cache(model.tier(tier))
         last.append(int(model.forward(prompt, cache)[-1].argmax()))
         caches.append(cache)
     return caches, last
@@ -44,8 +44,8 @@ def _prefilled(model, lengths: list[int], tier: str, seed: int) -> tuple[list, l
 def _clone(cache):
     """A byte-identical copy through the cache's own state."""
     if isinstance(cache, PackedLatentCache):
-        return PackedLatentCache.from_state(cache.layout, cache.codec_c, cache.codec_r, cache.state())
-    return LatentCache.from_state(cache.layout, cache.state())
+        return PackedLatentCache.from_state(cache.tier, cache.state())
+    return LatentCache.from_state(cache.tier, cache.state())
 
 
 def _last_rows_equal(a, b) -> bool:
@@ -173,7 +173,7 @@ def test_recent_window_caches(ours):
     refs, batched, tokens = [], [], []
     for i, (window, n) in enumerate([(4, 9), (0, 12), (4, 20), (16, 3), (0, 25)]):
         prompt = torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(40 + i))
-        pair = [model.make_cache(CacheConfig("tq4", recent_window=window)) for _ in range(2)]
+        pair = [model.make_cache(model.tier(CacheConfig("tq4", recent_window=window))) for _ in range(2)]
         tokens.append([int(model.forward(prompt, c)[-1].argmax()) for c in pair][0])
         refs.append(pair[0])
         batched.append(pair[1])

@@ -33,7 +33,7 @@ def compiled(tiny_dir):
 def _decode_both(compiled, eager, cache_config, prompt_len: int, steps: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(2, compiled.cfg.vocab_size, (prompt_len,), generator=g)
-    fast, slow = compiled.make_cache(cache_config), eager.make_cache(cache_config)
+    fast, slow = compiled.make_cache(compiled.tier(cache_config)), eager.make_cache(eager.tier(cache_config))
     a, b = compiled.forward(prompt, fast)[-1], eager.forward(prompt, slow)[-1]
     worst, tokens_a, tokens_b = 0.0, [], []
     for _ in range(steps):
@@ -70,9 +70,9 @@ def test_compiled_prefill_stays_eager(compiled, ours):
 @pytest.mark.parametrize("tier", ["tq4", "polar4", "tq4-r8"])
 def test_tiers_that_do_not_compile_are_refused(tier):
     with pytest.raises(CompileUnavailable, match="--compile supports the KV tiers f32, bf16, fp8"):
-        check_compilable(CacheConfig(tier))
+        check_compilable(tier)
     with pytest.raises(CompileUnavailable, match="recent window"):
-        check_compilable(CacheConfig("fp8", recent_window=8))
+        check_compilable("fp8", recent_window=8)
 
 
 def test_cli_refuses_compile_with_a_packed_tier_before_loading(capsys):
@@ -107,7 +107,7 @@ def test_compiled_packed_weights_match_eager_in_one_graph(tiny_dir, fmt):
 
 @pytest.mark.slow
 def test_compiled_fp8_matches_eager_fp8(compiled, ours):
-    compiled.compile_decode(CacheConfig("fp8"), progress=False)
+    compiled.compile_decode(compiled.tier("fp8"), progress=False)
     with torch._dynamo.config.patch(error_on_recompile=True):
         worst, tokens_a, tokens_b, _, _ = _decode_both(
             compiled, ours("glm5-tiny"), CacheConfig("fp8"), 30, 100, seed=3

@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from latentkv.config import CacheConfig
 from latentkv.eval.ppl import load_token_counts, make_windows, unigram_ppl
 from latentkv.models.registry import builtin_path
 from latentkv.tokenizer import Tokenizer
@@ -53,7 +52,7 @@ def _nll_and_logits(model, windows: torch.Tensor, tier: str):
     """Summed next-token NLL over the windows and each window's logits, through the tier's cache."""
     nll, logits = 0.0, []
     for w in windows:
-        out = model.forward(w, model.make_cache(CacheConfig(tier)), all_logits=True)[:-1]
+        out = model.forward(w, model.make_cache(model.tier(tier)), all_logits=True)[:-1]
         nll -= float(torch.log_softmax(out.double(), -1).gather(1, w[1:, None]).sum())
         logits.append(out)
     return nll, logits

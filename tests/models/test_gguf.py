@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from gguf_files import dequantized_checkpoint, write_gguf
 
 from latentkv.cli import main
-from latentkv.config import CacheConfig, ModelConfig
+from latentkv.config import ModelConfig
 from latentkv.models.registry import ModelNotFound, builtin_path, resolve
 from latentkv.models.weights import load_model
 from latentkv.tokenizer import Tokenizer
@@ -76,7 +76,7 @@ def loaded(files):
 
 
 def logits(model) -> torch.Tensor:
-    return model.forward(IDS % model.cfg.vocab_size, model.make_cache(CacheConfig()), all_logits=True)
+    return model.forward(IDS % model.cfg.vocab_size, model.make_cache(model.tier()), all_logits=True)
 
 
 def test_the_config_comes_from_the_metadata(files):

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from latentkv.config import CacheConfig
 from latentkv.models.registry import builtin_path, resolve
 from latentkv.models.weights import load_model
 
@@ -50,7 +49,7 @@ def made(tmp_path_factory):
 
 
 def logits(model) -> torch.Tensor:
-    return model.forward(IDS, model.make_cache(CacheConfig()), all_logits=True)
+    return model.forward(IDS, model.make_cache(model.tier()), all_logits=True)
 
 
 def kl(p: torch.Tensor, q: torch.Tensor) -> float:

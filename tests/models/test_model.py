@@ -121,7 +121,7 @@ def test_cache_state_round_trip_continues_identically(name, ours, helpers):
     full = _prefill(model, ids)
     cache = model.make_cache()
     model.forward(ids[:25], cache)
-    restored = LatentCache.from_state(cache.layout, cache.state())
+    restored = LatentCache.from_state(cache.tier, cache.state())
     assert restored.length == 25
     rest = model.forward(ids[25:], restored, all_logits=True)
     assert _max_diff(rest, full[25:]) <= EXACT

@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from latentkv.config import CacheConfig
 from latentkv.kv.codecs import TIERS
 from latentkv.models.registry import builtin_path
 
@@ -157,9 +156,9 @@ def test_mtp_cache_in_every_tier(fixture_model, helpers, tier):
     ids = helpers.random_ids(32, seed=1703, vocab=fixture_model.cfg.vocab_size)
     _, h = fixture_model.forward(ids, fixture_model.make_cache(), hidden=True)
     f32, _ = fixture_model.draft(ids[1:], h[:-1], fixture_model.make_draft_cache(), 0)
-    cache = fixture_model.make_draft_cache(CacheConfig(tier))
+    cache = fixture_model.make_draft_cache(fixture_model.tier(tier))
     got, _ = fixture_model.draft(ids[1:], h[:-1], cache, 0)
-    assert cache.codec == tier
+    assert cache.tier.name == tier
     assert cache.layout.num_layers == 1
     top = f32.argmax(-1)
     assert (got.argmax(-1) == top).float().mean().item() >= 0.5

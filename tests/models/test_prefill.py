@@ -35,7 +35,7 @@ def _compare(model, lengths, seed, history=None):
         if history[b]:
             model.forward(prompt, cache)
         alone.append(cache)
-        batched.append(LatentCache.from_state(model.layout, cache.state()))
+        batched.append(LatentCache.from_state(cache.tier, cache.state()))
     prompts = _prompts(model, lengths, seed)
     expected = torch.cat([model.forward(p, c) for p, c in zip(prompts, alone, strict=True)])
     got = model.prefill_batch(prompts, batched)

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from latentkv.attention import BACKENDS, REFERENCE, backend_for, register_backend
 from latentkv.attention import base as attention_base
+from latentkv.config import CacheConfig
 from latentkv.experts import Expert, LocalStore
+from latentkv.kv.cache import CacheLayout, resolve_tier
 from latentkv.weights import FORMATS, Linear
 
 
@@ -117,20 +119,78 @@ def test_a_lazy_evicting_expert_store_gives_the_resident_results(ours, rows, dec
 class _Refuses:
     name = "picky"
 
+    def __init__(self):
+        self.asked = 0
+
     def refuse(self, tier, device):
-        return None if tier == "fp8" else f"tier {tier} not supported"
+        self.asked += 1
+        return None if tier.name == "fp8" else f"tier {tier.name} not supported"
 
 
 def test_backends_are_chosen_once_per_tier_and_device_with_reasons(monkeypatch):
+    layout = CacheLayout(1, 80, 64, (), 0, device=torch.device("cpu"))
+    tq4, f32, fp8 = (resolve_tier(layout, CacheConfig(name)) for name in ("tq4", "f32", "fp8"))
+    cpu = torch.device("cpu")
     monkeypatch.setattr(attention_base, "BACKENDS", list(BACKENDS))
     monkeypatch.setattr(attention_base, "_CHOSEN", {})
-    assert backend_for("tq4") is REFERENCE and backend_for("f32", "cpu") is REFERENCE
+    assert backend_for(tq4, cpu) is REFERENCE and backend_for(f32, cpu) is REFERENCE
     picky = register_backend(_Refuses())
-    assert backend_for("fp8") is picky  # registered later: tried first
-    assert backend_for("tq4") is REFERENCE  # refused there: the reference serves it
+    assert backend_for(fp8, cpu) is picky  # registered later: tried first
+    assert backend_for(tq4, cpu) is REFERENCE  # refused there: the reference serves it
+    asked = picky.asked
+    assert backend_for(fp8, cpu) is picky and backend_for(tq4, cpu) is REFERENCE
+    assert picky.asked == asked  # chosen once per (tier, device)
     with pytest.raises(ValueError, match="registered twice"):
         register_backend(_Refuses())
     monkeypatch.setattr(attention_base, "BACKENDS", [picky])
     monkeypatch.setattr(attention_base, "_CHOSEN", {})
     with pytest.raises(ValueError, match="no attention backend serves KV tier tq4 on cpu: picky: tier tq4"):
-        backend_for("tq4")
+        backend_for(tq4, cpu)
+
+
+class _Recording:
+    """The torch reference for q4s caches only, recording what the model hands it."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.asked, self.calls = [], []
+
+    def refuse(self, tier, device):
+        self.asked.append((tier, device))
+        return None if tier.name == "q4s" else "q4s only"
+
+    def attend(self, query, reader, allowed, positions):
+        self.calls.append(("attend", type(reader).__name__))
+        return REFERENCE.attend(query, reader, allowed, positions)
+
+    def attend_batch(self, query, readers, blocked):
+        self.calls.append(("attend_batch", len(readers)))
+        return REFERENCE.attend_batch(query, readers, blocked)
+
+    def attend_padded(self, query, rows, blocked, kv_lora_rank):
+        self.calls.append(("attend_padded", rows.shape[0]))
+        return REFERENCE.attend_padded(query, rows, blocked, kv_lora_rank)
+
+
+def test_the_model_asks_for_the_backend_of_its_caches_tier_and_device(ours, monkeypatch):
+    """models/batch.py picks the backend with each cache's own KVTier and the rows' device; the
+    backend's arithmetic is what runs (the reference's, here, so the logits are unchanged)."""
+    monkeypatch.setattr(attention_base, "BACKENDS", list(BACKENDS))
+    monkeypatch.setattr(attention_base, "_CHOSEN", {})
+    model = ours("glm5-tiny")
+    q4s = model.tier("q4s")
+    prompt = torch.tensor([3, 5, 7, 9])
+    expected = [model.forward(prompt, model.make_cache(t)) for t in (q4s, model.tier())]
+    recording = register_backend(_Recording())
+    got = [model.forward(prompt, model.make_cache(t)) for t in (q4s, model.tier())]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert (q4s, torch.device("cpu")) in [(t, d) for t, d in recording.asked]
+    assert {t.name for t, _ in recording.asked} == {"q4s", "f32"}  # each cache's own tier
+    assert recording.calls == [("attend", "PackedRows")] * model.cfg.num_layers  # the f32 cache: not here
+    caches = [model.make_cache(q4s) for _ in range(2)]
+    for cache, n in zip(caches, (3, 5), strict=True):
+        model.forward(prompt[:n], cache)
+    recording.calls.clear()
+    model.decode_batch(torch.tensor([1, 2]), caches)
+    assert recording.calls == [("attend_batch", 2)] * model.cfg.num_layers

@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from latentkv.config import CacheConfig
 from latentkv.eval.ppl import load_token_counts, make_windows, unigram_ppl
 from latentkv.models.registry import builtin_path
 from latentkv.tokenizer import Tokenizer
@@ -46,7 +45,7 @@ def windows(heldout_ids) -> torch.Tensor:
 def _ppl(model, windows: torch.Tensor) -> float:
     nll = 0.0
     for w in windows:
-        out = model.forward(w, model.make_cache(CacheConfig("f32")), all_logits=True)[:-1]
+        out = model.forward(w, model.make_cache(model.tier("f32")), all_logits=True)[:-1]
         nll -= float(torch.log_softmax(out.double(), -1).gather(1, w[1:, None]).sum())
     return math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))
 

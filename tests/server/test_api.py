@@ -508,10 +508,9 @@ def test_a_failure_after_the_stream_started_is_an_error_event_then_done(server, 
     from types import SimpleNamespace
 
     from latentkv.commands.session import Conversation
-    from latentkv.config import CacheConfig
 
     held = Conversation.open(
-        "held", server.kv_dir, SimpleNamespace(model=ref.model, directory=tiny_dir), CacheConfig()
+        "held", server.kv_dir, SimpleNamespace(model=ref.model, directory=tiny_dir, tier=ref.model.tier())
     )
     try:
         body = {"messages": [{"role": "user", "content": "x"}], "session": "held", "stream": True}

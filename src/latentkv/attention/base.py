@@ -11,8 +11,10 @@ Two entry points, one per shape of work:
     attend_padded(query, rows, blocked, Lkv)    the same over float32 rows already padded
                                                 [B, T, Lkv+R] (a slot pool's)
 
-The torch consumers (`reference.py`, over `latentkv.kv.attention`'s per-codec readers) are
-the reference every other backend is tested against. A Triton or CUDA backend registers here
+The backend owns the arithmetic: the cache's readers (`latentkv.kv.cache`) hand it the stored
+rows and their scales, nothing more. The torch reference (`reference.py`: `readers.py` per kind
+of reader, over `consumers.py`, each codec's way of reading its stored rows) is what every other
+backend is tested against. A Triton or CUDA backend registers here
 with `@register_backend`, states which tiers and devices it serves in `refuse(tier, device)`
 (None: served; else the reason), and is picked before the reference when it serves the pair.
 """
@@ -23,13 +25,13 @@ from typing import Protocol
 
 import torch
 
-from latentkv.kv.cache import RowReader
+from latentkv.kv.cache import KVTier, RowReader
 
 
 class AttentionBackend(Protocol):
     name: str
 
-    def refuse(self, tier: str, device: torch.device) -> str | None:
+    def refuse(self, tier: KVTier, device: torch.device) -> str | None:
         """None when this backend serves caches of `tier` on `device`; otherwise why not."""
         ...
 
@@ -57,7 +59,8 @@ BATCH_ATTEND_ELEMENTS = 8 * 1024 * 1024
 
 # Registered backends, most specific first; the torch reference (registered last) serves all.
 BACKENDS: list[AttentionBackend] = []
-_CHOSEN: dict[tuple[str, str], AttentionBackend] = {}
+# (tier key, recent window, device) -> backend: plain data, which a compiled step guards on
+_CHOSEN: dict[tuple[tuple, int, str], AttentionBackend] = {}
 
 
 def register_backend(backend: AttentionBackend) -> AttentionBackend:
@@ -69,18 +72,21 @@ def register_backend(backend: AttentionBackend) -> AttentionBackend:
     return backend
 
 
-def backend_for(tier: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend for caches of `tier` on `device`, chosen once per pair; raises ValueError
-    listing every backend's reason when none serves it."""
-    key = (tier, str(device))
+def backend_for(tier: KVTier, device: torch.device) -> AttentionBackend:
+    """The backend for caches of `tier` (a resolved tier: its codecs and recent window) whose
+    rows live on `device`, chosen once per pair; raises ValueError listing every backend's
+    reason when none serves it."""
+    key = (tier.key, tier.recent_window, str(device))
     if key not in _CHOSEN:
-        reasons = []
-        for backend in BACKENDS:
-            reason = backend.refuse(tier, torch.device(device))
-            if reason is None:
-                _CHOSEN[key] = backend
-                break
-            reasons.append(f"{backend.name}: {reason}")
-        else:
-            raise ValueError(f"no attention backend serves KV tier {tier} on {device}: " + "; ".join(reasons))
+        _CHOSEN[key] = _choose(tier, torch.device(device))
     return _CHOSEN[key]
+
+
+def _choose(tier: KVTier, device: torch.device) -> AttentionBackend:
+    reasons = []
+    for backend in BACKENDS:
+        reason = backend.refuse(tier, device)
+        if reason is None:
+            return backend
+        reasons.append(f"{backend.name}: {reason}")
+    raise ValueError(f"no attention backend serves KV tier {tier.name} on {device}: " + "; ".join(reasons))

@@ -1,9 +1,10 @@
-"""The reference attention backend: torch ops over `latentkv.kv.attention`'s codec consumers.
+"""The reference attention backend: torch ops over the cache's stored rows.
 
-One sequence: its reader's own `attend` (tiled; each codec's consumer reads the stored format).
+One sequence: `readers.attend` (attention/readers.py) over its reader (f32 rows in two matmuls; packed rows tiled, each
+codec's consumer, `consumers.py`, reading the stored format; a recent window's two parts merged).
 A batch of decode tokens stored alike: the rows padded to [B, T, W] (zero past each end) and
 attended in one batched pass, f32 rows as they are and packed rows through the same consumers
-(`_attend_packed` is `kv.attention.attend`'s one-tile arithmetic over the padded codes); past
+(`_attend_packed` is `consumers.attend`'s one-tile arithmetic over the padded codes); past
 BATCH_ATTEND_ELEMENTS, or for readers of mixed kinds, each sequence on its own.
 """
 
@@ -14,8 +15,9 @@ from torch.nn.utils.rnn import pad_sequence
 
 from latentkv.attention import base
 from latentkv.attention.base import register_backend
-from latentkv.kv.attention import consumer_for
-from latentkv.kv.cache import F32Rows, PackedRows, RowReader
+from latentkv.attention.consumers import consumer_for
+from latentkv.attention.readers import attend as attend_rows
+from latentkv.kv.cache import F32Rows, KVTier, PackedRows, RowReader
 from latentkv.kv.codecs import EncodedRows
 
 
@@ -24,7 +26,7 @@ class TorchReference:
 
     name = "torch"
 
-    def refuse(self, tier: str, device: torch.device) -> str | None:
+    def refuse(self, tier: KVTier, device: torch.device) -> str | None:
         return None
 
     def attend(
@@ -35,7 +37,7 @@ class TorchReference:
         positions: torch.Tensor | None,
     ) -> torch.Tensor:
         """query [H, S, Lkv+R] over one sequence's rows -> [H, S, Lkv]."""
-        return reader.attend(query, allowed, positions)
+        return attend_rows(query, reader, allowed, positions)
 
     def attend_batch(
         self, query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None
@@ -68,7 +70,7 @@ def _attend_group(
         return _attend_f32(q, rows, blocked, readers[0].kv_lora_rank).transpose(0, 1)
     if kind is PackedRows:
         return _attend_packed(q, readers, blocked, T).transpose(0, 1)
-    return _attend_each(query, readers, blocked)  # any other reader: through its own `attend`
+    return _attend_each(query, readers, blocked)  # any other reader: one sequence at a time
 
 
 def _attend_f32(
@@ -96,7 +98,7 @@ def _attend_packed(
 ) -> torch.Tensor:
     """q [B, H, n_c + n_r] over B packed readers of one codec pair -> [B, H, n_c].
 
-    `latentkv.kv.attention.attend`'s one-tile arithmetic over the padded rows: padding is zero
+    `consumers.attend`'s one-tile arithmetic over the padded rows: padding is zero
     codes with zero scales, which every consumer reads as finite values with factor 0."""
     codec_c, codec_r = readers[0].codec_c, readers[0].codec_r
     n = codec_c.width
@@ -130,7 +132,7 @@ def _attend_packed(
 
 
 def _attend_each(query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None) -> torch.Tensor:
-    """One sequence at a time through its reader (tiled, any tier), as single-sequence decode does."""
+    """One sequence at a time (tiled, any tier), as single-sequence decode does."""
     parts = []
     for b, reader in enumerate(readers):
         position = torch.tensor(
@@ -138,7 +140,7 @@ def _attend_each(query: torch.Tensor, readers: list[RowReader], blocked: torch.T
         )  # the new token's (a recent window reads it)
         if blocked is not None and bool(blocked[b, : len(reader)].any()):
             reader = reader.select((~blocked[b, : len(reader)]).nonzero().squeeze(1))
-        parts.append(reader.attend(query[:, b : b + 1], None, position))  # [H, 1, Lkv]
+        parts.append(attend_rows(query[:, b : b + 1], reader, None, position))  # [H, 1, Lkv]
     return torch.cat(parts, dim=1)
 
 

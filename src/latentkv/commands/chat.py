@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     check_speculative(loaded.model, args.speculative_config)
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.directory} has no tokenizer.json: chat needs one")
-    conv = _open(args, loaded, engine.cache)
+    conv = _open(args, loaded)
     try:
         chat = Chat(loaded, chat_format(loaded, args.plain), conv, sampling, args)
         chat.greet()
@@ -105,12 +105,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open(args: argparse.Namespace, loaded, cache_config):
+def _open(args: argparse.Namespace, loaded):
     from latentkv.commands.session import Conversation, Unsaved
 
     if args.session is None:
-        return Unsaved(loaded.model.make_cache(cache_config))
-    conv = Conversation.open(args.session, args.kv_dir, loaded, cache_config)
+        return Unsaved(loaded.model.make_cache(loaded.tier))
+    conv = Conversation.open(args.session, args.kv_dir, loaded)
     conv.print_notes()
     return conv
 

@@ -391,19 +391,19 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-def describe_tier(cache) -> str:
-    """One line for humans: what a row of this cache holds, e.g. 'fp8: c 512+4 B, r 64+4 B'."""
-    if cache.codec == "f32":
+def describe_tier(tier) -> str:
+    """One line for humans: what a row of a cache of this `KVTier` holds, e.g. 'fp8: c 512+4 B, r 64+4 B'."""
+    if tier.exact:
         return "f32: c and r as float32"
-    params = cache.codec_params()
+    params = tier.params()
     parts = []
-    for part, codec in (("c", cache.codec_c), ("r", cache.codec_r)):
+    for part, codec in (("c", tier.codec_c), ("r", tier.codec_r)):
         parts.append(f"{part} {codec.code_bytes}+{4 * codec.scale_count} B")
     extra = {k: v for k, v in params["c"].items() if k in ("group_size", "rotation_seed") and v is not None}
     tail = "".join(f", {k} {hex(v) if k == 'rotation_seed' else v}" for k, v in extra.items())
-    if cache.recent_window:
-        tail += f", the last {cache.recent_window} tokens read in f32"
-    return f"{cache.codec}: {', '.join(parts)}{tail}"
+    if tier.recent_window:
+        tail += f", the last {tier.recent_window} tokens read in f32"
+    return f"{tier.name}: {', '.join(parts)}{tail}"
 
 
 def emit(payload: dict, args: argparse.Namespace, table) -> None:

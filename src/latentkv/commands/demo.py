@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     prompt = tok.encode(check_text(args.prompt, "--prompt")) if tok else [0]
-    cache = model.make_cache(engine.cache)
+    cache = model.make_cache(loaded.tier)
     result = generate(model, prompt, args.max_tokens, sampling, tok, cache=cache, stop_ids=())
     _show_continuation(args.prompt, result, tok, sampling)
     stats = result.stats
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  prompt      {stats.prompt_tokens:>6} tokens  {stats.prompt_tps:>9.1f} tok/s")
     print(f"  generated   {stats.generated_tokens:>6} tokens  {stats.decode_tps:>9.1f} tok/s")
     print(
-        f"  KV cache    {kv['bytes_per_token_per_layer']:>6} B/token/layer ({describe_tier(cache)}; "
+        f"  KV cache    {kv['bytes_per_token_per_layer']:>6} B/token/layer ({describe_tier(cache.tier)}; "
         f"kv_lora {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}), {stats.kv_bytes:,} bytes in use"
     )
     print(
@@ -133,10 +133,9 @@ def _show_continuation(prompt: str, result, tok, sampling) -> None:
 def _compare_tiers(model, tok, prompt: list[int], max_tokens: int, tiers: str) -> None:
     """Every tier side by side, decoded greedily: row bytes, decode speed, how long it tracks
     f32's tokens, and the continuation it wrote."""
-    from latentkv.config import CacheConfig, ConfigError, parse_kv_cache_dtypes
+    from latentkv.config import ConfigError, parse_kv_cache_dtypes
     from latentkv.engine.generate import generate
     from latentkv.engine.sampling import SamplingParams
-    from latentkv.kv.cache import codecs_for
 
     try:
         names = parse_kv_cache_dtypes(tiers)
@@ -145,15 +144,13 @@ def _compare_tiers(model, tok, prompt: list[int], max_tokens: int, tiers: str) -
 
     reference = generate(model, prompt, max_tokens, SamplingParams(), tok, stop_ids=()).tokens  # f32, greedy
     print("\n  tier     B/token/layer   decode tok/s   tokens equal to f32's   first difference")
-    layout = model.layout
     for name in names:
-        config = CacheConfig(name)
         try:
-            codecs_for(layout, config)
+            tier = model.tier(name)
         except ValueError:
             print(f"  {name:<8} (not available: this model's latent widths are not powers of two)")
             continue
-        cache = model.make_cache(config)
+        cache = model.make_cache(tier)
         out = generate(model, prompt, max_tokens, SamplingParams(), tok, cache=cache, stop_ids=())
         same = sum(a == b for a, b in zip(out.tokens, reference, strict=False))
         first = next((i for i, (a, b) in enumerate(zip(out.tokens, reference, strict=False)) if a != b), None)

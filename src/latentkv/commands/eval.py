@@ -345,8 +345,8 @@ def _run_mc(args: argparse.Namespace) -> dict:
         results = mc.score_items(loaded.model, loaded.tokenizer, items, tier, progress=report)
         reference = results if name == "f32" else reference
         row = mc.summarize(items, results, reference if name != "f32" else None)
-        cache = loaded.model.make_cache(tier)
-        rows.append({"tier": name, "bytes_per_token_layer": cache.bytes_per_token_layer(), **row})
+        kv_tier = loaded.model.tier(tier)
+        rows.append({"tier": name, "bytes_per_token_layer": kv_tier.bytes_per_token_layer, **row})
     return {"model": args.model, "task": str(task), "items": len(items), "tiers": rows}
 
 
@@ -404,10 +404,11 @@ def _run_recall(args: argparse.Namespace) -> dict:
     rows = []
     for tier in tiers:
         t0 = time.perf_counter()
+        kv_tier = model.tier(tier)
 
-        def logits_of(ids: list[int], tier=tier) -> torch.Tensor:
+        def logits_of(ids: list[int], kv_tier=kv_tier) -> torch.Tensor:
             with torch.inference_mode():
-                return model.forward(torch.tensor(ids), model.make_cache(tier), all_logits=True)
+                return model.forward(torch.tensor(ids), model.make_cache(kv_tier), all_logits=True)
 
         runs = [("planted", recall.score(logits_of, cases))]
         if tier.kv_cache_dtype == "f32":

@@ -80,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
     ):
         raise UserError(problem)  # as the server answers a request that does not fit
     args.constraint = _constraint(grammar, loaded)
-    conv = _open_session(args, loaded, engine.cache)
+    conv = _open_session(args, loaded)
     try:
         return _generate(
-            args, model, tokenizer, prompt, sampling, engine.cache, conv, loaded.streamer, loaded.cluster
+            args, model, tokenizer, prompt, sampling, loaded.tier, conv, loaded.streamer, loaded.cluster
         )
     finally:
         if conv is not None:
@@ -129,22 +129,22 @@ def _constraint(spec, loaded):
     return grammars.constraint(spec)
 
 
-def _open_session(args: argparse.Namespace, loaded, cache_config):
+def _open_session(args: argparse.Namespace, loaded):
     if args.session is None:
         return None
     from latentkv.commands.session import Conversation
 
-    conv = Conversation.open(args.session, args.kv_dir, loaded, cache_config)
+    conv = Conversation.open(args.session, args.kv_dir, loaded)
     conv.print_notes()
     return conv
 
 
 def _generate(
-    args, model, tokenizer, prompt: list[int], sampling, cache_config, conv, streamer=None, cluster=None
+    args, model, tokenizer, prompt: list[int], sampling, tier, conv, streamer=None, cluster=None
 ) -> int:
     from latentkv.engine.generate import GenerationStats, stream_generate
 
-    cache = conv.cache if conv is not None else model.make_cache(cache_config)
+    cache = conv.cache if conv is not None else model.make_cache(tier)
     todo = conv.begin_turn(prompt) if conv is not None else prompt
     stats = GenerationStats()
     tokens, pieces = [], []
@@ -196,7 +196,7 @@ def _generate(
         if conv is not None:
             line = f"{conv.resume_line()} | {line} | saved: {conv.saved_tokens} tokens to {conv.path}"
         print(line, file=sys.stderr)
-        print(f"KV tier: {describe_tier(cache)}", file=sys.stderr)
+        print(f"KV tier: {describe_tier(cache.tier)}", file=sys.stderr)
         if streamer is not None and cluster is None:
             print(experts_line(streamer), file=sys.stderr)
         if cluster is not None:
@@ -214,7 +214,7 @@ def kv_report(model, cache) -> dict:
     per_layer = cache.bytes_per_token_layer()
     expanded = cfg.expanded_kv_values_per_token_layer() * 4
     return {
-        "kv_cache_dtype": cache.codec,
+        "kv_cache_dtype": cache.tier.name,
         "codec": cache.codec_params(),
         "bytes_per_token_per_layer": per_layer,
         "bytes_per_token": per_layer * cfg.num_layers,

@@ -147,7 +147,7 @@ def _check_readable(path: Path) -> None:
 
 def _loads_here(path: Path, model: str | None, config) -> dict:
     """The verdict on loading the file under `config` (and `model`, when given), with its scope."""
-    from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, make_cache
+    from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, resolve_tier
     from latentkv.kv.store import KVFile, codec_spec, compare, compare_codec, header_for, layout_of
     from latentkv.kv.store_header import KVFileError
 
@@ -159,9 +159,8 @@ def _loads_here(path: Path, model: str | None, config) -> dict:
             scope = "codec"
         else:
             cfg, fingerprint = _model_fingerprint(model)
-            current = header_for(
-                cfg, make_cache(CacheLayout.for_model(cfg, SHAPES_ONLY), config), fingerprint
-            )
+            tier = resolve_tier(CacheLayout.for_model(cfg, SHAPES_ONLY), config)
+            current = header_for(cfg, tier.make_cache(), fingerprint)
             verdict, scope = compare(header, current), "model+codec"
     except (KVFileError, ValueError) as exc:  # the tier cannot store this layout's rows
         return {

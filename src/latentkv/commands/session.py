@@ -1,6 +1,6 @@
 """`--session NAME`: a conversation kept in a KV file between runs (generate, chat).
 
-    conv = Conversation.open(args.session, args.kv_dir, loaded, engine.cache)   # resume or start
+    conv = Conversation.open(args.session, args.kv_dir, loaded)   # resume or start, in loaded.tier
     new = conv.begin_turn(prompt)      # trims the cache to the reusable prefix; prefill only `new`
     ...generate over conv.cache...
     conv.end_turn(ids)                 # ids of the cache's rows: durable when it returns
@@ -62,11 +62,11 @@ class Conversation:
         self.notes = list(session.notes)
 
     @classmethod
-    def open(cls, name: str, kv_dir: Path | None, loaded, cache_config) -> Conversation:
-        """Resume session `name` for the loaded model under `cache_config` (or start it)."""
+    def open(cls, name: str, kv_dir: Path | None, loaded) -> Conversation:
+        """Resume session `name` for the loaded model in its tier (`loaded.tier`), or start it."""
         from latentkv.kv.store_header import KVFileError
 
-        files = sessions.SessionFiles(loaded.model, cache_config, loaded.directory, kv_dir)
+        files = sessions.SessionFiles(loaded.model, loaded.tier, loaded.directory, kv_dir)
         try:
             path = files.path(name)
             files.header()  # hashes the checkpoint: not part of the resume time

@@ -163,7 +163,7 @@ def stream_generate(
     cache = cache if cache is not None else model.make_cache()
     stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
     stats = stats if stats is not None else GenerationStats()
-    stats.kv_cache_dtype = cache.codec
+    stats.kv_cache_dtype = cache.tier.name
     stats.kv_bytes_per_token_layer = cache.bytes_per_token_layer()
     stats.finish_reason = "length"
     context = model.cfg.max_position_embeddings

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from latentkv.config import CacheConfig
 from latentkv.engine import sessions
 from latentkv.engine.delivery import Outbox, RequestHandle
 from latentkv.engine.grammar import Constraint, GrammarError, Grammars
@@ -45,6 +44,7 @@ from latentkv.engine.speculative import (
     draft_together,
 )
 from latentkv.errors import Unavailable
+from latentkv.kv.cache import KVTier
 from latentkv.kv.slots import SlotPool
 
 log = logging.getLogger("latentkv.engine")
@@ -81,7 +81,7 @@ class Running:
     def __init__(
         self,
         model,
-        cache_config: CacheConfig,
+        tier: KVTier,
         max_num_seqs: int,
         *,
         lock: threading.Condition,
@@ -91,14 +91,14 @@ class Running:
         grammars: Grammars | None = None,
     ):
         self.model = model
-        self.cache_config = cache_config
+        self.tier = tier  # every sequence's cache is made in it
         self.seqs: list[Sequence] = []
-        probe = model.make_cache(cache_config)  # fails here, not per request, if the tier cannot fit
+        probe = model.make_cache(tier)  # fails here, not per request, if the tier is not the model's
         self.bytes_per_token = (
             probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
         )
         # float32 caches of running sequences live side by side (one write per layer and step)
-        self.pool = SlotPool(probe.layout, max_num_seqs) if probe.tier.poolable else None
+        self.pool = SlotPool(probe.layout, max_num_seqs) if tier.poolable else None
         self._lock = lock
         self._outbox = outbox
         self._on_leave = on_leave
@@ -159,7 +159,7 @@ class Running:
         """The sequence's cache (resumed from its session, if any); returns the tokens to prefill."""
         name = seq.handle.request.session
         if name is None:
-            seq.cache = self.model.make_cache(self.cache_config)
+            seq.cache = self.model.make_cache(self.tier)
             return seq.prompt
         seq.session, seq.cache = self._sessions.open(name)
         todo = sessions.resume(seq.session, seq.cache, seq.prompt, reuse=not seq.params.prompt_logprobs)
@@ -394,10 +394,8 @@ class Drafting(Running):
 
     prefill_hidden = True
 
-    def __init__(
-        self, model, cache_config: CacheConfig, max_num_seqs: int, speculative: SpeculativeConfig, **kw
-    ):
-        super().__init__(model, cache_config, max_num_seqs, **kw)
+    def __init__(self, model, tier: KVTier, max_num_seqs: int, speculative: SpeculativeConfig, **kw):
+        super().__init__(model, tier, max_num_seqs, **kw)
         self.speculative = speculative
         self._spec_stats = SpeculativeStats(speculative.draft_tokens)
 

@@ -1,6 +1,6 @@
 """Continuous batching: one worker thread owns the model; requests come and go between steps.
 
-    scheduler = Scheduler(model, CacheConfig("tq4"), max_num_seqs=8, kv_dir=..., model_dir=...)
+    scheduler = Scheduler(model, model.tier("tq4"), max_num_seqs=8, kv_dir=..., model_dir=...)
     scheduler.start()
     handle = scheduler.submit(Request(prompt_ids, SamplingParams(max_tokens=64)))  # never blocks
     for event in handle:            # (or `async for`): TokenEvent ..., then exactly one Finished
@@ -65,7 +65,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from latentkv.config import CacheConfig
 from latentkv.engine import sessions
 from latentkv.engine.delivery import Outbox, RequestHandle, Sink
 from latentkv.engine.grammar import Grammars
@@ -86,6 +85,7 @@ from latentkv.engine.speculative import SpeculativeConfig, check_model
 if TYPE_CHECKING:
     from latentkv.cluster.head import Cluster
     from latentkv.experts.streamed import ExpertStreamer
+    from latentkv.kv.cache import KVTier
 
 # the request types, importable from here as from engine.request (tests and callers do)
 __all__ = ["Finished", "Request", "SamplingParams", "Scheduler", "SchedulerClosed", "TokenEvent"]
@@ -99,7 +99,7 @@ class Scheduler:
     def __init__(
         self,
         model,
-        cache_config: CacheConfig,
+        tier: KVTier,
         *,
         max_num_seqs: int = 8,
         max_queue: int = 64,
@@ -127,7 +127,7 @@ class Scheduler:
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be between 1 and the model's context of {limit}")
         self.model = model
-        self.cache_config = cache_config
+        self.tier = tier  # every sequence's cache is made in it (resolved once, by the caller)
         self.max_num_seqs = max_num_seqs
         self.max_queue = max_queue
         self.max_model_len = max_model_len or limit
@@ -140,16 +140,16 @@ class Scheduler:
         self._on_shutdown = on_shutdown  # after the worker stops (the server's: `Loaded.close`)
         # sessions need the weights' fingerprint for the KV file header, hence model_dir
         self._sessions = (
-            sessions.SessionFiles(model, cache_config, self.model_dir, self.kv_dir) if model_dir else None
+            sessions.SessionFiles(model, tier, self.model_dir, self.kv_dir) if model_dir else None
         )
         self._cond = threading.Condition()
         self._outbox = Outbox(sink)
         # the worker's half: admission, the model steps, finishing (engine/running.py)
         shared = dict(lock=self._cond, outbox=self._outbox, on_leave=self._left, session_files=self._sessions)
         self._running = (
-            Running(model, cache_config, max_num_seqs, grammars=grammars, **shared)
+            Running(model, tier, max_num_seqs, grammars=grammars, **shared)
             if speculative is None
-            else Drafting(model, cache_config, max_num_seqs, speculative, grammars=grammars, **shared)
+            else Drafting(model, tier, max_num_seqs, speculative, grammars=grammars, **shared)
         )
         self._capacity = self._running.bytes_per_token * self.max_model_len * max_num_seqs
         if speculative is not None:
@@ -178,7 +178,7 @@ class Scheduler:
 
         return cls(
             loaded.model,
-            config.engine.cache,
+            loaded.tier,
             max_num_seqs=config.max_num_seqs,
             max_queue=config.max_queue,
             max_model_len=max_model_len,
@@ -265,7 +265,7 @@ class Scheduler:
                 generation_tokens_total=running.generation_total,
                 kv_bytes_in_use=running.kv_in_use,
                 kv_bytes_capacity=self._capacity,
-                kv_cache_dtype=self.cache_config.kv_cache_dtype,
+                kv_cache_dtype=self.tier.name,
                 experts=self.streamer.snapshot() if self.streamer is not None else None,
                 speculative=running.spec_snapshot,
                 cluster=self._cluster_stats(),

@@ -1,6 +1,6 @@
 """Named sessions: conversations kept in KV files, shared by `--session NAME` and the server.
 
-    sessions = SessionFiles(model, cache_config, model_dir, kv_dir)
+    sessions = SessionFiles(model, tier, model_dir, kv_dir)  # tier: model.tier(cache_config)
     session, cache = sessions.open("agent-1")   # resume DIR/agent-1.kv (or start it)
     todo = resume(session, cache, prompt)        # the part of `prompt` still to prefill
     ...generate over cache...
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from latentkv.config import CacheConfig
+    from latentkv.kv.cache import KVTier
     from latentkv.kv.store_header import KVHeader
     from latentkv.kv.store_session import Session
     from latentkv.models.model import Model
@@ -72,9 +72,9 @@ def session_path(name: str, kv_dir: Path | None) -> Path:
 class SessionFiles:
     """The session files of one model under one KV tier, in one folder."""
 
-    def __init__(self, model: Model, cache_config: CacheConfig, model_dir: Path, kv_dir: Path | None = None):
+    def __init__(self, model: Model, tier: KVTier, model_dir: Path, kv_dir: Path | None = None):
         self.model = model
-        self.cache_config = cache_config
+        self.tier = tier
         self.model_dir = Path(model_dir)
         self.kv_dir = kv_dir
         self._header: KVHeader | None = None
@@ -85,7 +85,7 @@ class SessionFiles:
             from latentkv.kv.store import header_for
             from latentkv.models.loader import Checkpoint
 
-            cache = self.model.make_cache(self.cache_config)
+            cache = self.model.make_cache(self.tier)
             self._header = header_for(self.model.cfg, cache, Checkpoint(self.model_dir).fingerprint())
         return self._header
 
@@ -105,7 +105,7 @@ class SessionFiles:
         except ValueError as exc:  # the folder cannot be made, or is a file
             raise SessionUnavailable(f"session {name!r} cannot be opened: {exc}") from None
         try:
-            return Session.resume(path, self.header(), self.cache_config, self.model.device)
+            return Session.resume(path, self.header(), self.tier)
         except KVFileBusy:
             raise SessionBusy(f"session {name!r} is in use by another process") from None
         except (KVFileUnavailable, OSError) as exc:

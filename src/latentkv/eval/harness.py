@@ -144,7 +144,7 @@ class LatentKVLM(TemplateLM):
         ctxlen = len(context_enc) - max(0, len(whole) - self.max_length)
         with torch.inference_mode():
             logits = self.model.forward(
-                torch.tensor(ids, dtype=torch.long), self.model.make_cache(self.engine.cache), all_logits=True
+                torch.tensor(ids, dtype=torch.long), self.model.make_cache(self.loaded.tier), all_logits=True
             )
         entries = prompt_logprobs(ids, logits, 1)[ctxlen:]
         total = sum(e["logprob"] for e in entries)
@@ -215,7 +215,7 @@ class LatentKVLM(TemplateLM):
 
             self._scheduler = Scheduler(
                 self.model,
-                self.engine.cache,
+                self.loaded.tier,
                 max_num_seqs=self.batch_size,
                 max_queue=self.batch_size,
                 max_model_len=self.max_length,

@@ -23,10 +23,12 @@ near tie differently than lm_eval does.)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from latentkv.config import CacheConfig
+if TYPE_CHECKING:
+    from latentkv.kv.cache import KVTier
 
 
 def encode_pair(tokenizer, context: str, continuation: str, prefix_token: int | None = None):
@@ -55,10 +57,10 @@ def prefix_token(cfg) -> int | None:
 
 
 def loglikelihood(
-    model, tokenizer, pairs: Sequence[tuple[str, str]], cache_config: CacheConfig | None = None
+    model, tokenizer, pairs: Sequence[tuple[str, str]], tier: KVTier | None = None
 ) -> list[tuple[float, bool]]:
-    """(sum of log p(continuation tokens), whether greedy decoding would produce them) per pair."""
-    cache_config = cache_config or CacheConfig()
+    """(sum of log p(continuation tokens), whether greedy decoding would produce them) per pair,
+    over caches of `tier` (the model's; f32 when None)."""
     prefix = prefix_token(model.cfg)
     max_length = model.cfg.max_position_embeddings
     results: list[tuple[float, bool]] = []
@@ -71,7 +73,7 @@ def loglikelihood(
         if len(cont) > max_length:
             raise ValueError(f"a continuation of {len(cont)} tokens exceeds the model's {max_length}")
         ids = (ctx + cont)[-(max_length + 1) : -1]  # lm_eval: the last max_length + 1, minus the final one
-        logits = model.forward(torch.tensor(ids), model.make_cache(cache_config), all_logits=True)
+        logits = model.forward(torch.tensor(ids), model.make_cache(tier), all_logits=True)
         results.append(
             _score(logits[-len(cont) :], cont)
         )  # [len(cont), vocab]: the positions predicting cont

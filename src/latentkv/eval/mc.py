@@ -206,9 +206,10 @@ def score_items(
     progress: Callable[[int], None] | None = None,
 ) -> list[ItemResult]:
     """Every item's choices under one KV tier."""
+    tier = model.tier(cache)
     out = []
     for k, item in enumerate(items):
-        scores = [ll for ll, _ in loglik.loglikelihood(model, tokenizer, item.requests(), cache)]
+        scores = [ll for ll, _ in loglik.loglikelihood(model, tokenizer, item.requests(), tier)]
         lls, unconditional = scores[: len(item.choices)], scores[len(item.choices) :]
         norm = [ll / len(choice) for ll, choice in zip(lls, item.choices, strict=True)]
         mi = [c - u for c, u in zip(lls, unconditional, strict=True)]

@@ -219,10 +219,11 @@ def ours(
     from latentkv.engine.generate import generate
     from latentkv.engine.sampling import SamplingParams
 
+    tier = model.tier(cache)
     result = generate(
-        model, prompt, GREEDY_TOKENS, SamplingParams(), cache=model.make_cache(cache), stop_ids=()
+        model, prompt, GREEDY_TOKENS, SamplingParams(), cache=model.make_cache(tier), stop_ids=()
     )
-    tf_logits = model.forward(torch.tensor(sequence), model.make_cache(cache), all_logits=True)
+    tf_logits = model.forward(torch.tensor(sequence), model.make_cache(tier), all_logits=True)
     return result.tokens, tf_logits
 
 

@@ -38,7 +38,7 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.eval import stats
-from latentkv.kv.cache import CacheLayout, make_cache
+from latentkv.kv.cache import CacheLayout, KVTier, resolve_tier
 
 SHORT_CONTEXT, LONG_CONTEXT = 256, 1024
 ROW_CHUNK = 256  # logits rows compared at a time (float64 working set: ROW_CHUNK x vocab)
@@ -70,9 +70,9 @@ def make_windows(ids: Sequence[int], context: int, max_windows: int | None = Non
     return stream[torch.from_numpy(picked)]
 
 
-def score_window(model, window: torch.Tensor, cache: CacheConfig) -> torch.Tensor:
-    """window [N] -> logits [N, vocab], one pass over an empty cache of the tier."""
-    return model.forward(window, model.make_cache(cache), all_logits=True)
+def score_window(model, window: torch.Tensor, tier: KVTier) -> torch.Tensor:
+    """window [N] -> logits [N, vocab], one pass over an empty cache of `tier` (the model's)."""
+    return model.forward(window, model.make_cache(tier), all_logits=True)
 
 
 @dataclass(frozen=True)
@@ -175,13 +175,14 @@ def score_variants(
     if not 0 <= score_from <= N - 2:
         raise ValueError(f"--score-from {score_from}: must be 0 .. {N - 2} for windows of {N} tokens")
     out = ContextScores.empty(N, [v.cache for v in variants], W, score_from, [v.weights for v in variants])
+    tiers = [v.model.tier(v.cache) for v in variants]
     t0 = last = time.perf_counter()
     for w in range(W):
         window, targets = windows[w], windows[w, score_from + 1 :]
         reference = None
         for i, v in enumerate(variants):
             t = time.perf_counter()
-            logits = score_window(v.model, window, v.cache)[
+            logits = score_window(v.model, window, tiers[i])[
                 score_from:-1
             ]  # [N-1-S, vocab]: the scored positions
             out.seconds[i] += time.perf_counter() - t
@@ -214,7 +215,7 @@ def summarize(
         index = stats.resample_indices(scores.windows, resamples, seed)
     rows = [_tier_row(scores, i, counts, index, level) for i in range(len(scores.tiers))]
     for row, tier in zip(rows, scores.tiers, strict=True):
-        row["bytes_per_token_layer"] = make_cache(layout, tier).bytes_per_token_layer()
+        row["bytes_per_token_layer"] = resolve_tier(layout, tier).bytes_per_token_layer
     return {
         "context": scores.context,
         "score_from": scores.score_from,

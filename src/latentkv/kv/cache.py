@@ -14,9 +14,10 @@ a `KVTier` resolved once (`resolve_tier`), never the class:
     PackedLatentCache  any tier of `latentkv.kv.codecs` (bf16, fp8, tq*, polar*, tq4-r8, ...):
                        c and r encoded separately, each with its own codec and scale(s)
 
-`append` returns a reader over every row so far; attention asks the reader for
-`scores(query)` and `context(weights)`, which read the stored format directly (see
-`latentkv.kv.attention`), so no float copy of a packed cache is ever built.
+`append` returns a reader over every row so far: the stored rows and their scales, data only.
+The attention backend (`latentkv.attention`) reads them in their stored format, so no float
+copy of a packed cache is ever built; the arithmetic (each codec's consumer, the recent
+window's split and merge) is there, not here.
 
 A packed cache may keep a full-precision window (`CacheConfig.recent_window` = W > 0): a query
 at position p reads the rows of positions p - W + 1 .. p (itself and its W - 1 predecessors)
@@ -32,6 +33,7 @@ and the logits that follow are not bit-identical to an uninterrupted run's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,7 +41,6 @@ from typing import Protocol
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv import attention
 from latentkv.kv.codecs import GROUPED_CODECS, TIERS, Codec, EncodedRows, get_codec
 
 # The device of a layout that only sizes rows (a plan, a KV file header's checks): torch's meta
@@ -125,11 +126,15 @@ def _dynamic_rows(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# --- readers: what attention sees of one layer's rows ------------------------------------
+# --- readers: what attention is handed of one layer's rows ------------------------------------
+#
+# Data only: the stored rows and their scales, as views of the cache's buffers. How to attend
+# over them is the attention backend's (`latentkv.attention`: the torch reference's arithmetic is
+# `attention/readers.py` over the codecs' consumers, `attention/consumers.py`).
 
 
 class RowReader(Protocol):
-    """T cached rows of one layer, read by attention without rebuilding them."""
+    """T cached rows of one layer, as stored."""
 
     def __len__(self) -> int: ...
 
@@ -137,28 +142,9 @@ class RowReader(Protocol):
         """The rows at `index` [K] (DSA's top-k)."""
         ...
 
-    def scores(self, query: torch.Tensor) -> torch.Tensor:
-        """query [H, S, Lkv+R] -> [H, S, T]: q_abs . c_t + q_rope . r_t."""
-        ...
-
-    def context(self, weights: torch.Tensor) -> torch.Tensor:
-        """weights [H, S, T] -> [H, S, Lkv]: sum_t w_t c_t."""
-        ...
-
-    def attend(
-        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """query [H, S, Lkv+R] (scaled), allowed bool [S, T] or None -> context [H, S, Lkv].
-
-        `positions` [S]: the queries' token positions. Only a cache with a recent window reads
-        them (to know which rows a query sees in full precision); without them it assumes the
-        queries are the tokens of the pass that made the reader, and refuses a slice of them.
-        """
-        ...
-
 
 class F32Rows:
-    """Float32 rows [T, Lkv+R]: two plain matmuls (the reference arithmetic)."""
+    """Float32 rows [T, Lkv+R] (c | r side by side)."""
 
     def __init__(self, rows: torch.Tensor, kv_lora_rank: int):
         self.rows = rows
@@ -170,23 +156,9 @@ class F32Rows:
     def select(self, index: torch.Tensor) -> F32Rows:
         return F32Rows(self.rows.index_select(0, index), self.kv_lora_rank)
 
-    def scores(self, query: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(query, self.rows.T)
-
-    def context(self, weights: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(weights, self.rows[:, : self.kv_lora_rank])
-
-    def attend(
-        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        scores = self.scores(query)  # [H, S, T]
-        if allowed is not None:
-            scores.masked_fill_(~allowed, float("-inf"))
-        return self.context(torch.softmax(scores, dim=-1))
-
 
 class PackedRows:
-    """Encoded c and r rows, read through the codecs' native consumers."""
+    """Encoded c and r rows (each its codes and scales) and the codecs that wrote them."""
 
     def __init__(self, c: EncodedRows, r: EncodedRows, codec_c: Codec, codec_r: Codec):
         self.c, self.r = c, r
@@ -206,34 +178,11 @@ class PackedRows:
         """The rows decoded to float32 [T, Lkv+R] (what refills a recent window after a resume)."""
         return torch.cat([self.codec_c.decode(self.c), self.codec_r.decode(self.r)], dim=1)
 
-    def scores(self, query: torch.Tensor) -> torch.Tensor:
-        n = self.codec_c.width
-        return attention.scores(self.codec_c, query[..., :n], self.c) + attention.scores(
-            self.codec_r, query[..., n:], self.r
-        )
-
-    def context(self, weights: torch.Tensor) -> torch.Tensor:
-        return attention.context(self.codec_c, weights, self.c)
-
-    def attend(
-        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return attention.attend(self.codec_c, self.codec_r, query, self.c, self.r, allowed)
-
-    def attend_with_lse(
-        self, query: torch.Tensor, allowed: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return attention.attend_with_lse(self.codec_c, self.codec_r, query, self.c, self.r, allowed)
-
 
 class WindowedRows:
-    """A packed tier's rows plus the float32 rows of the recent window (see the module docstring).
-
-    A query at position p reads row t from `recent` when p - W < pos_t, from the tier otherwise;
-    the two parts are attended separately and merged through their log-sum-exps, which is exactly
-    one softmax over the union. Row positions are 0..T-1, or, after `select` (DSA), the selected
-    indices.
-    """
+    """A packed tier's rows plus the float32 rows of the recent window (see the module docstring):
+    a query at position p reads row t exactly when p - W < pos_t, from the tier otherwise. Row
+    positions are 0..T-1, or, after `select` (DSA), the selected indices."""
 
     def __init__(
         self,
@@ -267,100 +216,6 @@ class WindowedRows:
             positions.to(torch.int64),
         )
 
-    def _query_positions(self, count: int, positions: torch.Tensor | None) -> torch.Tensor:
-        if positions is not None:
-            if positions.shape != (count,):
-                raise ValueError(f"positions {tuple(positions.shape)} for {count} queries")
-            return positions.to(torch.int64)
-        if count != self.query_count:
-            raise ValueError(
-                f"a cache with a recent window needs the positions of these {count} queries (its "
-                f"reader was made for the {self.query_count} tokens from position {self.query_start})"
-            )
-        return torch.arange(self.query_start, self.query_start + count, device=self.recent.device)
-
-    def _split(self, qpos: torch.Tensor) -> _Split:
-        """Which rows the queries at positions qpos [S] read from the tier, which in float32."""
-        T, first_exact = len(self), qpos - self.window + 1  # [S]: each query's oldest exact position
-        if self.positions is None:  # rows 0..T-1: the tier part is a prefix, the exact part a suffix
-            old_end = min(max(int(qpos.max()) - self.window + 1, 0), T)
-            new_start = min(max(int(first_exact.min()), 0), T)
-            old_cols, new_cols = slice(0, old_end), slice(new_start, T)
-            old, old_pos = self.packed.rows(0, old_end), torch.arange(old_end, device=qpos.device)
-            new_pos = torch.arange(new_start, T, device=qpos.device)
-        else:  # DSA's selection, in its own order
-            is_old = self.positions[None, :] < first_exact[:, None]  # [S, T]
-            old_cols = is_old.any(dim=0).nonzero().squeeze(1)
-            new_cols = (~is_old).any(dim=0).nonzero().squeeze(1)
-            old, old_pos = self.packed.select(old_cols), self.positions.index_select(0, old_cols)
-            new_pos = self.positions.index_select(0, new_cols)
-        at = new_pos - self.recent_start  # rows of `recent`
-        if len(at) and (int(at.min()) < 0 or int(at.max()) >= len(self.recent)):
-            held = f"{self.recent_start}..{self.recent_start + len(self.recent) - 1}"
-            raise RuntimeError(
-                f"the window holds positions {held}, not {int(new_pos.min())}..{int(new_pos.max())}"
-            )
-        # a suffix of the rows is a slice of `recent` (a view); a selection gathers its rows
-        exact = self.recent[at] if self.positions is not None else self.recent[len(self.recent) - len(at) :]
-        return _Split(
-            tier=old,
-            tier_cols=old_cols,
-            tier_mask=old_pos[None, :] < first_exact[:, None],  # [S, To]
-            exact=exact,
-            exact_cols=new_cols,
-            exact_mask=new_pos[None, :] >= first_exact[:, None],  # [S, Tn]
-        )
-
-    def attend(
-        self, query: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        split = self._split(self._query_positions(query.shape[1], positions))
-        parts = []
-        if len(split.tier):
-            parts.append(split.tier.attend_with_lse(query, _mask(allowed, split.tier_cols, split.tier_mask)))
-        if len(split.exact):
-            mask = _mask(allowed, split.exact_cols, split.exact_mask)
-            parts.append(attention.attend_f32_with_lse(query, split.exact, self.packed.codec_c.width, mask))
-        return parts[0][0] if len(parts) == 1 else attention.merge(parts)
-
-    def scores(self, query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """query [H, S, Lkv+R] -> [H, S, T], each query's window columns from the f32 rows."""
-        split = self._split(self._query_positions(query.shape[1], positions))
-        out = self.packed.scores(query)  # [H, S, T]
-        exact = torch.matmul(query.to(torch.float32), split.exact.T)  # [H, S, Tn]
-        cols = split.exact_cols
-        out[..., cols] = torch.where(split.exact_mask, exact, out[..., cols])
-        return out
-
-    def context(self, weights: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """weights [H, S, T] -> [H, S, Lkv], each query's window rows read in f32."""
-        split = self._split(self._query_positions(weights.shape[1], positions))
-        cols, n = split.exact_cols, self.packed.codec_c.width
-        tier_w = weights.clone()
-        tier_w[..., cols] = torch.where(split.exact_mask, 0.0, tier_w[..., cols])
-        exact_w = torch.where(split.exact_mask, weights[..., cols], 0.0)  # [H, S, Tn]
-        return self.packed.context(tier_w) + torch.matmul(exact_w, split.exact[:, :n])
-
-
-@dataclass(frozen=True)
-class _Split:
-    """The rows a block of queries reads from the tier and in float32, as columns of the reader."""
-
-    tier: PackedRows  # rows some query reads from the tier
-    tier_cols: slice | torch.Tensor
-    tier_mask: torch.Tensor  # [S, To]: query s reads tier row j
-    exact: torch.Tensor  # [Tn, Lkv+R] float32 rows some query reads exactly
-    exact_cols: slice | torch.Tensor
-    exact_mask: torch.Tensor  # [S, Tn]
-
-
-def _mask(
-    allowed: torch.Tensor | None, cols: slice | torch.Tensor, part: torch.Tensor
-) -> torch.Tensor | None:
-    """allowed [S, T] restricted to `cols`, and'ed with a part's own mask [S, len(cols)]; None if all True."""
-    mask = part if allowed is None else allowed[:, cols] & part
-    return None if bool(mask.all()) else mask
-
 
 # --- caches ------------------------------------------------------------------------------
 
@@ -374,13 +229,10 @@ class SequenceCache:
     committed rows plus the rows of the pass in progress, which is what causal attention needs.
     """
 
-    codec = "f32"
-    recent_window = 0  # tokens read in f32 on top of the tier (PackedLatentCache); f32 rows are all exact
-
-    def __init__(self, layout: CacheLayout):
-        self.layout = layout
+    def __init__(self, tier: KVTier):
+        self.tier = tier  # how the rows are stored (resolved once, for the model: `resolve_tier`)
+        self.layout = layout = tier.layout
         self.length = 0
-        self._tier: KVTier | None = None
         self._index = {
             layer: _Buffer(layout.index_head_dim, device=layout.device) for layer in layout.index_layers
         }
@@ -392,16 +244,6 @@ class SequenceCache:
 
     def index_keys(self, layer: int) -> torch.Tensor:
         return self._index[layer].data[: self.length]
-
-    @property
-    def tier(self) -> KVTier:
-        """The tier these rows are stored in (resolved once)."""
-        if self._tier is None:
-            self._tier = self._own_tier()
-        return self._tier
-
-    def _own_tier(self) -> KVTier:
-        raise NotImplementedError
 
     def append(self, layer: int, rows: torch.Tensor) -> RowReader:
         raise NotImplementedError
@@ -457,17 +299,13 @@ class SequenceCache:
 class LatentCache(SequenceCache):
     """Float32 rows [c | r]: the reference storage."""
 
-    codec = "f32"
-
-    def __init__(self, layout: CacheLayout):
-        super().__init__(layout)
+    def __init__(self, tier: KVTier):
+        super().__init__(tier)
+        layout = tier.layout
         self._rows = [_Buffer(layout.row_width, device=layout.device) for _ in range(layout.num_layers)]
 
     def _buffers_in_use(self) -> list[_Buffer]:
         return [*self._rows, *super()._buffers_in_use()]
-
-    def _own_tier(self) -> KVTier:
-        return resolve_tier(self.layout)
 
     def append(self, layer: int, rows: torch.Tensor) -> F32Rows:
         """Store rows [S, Lkv+R] for the tokens of this pass; return a reader over every row so far."""
@@ -502,9 +340,9 @@ class LatentCache(SequenceCache):
 
     @classmethod
     @torch.inference_mode()
-    def from_state(cls, layout: CacheLayout, state: dict[str, torch.Tensor]) -> LatentCache:
-        cache = cls(layout)
-        for i in range(layout.num_layers):
+    def from_state(cls, tier: KVTier, state: dict[str, torch.Tensor]) -> LatentCache:
+        cache = cls(tier)
+        for i in range(tier.layout.num_layers):
             cache._rows[i].write(0, state[f"rows.{i}"])
         cache._load_index_state(state)
         cache.length = state["rows.0"].shape[0]
@@ -515,24 +353,13 @@ class PackedLatentCache(SequenceCache):
     """Rows encoded by a codec: c and r each as (uint8 codes, float32 scales) per token; with
     `recent_window` W > 0, also the float32 rows of the last W tokens (see the module docstring)."""
 
-    def __init__(
-        self,
-        layout: CacheLayout,
-        codec_c: Codec,
-        codec_r: Codec,
-        tier: str | None = None,
-        recent_window: int = 0,
-    ):
-        super().__init__(layout)
-        if recent_window < 0:
-            raise ValueError(f"recent_window must be >= 0, got {recent_window}")
-        if tier is None and codec_c.name != codec_r.name:
-            raise ValueError(
-                f"name the tier of a cache that stores c in {codec_c.name} and r in {codec_r.name}"
-            )
-        self.codec = tier or codec_c.name  # the tier's name (what the KV file records)
+    def __init__(self, tier: KVTier):
+        super().__init__(tier)
+        layout, codec_c, codec_r = tier.layout, tier.codec_c, tier.codec_r
+        if tier.recent_window < 0:
+            raise ValueError(f"recent_window must be >= 0, got {tier.recent_window}")
         self.codec_c, self.codec_r = codec_c, codec_r
-        self.recent_window = recent_window
+        self.recent_window = tier.recent_window
         self.spare = 0  # exact rows held past the window, so a trim of that many stays exact
         # the exact rows of the last <= W (+ spare) committed tokens, per layer: positions length - len .. length - 1
         self._recent = [
@@ -554,9 +381,6 @@ class PackedLatentCache(SequenceCache):
 
     def _buffers_in_use(self) -> list[_Buffer]:
         return [b for layer in self._buffers for b in layer] + super()._buffers_in_use()
-
-    def _own_tier(self) -> KVTier:
-        return KVTier(self.codec, self.codec_c, self.codec_r, self.layout, self.recent_window)
 
     def append(self, layer: int, rows: torch.Tensor) -> PackedRows:
         """Encode rows [S, Lkv+R] of this pass; return a reader over every row so far."""
@@ -682,25 +506,17 @@ class PackedLatentCache(SequenceCache):
 
     @classmethod
     @torch.inference_mode()
-    def from_state(
-        cls,
-        layout: CacheLayout,
-        codec_c: Codec,
-        codec_r: Codec,
-        state: dict[str, torch.Tensor],
-        *,
-        tier: str | None = None,
-        recent_window: int = 0,
-    ) -> PackedLatentCache:
+    def from_state(cls, tier: KVTier, state: dict[str, torch.Tensor]) -> PackedLatentCache:
         """A cache holding `state()`'s rows; a recent window is refilled from their decoded values."""
-        cache = cls(layout, codec_c, codec_r, tier=tier, recent_window=recent_window)
+        cache = cls(tier)
+        layout = tier.layout
         for i in range(layout.num_layers):
             parts = (state[f"{k}.{i}"] for k in ("c_codes", "c_scales", "r_codes", "r_scales"))
             for buffer, part in zip(cache._buffers[i], parts, strict=True):
                 buffer.write(0, part)
         cache._load_index_state(state)
         cache.length = state["c_codes.0"].shape[0]
-        if recent_window:
+        if cache.recent_window:
             for i in range(layout.num_layers):
                 cache._refill(i)
         return cache
@@ -737,16 +553,17 @@ class KVTier:
     codec_r: Codec
     layout: CacheLayout
     recent_window: int = 0
+    # Equal for caches stored alike (same storage and codec parameters): a batch reads and
+    # encodes those together. Plain data (made once), so a compiled step can guard on it.
+    key: tuple = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", (self.exact, repr(self.params())))
 
     @property
     def exact(self) -> bool:
         """Rows kept as float32 [c | r] as they are (f32, the reference storage)."""
         return self.name == "f32"
-
-    @property
-    def compilable(self) -> bool:
-        """Whether `--compile` traces a step over caches of this tier."""
-        return TIERS[self.name].compilable and not self.recent_window
 
     @property
     def poolable(self) -> bool:
@@ -761,42 +578,26 @@ class KVTier:
         """Each part's codec parameters (what the KV file records)."""
         return {"c": self.codec_c.params(), "r": self.codec_r.params()}
 
-    @property
-    def key(self) -> tuple:
-        """Equal for caches stored alike (same storage and codec parameters): a batch reads and
-        encodes those together."""
-        return (self.exact, repr(self.params()))
+    def for_layout(self, layout: CacheLayout) -> KVTier:
+        """This tier (the same codecs) over other rows of the same widths: the MTP draft layer's."""
+        return dataclasses.replace(self, layout=layout)
 
     def make_cache(self) -> SequenceCache:
         """An empty cache of this tier."""
         if self.exact:  # every row is already exact: a recent window changes nothing
-            cache: SequenceCache = LatentCache(self.layout)
-        else:
-            cache = PackedLatentCache(
-                self.layout, self.codec_c, self.codec_r, tier=self.name, recent_window=self.recent_window
-            )
-        cache._tier = self
-        return cache
+            return LatentCache(self)
+        return PackedLatentCache(self)
 
     def from_state(self, state: dict[str, torch.Tensor]) -> SequenceCache:
         """A cache of this tier holding a `state()` of one (rows stored in this tier)."""
         if self.exact:
-            cache: SequenceCache = LatentCache.from_state(self.layout, state)
-        else:
-            cache = PackedLatentCache.from_state(
-                self.layout,
-                self.codec_c,
-                self.codec_r,
-                state,
-                tier=self.name,
-                recent_window=self.recent_window,
-            )
-        cache._tier = self
-        return cache
+            return LatentCache.from_state(self, state)
+        return PackedLatentCache.from_state(self, state)
 
 
 def resolve_tier(layout: CacheLayout, cfg: CacheConfig | None = None) -> KVTier:
-    """The tier of `cfg` (f32 when None) for `layout`'s rows; ValueError if it cannot store them."""
+    """The tier of `cfg` (f32 when None) for `layout`'s rows; ValueError if it cannot store them.
+    Called once at a boundary (`Model.tier`, a KV file's own tier), never per cache."""
     if cfg is None or cfg.kv_cache_dtype == "f32":
         f32 = (
             get_codec("f32", layout.kv_lora_rank),
@@ -804,8 +605,3 @@ def resolve_tier(layout: CacheLayout, cfg: CacheConfig | None = None) -> KVTier:
         )
         return KVTier("f32", *f32, layout)
     return KVTier(cfg.kv_cache_dtype, *codecs_for(layout, cfg), layout, cfg.recent_window)
-
-
-def make_cache(layout: CacheLayout, cfg: CacheConfig | None = None) -> SequenceCache:
-    """An empty cache of the configured tier (f32, the reference, when none is given)."""
-    return resolve_tier(layout, cfg).make_cache()

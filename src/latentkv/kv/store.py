@@ -16,7 +16,7 @@ the float32 row [c | r]; for packed tiers the codec's codes and float32 scales.
     with KVFile.create(path, header) as f:       # or KVFile.open(path, writable=True)
         f.append(tokens, cache, 0, len(tokens))   # durable when it returns
     result = KVFile.open(path).load(expected=header)   # KVMismatch when it does not load here
-    cache = result.to_cache(cache_config, model.device)  # ready, in the current tier
+    cache = result.to_cache(tier)                      # ready, in the model's KVTier
 
 `Session` (store_session.py) is the loop the CLI and server run on top of this: resume or start
 over, save after every turn, move refused files aside.
@@ -34,7 +34,7 @@ import torch
 
 from latentkv import fs
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, KVTier, SequenceCache, make_cache, resolve_tier
+from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, KVTier, SequenceCache, resolve_tier
 from latentkv.kv.codecs import Codec
 from latentkv.kv.store_compat import (
     REENCODE,
@@ -179,20 +179,25 @@ class LoadResult:
     verdict: Verdict | None = None  # compare(file, expected) when `load` got an expected header
     notes: list[str] = field(default_factory=list)  # what loading found: damage cut back, ...
 
-    def to_cache(self, cache_config: CacheConfig | None, device: torch.device) -> Cache:
-        """A cache on `device` holding the loaded tokens in the tier of `cache_config` (None: the
-        file's).
+    def own_tier(self, device: torch.device) -> KVTier:
+        """The file's own tier, for rows on `device` (what a cache loads into without a model)."""
+        return resolve_tier(layout_of(self.header, device), _own_config(self.header.codec))
+
+    def to_cache(self, tier: KVTier) -> Cache:
+        """A cache holding the loaded tokens in `tier` (a model's, or the file's `own_tier`), its
+        rows on the tier's device.
 
         The same codec loads as stored; an f32 file under another tier is re-encoded from its
         exact rows; anything else raises KVMismatch.
         """
-        layout = layout_of(self.header, device)
-        cfg = cache_config or _own_config(self.header.codec)
-        verdict = compare_codec(self.header.codec, codec_spec(layout, cfg))
+        layout = layout_of(self.header, tier.layout.device)
+        if tier.layout != layout:
+            raise KVFileError(f"the file's rows ({layout}) are not this tier's ({tier.layout})")
+        verdict = compare_codec(self.header.codec, _spec(tier))
         if verdict.action == SAME:
-            return resolve_tier(layout, cfg).from_state(self.state)
+            return tier.from_state(self.state)
         if verdict.action == REENCODE:
-            return _reencode(layout, cfg, self.state, len(self.tokens))
+            return _reencode(tier, self.state, len(self.tokens))
         raise KVMismatch(verdict)
 
 
@@ -203,9 +208,10 @@ def _own_config(spec: CodecSpec) -> CacheConfig:
         raise KVFileError(f"the file's codec ({describe(spec)}) cannot be loaded here: {exc}") from None
 
 
-def _reencode(layout: CacheLayout, cfg: CacheConfig, state: dict[str, torch.Tensor], n: int) -> Cache:
-    """f32 rows -> a cache of tier `cfg`, through the cache's own append (the bytes it would store)."""
-    cache = make_cache(layout, cfg)
+def _reencode(tier: KVTier, state: dict[str, torch.Tensor], n: int) -> Cache:
+    """f32 rows -> a cache of `tier`, through the cache's own append (the bytes it would store)."""
+    layout = tier.layout
+    cache = tier.make_cache()
     if n:
         for layer in range(layout.num_layers):
             cache.append(layer, state[f"rows.{layer}"])

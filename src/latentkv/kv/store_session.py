@@ -1,6 +1,6 @@
 """A conversation that survives restarts: the loop the CLI (`--session`) and the server run.
 
-    session, cache = Session.resume(path, current_header, cache_config, model.device)
+    session, cache = Session.resume(path, current_header, tier)   # tier: the model's KVTier
     keep = reusable_prefix(session.tokens, prompt)       # tokens whose rows are already cached
     cache.trim(keep); session.keep(keep)                 # then prefill prompt[keep:] as usual
     ...generate...
@@ -19,11 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
-from latentkv.config import CacheConfig
-from latentkv.kv.cache import make_cache
-from latentkv.kv.store import Cache, KVFile, KVMismatch, layout_of, rewrite
+from latentkv.kv.cache import KVTier
+from latentkv.kv.store import Cache, KVFile, KVMismatch, rewrite
 from latentkv.kv.store_compat import REENCODE
 from latentkv.kv.store_file import move_aside
 from latentkv.kv.store_header import KVFileBusy, KVFileError, KVFileUnavailable, KVHeader
@@ -41,32 +38,28 @@ class Session:
         self._kept = len(tokens)  # leading records whose rows the caller's cache still holds
 
     @classmethod
-    def resume(
-        cls, path: str | Path, current: KVHeader, cache_config: CacheConfig, device: torch.device
-    ) -> tuple[Session, Cache]:
-        """Open or create the session file at `path`; returns it and a cache on `device` holding
-        its tokens."""
+    def resume(cls, path: str | Path, current: KVHeader, tier: KVTier) -> tuple[Session, Cache]:
+        """Open or create the session file at `path`; returns it and a cache holding its tokens."""
         path = Path(path)
-        layout = layout_of(current, device)
         if path.is_symlink() and not path.exists():
             raise KVFileUnavailable(
                 f"{path} is a symbolic link to {os.readlink(path)}, which does not exist: restore that "
                 "file or remove the link"
             )
         if not path.exists():
-            return cls(path, KVFile.create(path, current), current, [], []), make_cache(layout, cache_config)
+            return cls(path, KVFile.create(path, current), current, [], []), tier.make_cache()
         try:
             file = KVFile.open(path, writable=True)
         except (KVFileBusy, KVFileUnavailable):  # nothing wrong with a KV file: leave it alone
             raise
         except KVFileError as exc:
-            return cls._start_over(path, current, layout, cache_config, f"the KV file cannot be read: {exc}")
+            return cls._start_over(path, current, tier, f"the KV file cannot be read: {exc}")
         try:
             result = file.load(expected=current)
-            cache = result.to_cache(cache_config, device)
+            cache = result.to_cache(tier)
         except KVMismatch as exc:
             file.close()
-            return cls._start_over(path, current, layout, cache_config, exc.verdict.message)
+            return cls._start_over(path, current, tier, exc.verdict.message)
         except BaseException:
             file.close()
             raise
@@ -75,14 +68,12 @@ class Session:
         return session, cache
 
     @classmethod
-    def _start_over(
-        cls, path: Path, current: KVHeader, layout, cache_config: CacheConfig, why: str
-    ) -> tuple[Session, Cache]:
+    def _start_over(cls, path: Path, current: KVHeader, tier: KVTier, why: str) -> tuple[Session, Cache]:
         moved = move_aside(path)
         session = cls(path, KVFile.create(path, current), current, [], [])
         session.moved_to = moved
         session.notes.append(f"{why}: starting over (the old file is kept as {moved})")
-        return session, make_cache(layout, cache_config)
+        return session, tier.make_cache()
 
     def keep(self, n: int) -> None:
         """The caller's cache keeps the rows of the first n saved tokens only (it was trimmed to n):

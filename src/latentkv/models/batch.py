@@ -102,7 +102,7 @@ def one_sequence(
     `speculative`: a verify or draft pass, which takes the fused products when S is `few`."""
     S = tokens.shape[0]
     tables = rope.tables(cache.length if position is None else position, S)
-    reads = _PerSequence([cache], [None], [tables], _backend(cache))
+    reads = _PerSequence([cache], [None], [tables], backend_for(cache.tier, tokens.device))
     return Batch(tokens, [cache], [S], tables, reads, offsets=[0], few=speculative and few([S]))
 
 
@@ -124,7 +124,7 @@ def prefill(
     tables = rope.at(positions)
     parts = [slice(o, o + n) for o, n in zip(offsets, sizes, strict=True)]
     ropes = [RotaryTables(tables.cos[p], tables.sin[p]) for p in parts]  # each sequence's own positions
-    reads = _PerSequence(list(caches), parts, ropes, _backend(caches[0]))
+    reads = _PerSequence(list(caches), parts, ropes, backend_for(caches[0].tier, device))
     few_rows = speculative and few(sizes)
     return Batch(torch.cat(list(prompts)), caches, sizes, tables, reads, offsets=offsets, few=few_rows)
 
@@ -146,15 +146,11 @@ def decode(
             torch.arange(T, device=device)[None, :] >= torch.tensor(ends, device=device)[:, None]
         )  # [B, T]
     if slots is None:
-        store: _OwnBuffers | _Slots = _OwnBuffers(caches, _tier_groups(caches))
-    else:
-        store = _Slots(pool, slots, positions, T)
+        store: _OwnBuffers | _Slots = _OwnBuffers(caches, _tier_groups(caches), device)
+    else:  # the pool's caches are float32, stored alike
+        store = _Slots(pool, slots, positions, T, backend_for(caches[0].tier, device))
     reads = _Padded(tables, ends, blocked, store)
     return Batch(tokens, caches, [1] * len(caches), tables, reads, decode=True)
-
-
-def _backend(cache: Cache) -> AttentionBackend:
-    return backend_for(cache.codec)
 
 
 class _PerSequence:
@@ -237,9 +233,9 @@ class _OwnBuffers:
     """A step's caches each in their own buffers: B appends per layer, read through readers.
     Packed caches stored alike have their new rows encoded in one call per group."""
 
-    def __init__(self, caches: Sequence[Cache], groups: list[list[int]]):
+    def __init__(self, caches: Sequence[Cache], groups: list[list[int]], device: torch.device):
         self.caches, self.groups = caches, groups
-        self.backends = [_backend(caches[members[0]]) for members in groups]
+        self.backends = [backend_for(caches[members[0]].tier, device) for members in groups]
 
     def rows(self, layer: int, rows: torch.Tensor) -> list[RowReader]:
         readers: list[RowReader | None] = [None] * len(self.caches)
@@ -286,14 +282,15 @@ class _Slots:
     """A step's float32 caches all placed in one `SlotPool`: one write per layer, the padded
     rows read straight from the pool ([B, T, width], zero or masked past each end)."""
 
-    def __init__(self, pool: SlotPool, slots: list[int], positions: torch.Tensor, T: int):
-        self.pool, self.T = pool, T
+    def __init__(
+        self, pool: SlotPool, slots: list[int], positions: torch.Tensor, T: int, backend: AttentionBackend
+    ):
+        self.pool, self.T, self.backend = pool, T, backend
         self.flat = pool.flat_index(slots, positions)
         contiguous = slots[-1] - slots[0] == len(slots) - 1  # (slots are in order: see decode_batch)
         self.index = (
             slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=positions.device)
         )
-        self.backend = backend_for("f32")
 
     def rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         return self._store(self.pool.rows[layer], rows)

@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from latentkv.kv.codecs.tiers import COMPILABLE, TIERS
 from latentkv.weights import native
 from latentkv.weights.base import format_class
 
 if TYPE_CHECKING:
-    from latentkv.config import CacheConfig, ModelConfig
-    from latentkv.kv.cache import LatentCache, PackedLatentCache
+    from latentkv.config import ModelConfig
+    from latentkv.kv.cache import KVTier, LatentCache, PackedLatentCache
     from latentkv.models.layers import Rope
 
 
@@ -64,13 +63,14 @@ def _cxx() -> str | None:
     return None
 
 
-# Tiers whose step traces into one graph (the tier table says which: kv/codecs/tiers.py).
-COMPILABLE_TIERS = COMPILABLE
+# KV tiers whose one-token step traces into one graph. The rotated and polar codecs' bit
+# unpacking breaks the graph in many places, and their compiled step is slower than the eager one.
+COMPILABLE_TIERS = ("f32", "bf16", "fp8")
 
 
-def check_compilable(cache: CacheConfig | None, formats: tuple[str | None, ...] = ()) -> None:
-    """Raise CompileUnavailable unless a step over this cache tier (and weights in `formats`)
-    can be compiled here. int8 and int4 trace as latentkv's kernels (one call per matrix, and a
+def check_compilable(tier: str = "f32", recent_window: int = 0, formats: tuple[str | None, ...] = ()) -> None:
+    """Raise CompileUnavailable unless a step over caches of `tier` (with that recent window)
+    and weights in `formats` can be compiled here. int8 and int4 trace as latentkv's kernels (one call per matrix, and a
     layer's resident experts in one call): without them (torch's ops) the experts' Python
     would break the graph at every layer, so they are refused."""
     needs = [f for f in dict.fromkeys(formats) if f is not None and format_class(f).compile_needs_native]
@@ -79,8 +79,7 @@ def check_compilable(cache: CacheConfig | None, formats: tuple[str | None, ...] 
             f"--compile runs {' and '.join(needs)} weights through latentkv's own kernels, which are not "
             f"available here ({native.unavailable()}): drop --compile, or use another weight format"
         )
-    tier = cache.kv_cache_dtype if cache is not None else "f32"
-    if not TIERS[tier].compilable or (cache is not None and cache.recent_window):
+    if tier not in COMPILABLE_TIERS or recent_window:
         raise CompileUnavailable(
             f"--compile supports the KV tiers {', '.join(COMPILABLE_TIERS)} (without a recent window); "
             f"{tier} decodes eagerly: drop --compile or pick one of those tiers"
@@ -96,8 +95,8 @@ class CompiledDecode:
     """The model's one-token forward pass, compiled; called by `Model.forward` for S == 1 once
     `Model.compile_decode` installed it, or directly (`latentkv bench decode` times both)."""
 
-    def __init__(self, model: _Model, cache: CacheConfig | None = None):
-        check_compilable(cache)
+    def __init__(self, model: _Model, tier: KVTier):
+        check_compilable(tier.name, tier.recent_window)
         self.model = model
         # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% a step).
         # dynamic=None: only the dimensions marked dynamic (the cache buffers' and RoPE tables'

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import CacheLayout, SequenceCache, make_cache
+from latentkv.kv.cache import CacheLayout, KVTier, SequenceCache, resolve_tier
 from latentkv.kv.slots import SlotPool
 from latentkv.models import batch as batches
 from latentkv.models.batch import Batch, check_batch
@@ -76,22 +76,37 @@ class Model:
         self.device = embed.device  # where every weight lives (chosen by the loader)
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim, self.device)
         self.layout = CacheLayout.for_model(cfg, self.device)
+        self.f32 = resolve_tier(self.layout)  # the default tier, the reference
         self.compiled: CompiledDecode | None = None
 
-    def compile_decode(self, cache: CacheConfig | None = None, progress: bool = True) -> float:
-        """Decode one token per step through torch.compile from now on (see
-        `latentkv.models.compiled`); compiles and warms up now, for caches of config `cache`
-        (call again for each other tier in use). Returns the seconds compiling took."""
-        if self.compiled is None:
-            self.compiled = CompiledDecode(self, cache)
-        else:
-            check_compilable(cache)
-        return self.compiled.warm_up(lambda: self.make_cache(cache), progress)
+    def tier(self, cache: CacheConfig | str | None = None) -> KVTier:
+        """`--kv-cache-dtype` (a CacheConfig with its knobs, a bare tier name, or None for f32)
+        resolved for this model's rows: resolve once at the boundary, pass the tier down.
+        ValueError if the tier cannot store these rows."""
+        if isinstance(cache, str):
+            cache = CacheConfig(cache)
+        if cache is None or cache.kv_cache_dtype == "f32":
+            return self.f32
+        return resolve_tier(self.layout, cache)
 
-    def make_cache(self, cache: CacheConfig | None = None) -> Cache:
-        """The cache one sequence needs: latent rows per layer (in the configured tier, f32 by
-        default), plus indexer keys for DSA models."""
-        return make_cache(self.layout, cache)
+    def compile_decode(self, tier: KVTier | None = None, progress: bool = True) -> float:
+        """Decode one token per step through torch.compile from now on (see
+        `latentkv.models.compiled`); compiles and warms up now, for caches of `tier` (f32 when
+        None; call again for each other tier in use). Returns the seconds compiling took."""
+        tier = tier or self.f32
+        if self.compiled is None:
+            self.compiled = CompiledDecode(self, tier)
+        else:
+            check_compilable(tier.name, tier.recent_window)
+        return self.compiled.warm_up(lambda: self.make_cache(tier), progress)
+
+    def make_cache(self, tier: KVTier | None = None) -> Cache:
+        """The cache one sequence needs: latent rows per layer (in `tier`, from `self.tier`;
+        f32 when None), plus indexer keys for DSA models."""
+        tier = tier or self.f32
+        if tier.layout != self.layout:
+            raise ValueError(f"a tier resolved for {tier.layout} does not suit this model ({self.layout})")
+        return tier.make_cache()
 
     @torch.inference_mode()
     def forward(
@@ -191,11 +206,11 @@ class Model:
             self.embed, self.lm_head, self.rope, next_tokens, hidden, caches, positions
         )
 
-    def make_draft_cache(self, cache: CacheConfig | None = None) -> Cache:
-        """The MTP layer's own cache, in the same tier as the main one."""
+    def make_draft_cache(self, tier: KVTier | None = None) -> Cache:
+        """The MTP layer's own cache, in the main cache's tier (`tier`, f32 when None)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP (multi-token prediction) layer")
-        return self.mtp.make_cache(cache)
+        return self.mtp.make_cache(tier or self.f32)
 
     @torch.inference_mode()
     def decode_batch(

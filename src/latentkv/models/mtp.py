@@ -25,14 +25,13 @@ compete for the same cache.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import CacheLayout, SequenceCache, make_cache
+from latentkv.config import ModelConfig
+from latentkv.kv.cache import CacheLayout, KVTier, SequenceCache
 from latentkv.models import batch as batches
 from latentkv.models.layers import RMSNorm, Rope
 from latentkv.weights.base import Linear
@@ -61,18 +60,22 @@ class MTPLayer:
     eh_proj: Linear  # [D, 2D]: [embedding | hidden] -> D
     block: object  # latentkv.models.model.Block (not imported: model.py imports this module)
     head_norm: RMSNorm  # shared_head.norm
+    _tiers: dict[KVTier, KVTier] = field(default_factory=dict, init=False, repr=False)  # main -> draft
 
     @property
     def layout(self) -> CacheLayout:
         return CacheLayout.for_model(self.cfg, self.enorm.weight.device)
 
-    def make_cache(self, cache: CacheConfig | None = None) -> SequenceCache:
-        """The draft layer's own latent rows (and DSA indexer keys), in the tier of `cache`."""
-        return make_cache(self.layout, cache)
+    def make_cache(self, tier: KVTier) -> SequenceCache:
+        """The draft layer's own latent rows (and DSA indexer keys), stored as the main model's
+        caches of `tier` are (the same codecs and recent window)."""
+        if tier not in self._tiers:  # one draft tier per main tier, made once
+            self._tiers[tier] = tier.for_layout(self.layout)
+        return self._tiers[tier].make_cache()
 
     def cache_like(self, cache: SequenceCache) -> SequenceCache:
-        """An empty draft cache stored as `cache` is (its tier: codecs and recent window)."""
-        return dataclasses.replace(cache.tier, layout=self.layout).make_cache()
+        """An empty draft cache stored as `cache` is."""
+        return self.make_cache(cache.tier)
 
     @torch.inference_mode()
     def forward(

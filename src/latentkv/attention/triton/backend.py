@@ -19,19 +19,8 @@ import torch
 from latentkv.attention.base import register_backend
 from latentkv.attention.reference import REFERENCE
 from latentkv.attention.triton.formats import refusal
-from latentkv.kv.cache import F32Rows, PackedRows, RowReader
-from latentkv.kv.codecs import TIERS, get_codec
-
-
-def tier_refusal(tier: str) -> str | None:
-    """Why the kernels cannot read caches of `tier` (None: they can)."""
-    if tier not in TIERS:
-        return f"unknown KV tier {tier}"
-    for part, width in ((TIERS[tier].c, 64), (TIERS[tier].r, 64)):
-        reason = refusal(get_codec(part, width))
-        if reason is not None:
-            return f"tier {tier}: {reason}"
-    return None
+from latentkv.kv.cache import F32Rows, KVTier, PackedRows, RowReader
+from latentkv.kv.codecs import get_codec
 
 
 class TritonDecode:
@@ -42,15 +31,13 @@ class TritonDecode:
     def __init__(self, precision: str = "bf16"):
         self.precision = precision  # the quantized tiers'; f32 rows always take float32 products
 
-    def refuse(self, tier, device: torch.device) -> str | None:
-        """`tier`: a tier name, or a resolved tier (its codecs and recent window)."""
+    def refuse(self, tier: KVTier, device: torch.device) -> str | None:
+        """None when the kernels read caches of `tier` (its codecs, its recent window) on `device`."""
         if device.type != "cuda":
             return f"needs a CUDA device (not {device.type})"
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install triton)"
-        if isinstance(tier, str):
-            return tier_refusal(tier)
-        if getattr(tier, "recent_window", 0):
+        if tier.recent_window:
             return "a cache with a float32 recent window is read by the torch reference"
         reason = refusal(tier.codec_c) or refusal(tier.codec_r)
         return None if reason is None else f"tier {tier.name}: {reason}"

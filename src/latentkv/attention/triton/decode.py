@@ -7,7 +7,7 @@ sequence; rows[b] the stored rows of sequence b in one layer (`SequenceRows`: ea
 and scales exactly as the cache holds them, read in place); lengths [B] how many rows each
 attends to (ragged); index [B, K] (DSA): sequence b attends to rows index[b, :lengths[b]] only.
 Returns the latent context [B, H, Lkv] and each head's log-sum-exp [B, H] (so a caller can
-merge it with attention over other rows, `latentkv.kv.attention.merge`).
+merge it with attention over other rows, `latentkv.attention.consumers.merge`).
 
 Rotated codecs (tq*, hq*): the query part is rotated once here and the context unrotated once;
 the kernel works in the rotated basis. The context is split over `splits` programs per

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from latentkv.config import CacheConfig
     from latentkv.eval import bench
-    from latentkv.kv.cache import make_cache
+    from latentkv.kv.cache import resolve_tier
 
     contexts = common.ints(args.context, "--context")
     tiers = common.tiers(args.kv_cache_dtype)
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> dict:
     layout = bench.attention_layout(args.kv_lora, args.rope, torch.device("cpu"))
     for tier in tiers:  # refuse a tier that cannot store these widths before timing anything
         try:
-            make_cache(layout, CacheConfig(tier))
+            resolve_tier(layout, CacheConfig(tier))
         except ValueError as exc:
             raise UserError(str(exc)) from None
     rows, outputs = [], []

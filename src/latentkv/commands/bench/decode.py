@@ -264,19 +264,20 @@ def _compile(model, configs, notes: list[str], quiet: bool) -> tuple[CompiledDec
     from latentkv.models.compiled import CompiledDecode, CompileUnavailable, check_compilable
 
     try:
-        check_compilable(None)  # is there a C++ compiler at all
+        check_compilable()  # is there a C++ compiler at all
     except CompileUnavailable as exc:
         raise UserError(str(exc)) from None
     step: CompiledDecode | None = None
     tiers = set()
     for config in configs:
         try:
-            check_compilable(config)
+            check_compilable(config.kv_cache_dtype, config.recent_window)
         except CompileUnavailable as exc:
             notes.append(f"{config.kv_cache_dtype}: no compiled row ({exc})")
             continue
-        step = step or CompiledDecode(model, config)
-        seconds = step.warm_up(partial(model.make_cache, config), progress=not quiet)
+        tier = model.tier(config)
+        step = step or CompiledDecode(model, tier)
+        seconds = step.warm_up(partial(model.make_cache, tier), progress=not quiet)
         tiers.add(config.kv_cache_dtype)
         notes.append(f"{config.kv_cache_dtype}: compiled in {seconds:.1f} s before timing")
     return step, tiers

@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from latentkv.attention import readers
 from latentkv.config import CacheConfig
 from latentkv.eval.bench.workload import fill_random, predicted_kv_bytes
-from latentkv.kv.cache import CacheLayout, RowReader, make_cache
+from latentkv.kv.cache import CacheLayout, RowReader, resolve_tier
 from latentkv.kv.codecs import get_codec
 
 CPU = torch.device("cpu")  # the attention bench times the CPU's read
@@ -28,7 +29,7 @@ class AttentionRow:
     scores_ms: float  # median of the repeats, each phase on its own
     context_ms: float  # softmax + context
     total_ms: float  # median of the whole scores + softmax + context, as three calls
-    attend_ms: float  # median of reader.attend(): the one-pass form MLA.attend runs
+    attend_ms: float  # median of readers.attend(): the one-pass form the torch backend runs
     speed_vs_f32: float | None  # f32's attend_ms / this attend_ms (0.9 = 10% slower than f32)
     bytes_per_token: int  # one stored row (c + r, codes + scales)
     bytes_read_per_token: int  # scores read c + r, context reads c again
@@ -60,7 +61,7 @@ def bench_attention(
     Returns the row (speed_vs_f32 and rel_err_vs_f32 unset) and the context output [H, 1, Lkv],
     so callers can compare tiers; the rows and the query depend only on `seed`.
     """
-    cache = make_cache(attention_layout(kv_lora_rank, rope_dim, CPU), CacheConfig(tier))
+    cache = resolve_tier(attention_layout(kv_lora_rank, rope_dim, CPU), CacheConfig(tier)).make_cache()
     (reader,) = fill_random(cache, context, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     width = kv_lora_rank + rope_dim
@@ -69,22 +70,22 @@ def bench_attention(
     phases = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        scores = reader.scores(query)  # [H, 1, T]
+        scores = readers.scores(query, reader)  # [H, 1, T]
         t1 = time.perf_counter()
-        out = reader.context(torch.softmax(scores, dim=-1))  # [H, 1, Lkv]
+        out = readers.context(torch.softmax(scores, dim=-1), reader)  # [H, 1, Lkv]
         t2 = time.perf_counter()
         phases.append((t1 - t0, t2 - t1, t2 - t0))
     scores_s, context_s, total_s = (statistics.median(p) for p in zip(*phases, strict=True))
     fused = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        reader.attend(query, None)
+        readers.attend(query, reader, None)
         fused.append(time.perf_counter() - t0)
     c_bytes = get_codec(tier, kv_lora_rank).bytes_per_row
     r_bytes = get_codec(tier, rope_dim).bytes_per_row
     measured = cache.allocated_nbytes()
     row = AttentionRow(
-        kv_cache_dtype=cache.codec,
+        kv_cache_dtype=cache.tier.name,
         context=context,
         heads=heads,
         kv_lora_rank=kv_lora_rank,
@@ -106,7 +107,7 @@ def bench_attention(
 
 
 def _attend(reader: RowReader, query: torch.Tensor) -> torch.Tensor:
-    return reader.context(torch.softmax(reader.scores(query), dim=-1))
+    return readers.context(torch.softmax(readers.scores(query, reader), dim=-1), reader)
 
 
 def compare_attention(rows: list[AttentionRow], outputs: list[torch.Tensor]) -> None:

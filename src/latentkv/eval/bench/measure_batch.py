@@ -41,10 +41,10 @@ class BatchRow:
         return asdict(self)
 
 
-def _prefilled(model, batch: int, context: int, cache_config: CacheConfig) -> tuple[list, list[int]]:
+def _prefilled(model, batch: int, context: int, tier) -> tuple[list, list[int]]:
     caches, tokens = [], []
     for b in range(batch):
-        cache = model.make_cache(cache_config)
+        cache = model.make_cache(tier)
         logits = model.forward(torch.tensor(random_prompt(model.cfg.vocab_size, context, seed=b)), cache)
         caches.append(cache)
         tokens.append(int(logits[-1].argmax()))
@@ -55,9 +55,9 @@ def bench_batches(
     model, name: str, sizes: list[int], context: int, steps: int, cache_config: CacheConfig | None = None
 ) -> tuple[float, list[BatchRow]]:
     """(single-sequence tok/s, one row per batch size), from `steps` interleaved rounds."""
-    cache_config = cache_config or CacheConfig()
-    single = _prefilled(model, 1, context, cache_config)
-    batches = {size: _prefilled(model, size, context, cache_config) for size in sizes}
+    tier = model.tier(cache_config)
+    single = _prefilled(model, 1, context, tier)
+    batches = {size: _prefilled(model, size, context, tier) for size in sizes}
     pools = {size: _pooled(model, size, batches[size][0]) for size in sizes}
     times: dict[int | None, list[float]] = {size: [] for size in [None, *sizes]}  # None: the single sequence
     for _ in range(steps + 1):  # the first round warms up and is not counted
@@ -68,7 +68,7 @@ def bench_batches(
     rows = [
         BatchRow(
             model=name,
-            kv_cache_dtype=cache_config.kv_cache_dtype,
+            kv_cache_dtype=tier.name,
             context=context,
             batch=size,
             steps=steps,

@@ -85,15 +85,15 @@ def bench_latentkv(
         raise ValueError(f"unknown fill {fill!r}; choose from {', '.join(FILL_MODES)}")
     if speculative is not None:
         return bench_speculative(model, name, weight_dtype, context, decode_tokens, cache_config, speculative)
-    cache_config = cache_config or CacheConfig()
+    tier = model.tier(cache_config)
     step = compiled if compiled is not None else model.forward
     prompt = random_prompt(model.cfg.vocab_size, context)
-    warm = model.make_cache(cache_config)  # warm up the allocator, RoPE and codec tables
+    warm = model.make_cache(tier)  # warm up the allocator, RoPE and codec tables
     token, _ = timed_forward(model.forward, prompt[:8], warm)
     _decode_passes(step, warm, token, 1)
     del warm
 
-    cache = model.make_cache(cache_config)
+    cache = model.make_cache(tier)
     if fill == "prefill":
         token, seconds = timed_forward(model.forward, prompt, cache)
         prefill_tps = context / seconds
@@ -105,7 +105,7 @@ def bench_latentkv(
         engine="latentkv+compile" if compiled is not None else "latentkv",
         model=name,
         weight_dtype=weight_dtype,
-        kv_cache_dtype=cache.codec,
+        kv_cache_dtype=cache.tier.name,
         context=context,
         decode_tokens=decode_tokens,
         threads=torch.get_num_threads(),
@@ -125,17 +125,17 @@ def bench_speculative(
     decode tok/s is the tokens after the first over the decode steps' time."""
     from latentkv.engine.speculative import SpeculativeStats, speculative_steps
 
-    cache_config = cache_config or CacheConfig()
+    tier = model.tier(cache_config)
     prompt = random_prompt(model.cfg.vocab_size, context)
     times: dict[str, float] = {"prompt": 0.0, "decode": 0.0}
 
     def timing(kind: str, seconds: float) -> None:
         times[kind] += seconds
 
-    warm = model.make_cache(cache_config)  # warm up the allocator, RoPE and codec tables
+    warm = model.make_cache(tier)  # warm up the allocator, RoPE and codec tables
     for _ in speculative_steps(model, prompt[:8], warm, _GREEDY, speculative, 3):
         pass
-    cache = model.make_cache(cache_config)
+    cache = model.make_cache(tier)
     stats = SpeculativeStats(speculative.draft_tokens)
     n = sum(
         1 for _ in speculative_steps(model, prompt, cache, _GREEDY, speculative, decode_tokens, timing, stats)
@@ -144,7 +144,7 @@ def bench_speculative(
         engine=f"latentkv+mtp{speculative.draft_tokens}",
         model=name,
         weight_dtype=weight_dtype,
-        kv_cache_dtype=cache.codec,
+        kv_cache_dtype=cache.tier.name,
         context=context,
         decode_tokens=decode_tokens,
         threads=torch.get_num_threads(),

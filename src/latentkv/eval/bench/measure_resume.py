@@ -10,7 +10,7 @@ import torch
 
 from latentkv.config import CacheConfig
 from latentkv.eval.bench.workload import random_prompt, timed_forward
-from latentkv.kv.cache import LatentCache, PackedLatentCache
+from latentkv.kv.cache import KVTier, LatentCache, PackedLatentCache
 
 
 @dataclass
@@ -55,22 +55,23 @@ def bench_resume(
     from latentkv.kv.store import KVFile, header_for
     from latentkv.models.loader import Checkpoint
 
+    tier = model.tier(cache_config)
     prompt = random_prompt(model.cfg.vocab_size, tokens)
-    timed_forward(model.forward, prompt[:8], model.make_cache(cache_config))  # warm up RoPE and codec tables
+    timed_forward(model.forward, prompt[:8], model.make_cache(tier))  # warm up RoPE and codec tables
     prefill, cache = None, None
     for _ in range(repeats):
-        fresh = model.make_cache(cache_config)
+        fresh = model.make_cache(tier)
         _, seconds = timed_forward(model.forward, prompt, fresh)
         if prefill is None or seconds < prefill:
             prefill, cache = seconds, fresh
-    path = folder / f"resume-{cache.codec}.kv"
+    path = folder / f"resume-{cache.tier.name}.kv"
     header = header_for(model.cfg, cache, Checkpoint(directory).fingerprint())
     t0 = time.perf_counter()
     with KVFile.create(path, header, replace=True) as f:
         f.append(prompt, cache, 0, tokens)
         data_offset = f.raw.data_offset
     save = time.perf_counter() - t0
-    resume, restored = _timed_resume(model, directory, path, cache_config, max(repeats, 3))
+    resume, restored = _timed_resume(model, directory, path, tier, max(repeats, 3))
     identical = _same_state(cache.state(), restored.state()) and restored.length == tokens
     probe = torch.tensor([prompt[-1]], dtype=torch.long)
     same_logits = torch.equal(model.forward(probe, cache), model.forward(probe, restored))
@@ -78,7 +79,7 @@ def bench_resume(
     size = path.stat().st_size
     return ResumeRow(
         model=name,
-        kv_cache_dtype=cache.codec,
+        kv_cache_dtype=cache.tier.name,
         tokens=tokens,
         threads=torch.get_num_threads(),
         prefill_seconds=prefill,
@@ -93,7 +94,7 @@ def bench_resume(
     )
 
 
-def _timed_resume(model, directory: Path, path: Path, cache_config: CacheConfig, repeats: int):
+def _timed_resume(model, directory: Path, path: Path, tier: KVTier, repeats: int):
     """(fastest seconds, cache) of what a restarted `--session` run does to get its cache back."""
     from latentkv.kv.store import header_for
     from latentkv.kv.store_session import Session
@@ -102,8 +103,8 @@ def _timed_resume(model, directory: Path, path: Path, cache_config: CacheConfig,
     best, restored = None, None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        current = header_for(model.cfg, model.make_cache(cache_config), Checkpoint(directory).fingerprint())
-        session, cache = Session.resume(path, current, cache_config, model.device)
+        current = header_for(model.cfg, model.make_cache(tier), Checkpoint(directory).fingerprint())
+        session, cache = Session.resume(path, current, tier)
         seconds = time.perf_counter() - t0
         session.close()
         if best is None or seconds < best:

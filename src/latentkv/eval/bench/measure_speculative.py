@@ -29,6 +29,7 @@ from latentkv.config import CacheConfig
 from latentkv.engine import sampling
 from latentkv.engine.generate import generate
 from latentkv.engine.speculative import SpeculativeConfig, SpeculativeStats
+from latentkv.kv.cache import KVTier
 
 
 @dataclass
@@ -66,7 +67,7 @@ def prompts_for(model, directory: Path, n: int, length: int) -> list[list[int]]:
 
 
 def run_single(
-    model, prompt: list[int], decode_tokens: int, cache: CacheConfig, spec
+    model, prompt: list[int], decode_tokens: int, tier: KVTier, spec
 ) -> tuple[list[int], float, SpeculativeStats | None]:
     """(tokens, decode seconds, drafting stats) of one sequence."""
     out = generate(
@@ -74,7 +75,7 @@ def run_single(
         prompt,
         decode_tokens,
         sampling.SamplingParams(),
-        cache=model.make_cache(cache),
+        cache=model.make_cache(tier),
         stop_ids=(),
         speculative=spec,
     )
@@ -82,12 +83,12 @@ def run_single(
 
 
 def run_batched(
-    model, prompts: list[list[int]], decode_tokens: int, cache: CacheConfig, spec
+    model, prompts: list[list[int]], decode_tokens: int, tier: KVTier, spec
 ) -> tuple[list[list[int]], float, dict | None]:
     """(each sequence's tokens, decode seconds, drafting stats) with the scheduler, all at once."""
     from latentkv.engine.scheduler import Finished, Request, SamplingParams, Scheduler
 
-    scheduler = Scheduler(model, cache, max_num_seqs=len(prompts), speculative=spec)
+    scheduler = Scheduler(model, tier, max_num_seqs=len(prompts), speculative=spec)
     scheduler.start()
     try:
         handles = [
@@ -141,11 +142,11 @@ def bench_speculative(
     before = streamer.snapshot() if streamer is not None else None
     t0 = time.perf_counter()
     if concurrency == 1:
-        tokens, seconds, stats = run_single(model, prompts[0], decode_tokens, cache, spec)
+        tokens, seconds, stats = run_single(model, prompts[0], decode_tokens, model.tier(cache), spec)
         outs, summary = [tokens], (stats.as_dict() if stats else None)
         produced = len(tokens) - 1
     else:
-        outs, seconds, summary = run_batched(model, prompts, decode_tokens, cache, spec)
+        outs, seconds, summary = run_batched(model, prompts, decode_tokens, model.tier(cache), spec)
         produced = sum(len(t) - 1 for t in outs)
     seconds = seconds or (time.perf_counter() - t0)
     row = SpecRow(

@@ -4,7 +4,7 @@ q8_0, q5_0, q4_0, q4_1 and their rotated variants hq8_0 .. hq4_1; and the tiers 
     codec = get_codec("tq4", width=512)        # one codec per row width (c and r separately)
     enc = codec.encode(rows)                   # EncodedRows(codes uint8 [N, B], scales f32 [N, S])
     codec.bytes_per_row                        # B + 4 S, exactly what a row costs
-    TIERS["tq4-r8"]                            # Tier(c="tq4", r="fp8"): which codec stores c and r
+    TIERS["tq4-r8"]                            # ("tq4", "fp8"): the codecs of c and of r
 
 Names follow vLLM's `--kv-cache-dtype`. The rotated codecs (tq*, polar*) need power-of-two
 widths and refuse others with a ValueError that suggests fp8. `group_size` (one scale per
@@ -22,7 +22,7 @@ from latentkv.kv.codecs.fp8 import Fp8Codec
 from latentkv.kv.codecs.identity import Bf16Codec, F32Codec
 from latentkv.kv.codecs.polar import PolarCodec
 from latentkv.kv.codecs.rotation import DEFAULT_SEED
-from latentkv.kv.codecs.tiers import TIER_NAMES, TIERS, Tier
+from latentkv.kv.codecs.tiers import TIER_NAMES, TIERS, TierCodecs
 from latentkv.kv.codecs.turbo import TurboCodec
 
 # name -> factory(width, seed, group_size)
@@ -101,7 +101,7 @@ __all__ = [
     "GROUPED_CODECS",
     "TIERS",
     "TIER_NAMES",
-    "Tier",
+    "TierCodecs",
     "Bf16Codec",
     "BlockCodec",
     "Codec",

@@ -10,7 +10,7 @@ and nothing else (no padding, no headers). `params()` names everything that chan
 bytes; the cache records it so a file written under one codec is never read under another.
 
 `decode` exists for tests, fallbacks and re-encoding; attention reads the packed rows through
-the consumers in `latentkv.kv.attention` without rebuilding them.
+the consumers in `latentkv.attention.consumers` without rebuilding them.
 """
 
 from __future__ import annotations

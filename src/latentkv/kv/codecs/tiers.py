@@ -20,45 +20,34 @@ q5_0, q4_0, q4_1 and the rotated hq* variants, `blocks.py`) store c and r in the
 codecs' params, so a file written under one tier is refused under any other.
 
 The names themselves are listed once, in `latentkv.config.KV_CACHE_DTYPES` (the flags' module,
-which imports nothing else of the package); this table derives each name's codecs from it. A
-tier resolved for one model's rows (codecs with their parameters, bytes per row, cache
-factory) is `latentkv.kv.cache.KVTier`.
+which imports nothing else of the package); this table derives each name's two codec names
+from it, and is nothing more. The one runtime tier object, a name resolved for one model's
+rows (codecs with their parameters, bytes per row, the caches it makes), is
+`latentkv.kv.cache.KVTier`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from latentkv.config import KV_CACHE_DTYPES
 
-# Tiers whose one-token step traces into one torch.compile graph (`--compile`). The rotated and
-# polar codecs' bit unpacking breaks the graph in many places, and their compiled step is slower
-# than the eager one.
-COMPILABLE = ("f32", "bf16", "fp8")
 
+class TierCodecs(NamedTuple):
+    """The codec names of a tier's two parts."""
 
-@dataclass(frozen=True)
-class Tier:
-    """One `--kv-cache-dtype`: the codec names of its two parts, and what it can do."""
-
-    name: str
     c: str  # codec of the latent c (kv_lora_rank values)
     r: str  # codec of the rope key r (qk_rope_head_dim values)
-
-    @property
-    def compilable(self) -> bool:
-        """Whether `--compile` traces a step over this tier (without a recent window)."""
-        return self.name in COMPILABLE
 
 
 _R_SUFFIXES = {"r8": "fp8", "r16": "bf16"}
 
 
-def _tier(name: str) -> Tier:
-    """`tq4-r8` -> Tier(c="tq4", r="fp8"); a plain codec name stores both parts."""
+def _codecs(name: str) -> TierCodecs:
+    """`tq4-r8` -> ("tq4", "fp8"); a plain codec name stores both parts."""
     base, _, suffix = name.partition("-")
-    return Tier(name, base, _R_SUFFIXES[suffix]) if suffix else Tier(name, name, name)
+    return TierCodecs(base, _R_SUFFIXES[suffix]) if suffix else TierCodecs(name, name)
 
 
-TIERS: dict[str, Tier] = {name: _tier(name) for name in KV_CACHE_DTYPES}
+TIERS: dict[str, TierCodecs] = {name: _codecs(name) for name in KV_CACHE_DTYPES}
 TIER_NAMES: tuple[str, ...] = tuple(TIERS)

@@ -1,4 +1,5 @@
-"""Native attention consumers: scores and context read straight from packed KV rows.
+"""Native attention consumers: scores and context read straight from packed KV rows, the
+arithmetic of the torch reference backend (`readers.py` applies it to each kind of reader).
 
 For a query block q [..., n] and T encoded rows of one codec (width n):
 

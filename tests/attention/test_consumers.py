@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latentkv.kv import attention
+from latentkv.attention import consumers as attention
 from latentkv.kv.codecs import CODEC_NAMES, Codec, EncodedRows, get_codec
 
 TILE = 64  # small tiles so that short caches already span several, with a ragged last one

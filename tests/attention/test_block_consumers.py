@@ -15,7 +15,7 @@ import struct
 import pytest
 import torch
 
-from latentkv.kv import attention
+from latentkv.attention import consumers as attention
 from latentkv.kv.codecs import EncodedRows, get_codec
 from latentkv.kv.codecs.blocks import WQ4_LEVELS
 
