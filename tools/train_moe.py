@@ -26,6 +26,11 @@ planted definition near the start that is used again near the end. A renamed nam
 only copied from earlier in the window, so predicting its later occurrences takes attention across
 the window, up to the full 4096 tokens.
 
+A copy curriculum (--synthetic-*, off by default) adds synthetic windows whose loss counts only
+tokens copied from earlier in the window (random tokens or text; segments scattered at spread
+distances or one segment repeated), meant to force induction heads early; --init-from continues
+from an exported model with a fresh optimizer. docs/stdlib-moe.md records what it did and did not do.
+
 Phases (the checkpoint records which one it is in):
 1. pretraining, bf16 autocast (AMX) with float32 master weights, AdamW, warmup + cosine; a length
    curriculum (1024-token windows first, 4096 later); next token + 0.3 x MTP (token after next);
@@ -155,6 +160,65 @@ def copy_segments(ids: list[int], rng: random.Random, context: int, repeat: floa
     return out[:context]
 
 
+def synthetic_window(
+    rng: random.Random, context: int, vocab: int, avoid: int, args, base: list[int] | None = None
+) -> tuple[list[int], list[bool]]:
+    """A window of random tokens (uniform over the vocabulary but `avoid`, the EOT) in which
+    segments of `synthetic_min_len`-`synthetic_max_len` tokens repeat an earlier stretch exactly, at
+    distances drawn log-uniformly from `synthetic_min_distance` to `synthetic_max_distance` (capped
+    by the window), until about `synthetic_copy_frac` of the window is copies. Returns (ids, mask):
+    mask marks the tokens predictable by copying, every copied token but a copy's first (its
+    predecessor is random); nothing else in the window can be predicted, so the loss counts only
+    those. Copies never overlap and a copy is no longer than its distance, so each stays exact."""
+    if args.synthetic_layout == "periodic":
+        return periodic_window(rng, context, vocab, avoid, args, base)
+    if base is None:
+        ids = [rng.randrange(vocab - 1) for _ in range(context)]
+        ids = [t + (t >= avoid) for t in ids]
+    else:
+        ids = list(base[:context])
+    copies: list[tuple[int, int, int]] = []  # (destination, length, distance)
+    covered, tries = 0, 0
+    while covered < args.synthetic_copy_frac * context and tries < 1000:
+        tries += 1
+        length = rng.randint(args.synthetic_min_len, args.synthetic_max_len)
+        top = min(args.synthetic_max_distance, context - length)
+        if top < args.synthetic_min_distance:
+            break
+        distance = int(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
+        length = min(length, distance)
+        dst = rng.randrange(distance, context - length + 1)
+        if any(dst < d + n and d < dst + length for d, n, _ in copies):
+            continue
+        copies.append((dst, length, distance))
+        covered += length
+    mask = [False] * context
+    for dst, length, distance in sorted(
+        copies
+    ):  # in order: a later copy never writes an earlier one's source
+        ids[dst : dst + length] = ids[dst - distance : dst - distance + length]
+        mask[dst + 1 : dst + length] = [True] * (length - 1)
+    return ids, mask
+
+
+def periodic_window(
+    rng: random.Random, context: int, vocab: int, avoid: int, args, base: list[int] | None = None
+) -> tuple[list[int], list[bool]]:
+    """--synthetic-layout periodic: one random segment repeated to fill the window (seg + seg +
+    ...), its length (the copy distance) log-uniform from --synthetic-min-distance to
+    --synthetic-max-distance (at most half the window); every token after the first copy's first
+    is predictable. Easier than the scattered layout: the copy is most of the window and its
+    distance is the same throughout."""
+    top = max(args.synthetic_min_distance, min(args.synthetic_max_distance, context // 2))
+    period = int(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
+    if base is None:
+        seg = [t + (t >= avoid) for t in (rng.randrange(vocab - 1) for _ in range(period))]
+    else:
+        seg = list(base[:period])
+    ids = (seg * (context // period + 1))[:context]
+    return ids, [p > period for p in range(context)]
+
+
 class Windows:
     """Training windows of `context` tokens from the training text, renamed and planted, seeded by
     (seed, step) so a resumed run draws exactly the batches it would have drawn."""
@@ -192,6 +256,28 @@ class Windows:
     def batch(self, step: int, batch: int, context: int) -> torch.Tensor:
         rng = random.Random(self.args.seed * 1_000_003 + step)
         return torch.tensor([self.window(rng, context) for _ in range(batch)], dtype=torch.long)
+
+    def mixed_batch(
+        self, step: int, batch: int, context: int, share: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x [B, S], synthetic mask [n, S] or None): the text windows of `batch`, then about
+        share x batch synthetic windows (`synthetic_window`, rounded at random) in their place,
+        drawn from their own seeded stream. Share 0 gives exactly `batch`'s windows."""
+        x = self.batch(step, batch, context)
+        if share <= 0:
+            return x, None
+        rng = random.Random((self.args.seed * 1_000_003 + step) * 7 + 5)
+        n = min(batch, int(share * batch + rng.random()))
+        if n == 0:
+            return x, None
+        eot, vocab = self.tok.token_to_id(EOT), self.tok.get_vocab_size()
+        text = self.args.synthetic_source == "text"
+        pairs = [
+            synthetic_window(rng, context, vocab, eot, self.args, self.window(rng, context) if text else None)
+            for _ in range(n)
+        ]
+        x = torch.cat([x[: batch - n], torch.tensor([ids for ids, _ in pairs], dtype=torch.long)])
+        return x, torch.tensor([m for _, m in pairs], dtype=torch.bool)
 
 
 def training_text(seed: int) -> tuple[str, list[str], list[str]]:
@@ -298,29 +384,36 @@ def run_stack(layers, h: torch.Tensor, pe) -> torch.Tensor:
     return h
 
 
-def forward_losses(model, mtp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, S] -> (next-token loss, MTP loss), with the patched (fast) modules."""
+def forward_losses(
+    model, mtp, x: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S] -> (next-token loss, MTP loss), with the patched (fast) modules; with a mask
+    [B, S], only the tokens it marks are predicted (the loss is their mean)."""
     mm = model.model
     pos = torch.arange(x.shape[1])[None]
     h = mm.embed_tokens(x)
     pe = mm.rotary_emb(h, pos)
     h = mm.norm(run_stack(mm.layers, h, pe))  # [B, S, D]
-    main = head_loss(model.lm_head, h[:, :-1], x[:, 1:])
+
+    def targets(t0: int) -> torch.Tensor:
+        return x[:, t0:] if mask is None else x[:, t0:].masked_fill(~mask[:, t0:], -100)
+
+    main = head_loss(model.lm_head, h[:, :-1], targets(1))
     e = mm.embed_tokens(x[:, 1:])
     m = mtp.eh_proj(torch.cat([mtp.enorm(e), mtp.hnorm(h[:, :-1])], dim=-1))  # [B, S-1, D]
     m = run_stack([mtp.block], m, mm.rotary_emb(m, pos[:, :-1]))
-    return main, head_loss(model.lm_head, mtp.head_norm(m[:, :-1]), x[:, 2:])  # predicts x[i+2]
+    return main, head_loss(model.lm_head, mtp.head_norm(m[:, :-1]), targets(2))  # predicts x[i+2]
 
 
 def head_loss(head, h: torch.Tensor, target: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Mean cross-entropy of head(h) [B, S, V] against target [B, S], 1024 positions at a time so
-    no [B, S, V] logits tensor is ever whole."""
+    """Mean cross-entropy of head(h) [B, S, V] against target [B, S] over the targets that are not
+    -100, 1024 positions at a time so no [B, S, V] logits tensor is ever whole."""
     h, target = h.flatten(0, 1), target.flatten()
     total = sum(
         F.cross_entropy(head(h[i : i + chunk]).float(), target[i : i + chunk], reduction="sum")
         for i in range(0, h.shape[0], chunk)
     )
-    return total / h.shape[0]
+    return total / max(1, int((target != -100).sum()))
 
 
 # --- evaluation --------------------------------------------------------------------------------
@@ -420,15 +513,41 @@ def wait_quiet(quiet: Path, log) -> float:
 
 
 def schedule(step: int, args) -> tuple[float, int, int]:
-    """(learning rate, batch, context) at a step: warmup + cosine to 10%; short windows first."""
+    """(learning rate, batch, context) at a step: warmup, then cosine to 10% (or constant with
+    --lr-schedule constant); short windows first."""
     if step < args.warmup:
         lr = args.lr * (step + 1) / args.warmup
+    elif args.lr_schedule == "constant":
+        lr = args.lr
     else:
         progress = (step - args.warmup) / max(1, args.steps - args.warmup)
         lr = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
     long = step >= int(args.short_frac * args.steps)
     context = args.context if long else args.short_context
     return lr, args.tokens_per_step // context, context
+
+
+def synthetic_share(step: int, state: dict, args) -> float:
+    """The share of a step's windows that are synthetic copy windows: --synthetic-share until the
+    synthetic copy loss (its running mean, state["synthetic_ema"]) first falls below
+    --synthetic-anneal-below, then linearly down to --synthetic-final-share over
+    --synthetic-anneal-steps steps (the step it fell is state["synthetic_anneal_from"])."""
+    start = state.get("synthetic_anneal_from")
+    if args.synthetic_share <= 0 or start is None:
+        return max(0.0, args.synthetic_share)
+    t = min(1.0, (step - start) / max(1, args.synthetic_anneal_steps))
+    return args.synthetic_share + t * (args.synthetic_final_share - args.synthetic_share)
+
+
+def track_synthetic(state: dict, loss: float | None, args) -> None:
+    """Update the synthetic copy loss's running mean (0.9 decay) and start the anneal when it
+    first falls below --synthetic-anneal-below."""
+    if loss is None:
+        return
+    ema = state.get("synthetic_ema")
+    state["synthetic_ema"] = ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+    if state.get("synthetic_anneal_from") is None and ema < args.synthetic_anneal_below:
+        state["synthetic_anneal_from"] = state["step"]
 
 
 def build_optimizer(model, mtp, args):
@@ -443,26 +562,41 @@ def build_optimizer(model, mtp, args):
     return params, opt
 
 
-def train_step(model, mtp, opt, params, balancer, x: torch.Tensor, lr: float, args) -> dict:
+def train_step(
+    model, mtp, opt, params, balancer, x: torch.Tensor, lr: float, args, mask: torch.Tensor | None = None
+) -> dict:
     """One optimizer step over x [B, S], in micro-batches of about args.micro_tokens tokens (small
-    tensors stay in the allocator's heap instead of fresh page-faulted mappings)."""
+    tensors stay in the allocator's heap instead of fresh page-faulted mappings). With a mask
+    [n, S], x's last n windows are synthetic and only their masked tokens are predicted; every
+    window weighs the same. "loss"/"mtp_loss" are the text windows' (None without any),
+    "synthetic_loss" the synthetic windows' next-token loss on their copies."""
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
     per = max(1, args.micro_tokens // x.shape[1])
-    mains, extras = [], []
-    for xs in x.split(per):
+    n_syn = 0 if mask is None else mask.shape[0]
+    n_text = x.shape[0] - n_syn
+    sums = {"loss": 0.0, "mtp_loss": 0.0, "synthetic_loss": 0.0}
+    parts = [(xs, None) for xs in x[:n_text].split(per)] if n_text else []
+    if n_syn:
+        parts += list(zip(x[n_text:].split(per), mask.split(per), strict=True))
+    for xs, ms in parts:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            main, extra = forward_losses(model, mtp, xs)
+            main, extra = forward_losses(model, mtp, xs, ms)
         share = xs.shape[0] / x.shape[0]
         ((main + args.mtp_weight * extra) * share).backward()
-        mains.append(main.item() * share)
-        extras.append(extra.item() * share)
+        if ms is None:
+            sums["loss"] += main.item() * xs.shape[0] / n_text
+            sums["mtp_loss"] += extra.item() * xs.shape[0] / n_text
+        else:
+            sums["synthetic_loss"] += main.item() * xs.shape[0] / n_syn
     grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     return {
-        "loss": sum(mains),
-        "mtp_loss": sum(extras),
+        "loss": sums["loss"] if n_text else None,
+        "mtp_loss": sums["mtp_loss"] if n_text else None,
+        "synthetic_windows": n_syn,
+        "synthetic_loss": sums["synthetic_loss"] if n_syn else None,
         "max_load_ratio": balancer.step(),
         "grad_norm": float(grad_norm),
         "lr": lr,
@@ -490,9 +624,36 @@ def load_tokenizer(path: Path):
     return Tokenizer.from_file(str(path))
 
 
+def load_exported(folder: Path) -> tuple[dict, dict, dict]:
+    """An exported model folder (`export`'s layout) -> (config, model state, MTP state), float32:
+    the inverse of train_fixture.save (the MTP layer's DeepSeek-V3 names mapped back)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    for key in ("dtype", "transformers_version"):
+        cfg.pop(key, None)
+    tensors = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    _, model, mtp = tf.build(cfg, 0)
+    prefix = f"model.layers.{cfg['num_hidden_layers']}."
+    names = dict(zip((n for n, _ in mtp.state_items(prefix)), mtp.state_dict(), strict=True))
+    mtp_state = {names[k]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix)}
+    model_state = model.state_dict()
+    missing = set(model_state) - set(tensors) - {k for k in model_state if k.endswith("inv_freq")}
+    if missing or set(tensors) - set(model_state) or set(names.values()) - set(mtp_state):
+        raise SystemExit(f"--init-from {folder}: not a model this trainer exported")
+    model_state.update(tensors)
+    return cfg, model_state, mtp_state
+
+
 def new_state(args, tok) -> dict:
-    cfg = model_config(tok.get_vocab_size(), args)
-    config, model, mtp = tf.build(cfg, args.seed)
+    if args.init_from is None:
+        cfg = model_config(tok.get_vocab_size(), args)
+        config, model, mtp = tf.build(cfg, args.seed)
+    else:  # continue from an exported model: its config and weights, a fresh optimizer
+        cfg, model_state, mtp_state = load_exported(Path(args.init_from))
+        config, model, mtp = tf.build(cfg, args.seed)
+        model.load_state_dict(model_state)
+        mtp.load_state_dict(mtp_state)
     _, opt = build_optimizer(model, mtp, args)
     return {
         "phase": "pretrain",
@@ -531,19 +692,25 @@ def pretrain(state: dict, work: Path, windows: Windows, evals: tuple, args, log)
         step = state["step"]
         lr, batch, context = schedule(step, args)
         t0, c0 = time.time(), time.process_time()
-        row = {
-            "step": step + 1,
-            **train_step(model, mtp, opt, params, balancer, windows.batch(step, batch, context), lr, args),
-        }
+        x, mask = windows.mixed_batch(step, batch, context, synthetic_share(step, state, args))
+        row = {"step": step + 1, **train_step(model, mtp, opt, params, balancer, x, lr, args, mask)}
         row["seconds"] = round(time.time() - t0, 2)
         row["cpu_seconds"] = round(time.process_time() - c0, 2)
         state["compute_seconds"] += row["cpu_seconds"]
         state["step"] = step + 1
+        track_synthetic(state, row["synthetic_loss"], args)
         append_jsonl(work / "history.jsonl", row)
         if (step + 1) % args.log_every == 0 or step == 0:
+            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            syn = (
+                f"  synthetic {fmt(row['synthetic_loss'])} ({row['synthetic_windows']} windows, "
+                f"mean {state['synthetic_ema']:.3f})"
+                if state.get("synthetic_ema") is not None
+                else ""
+            )
             log(
-                f"step {step + 1}/{args.steps} ctx {context}  loss {row['loss']:.3f}  mtp {row['mtp_loss']:.3f}  "
-                f"load max/mean {row['max_load_ratio']:.2f}  {row['seconds']:.1f} s/step"
+                f"step {step + 1}/{args.steps} ctx {context}  loss {fmt(row['loss'])}  mtp {fmt(row['mtp_loss'])}"
+                f"{syn}  load max/mean {row['max_load_ratio']:.2f}  {row['seconds']:.1f} s/step"
             )
         done = state["step"] == args.steps
         if (step + 1) % args.eval_every == 0 or done:
@@ -555,10 +722,12 @@ def pretrain(state: dict, work: Path, windows: Windows, evals: tuple, args, log)
             )
             append_jsonl(work / "evals.jsonl", ev)
             snapshot(state, model, mtp, opt)
-            if state["best"] is None or ev["loss"] < state["best"]["loss"]:
+            if state["best"] is None or better(ev, state["best"], args.best_by):
                 state["best"] = ev
                 save_checkpoint(work / "best.pt", state)
             save_checkpoint(work / "last.pt", state)
+            if args.keep_evals:
+                save_checkpoint(work / f"step-{step + 1}.pt", state)
             last_save = time.time()
         elif time.time() - last_save > args.save_minutes * 60:
             snapshot(state, model, mtp, opt)
@@ -568,6 +737,19 @@ def pretrain(state: dict, work: Path, windows: Windows, evals: tuple, args, log)
         state["phase"] = "indexer"
     snapshot(state, model, mtp, opt)
     save_checkpoint(work / "last.pt", state)
+
+
+def better(ev: dict, best: dict, by: str) -> bool:
+    """Is evaluation `ev` better than `best`? By held-out loss, or ("recall") by planted-name
+    recall summed over the distances of 2048 tokens and more, then over all, then by loss."""
+    if by == "recall":
+
+        def key(e):
+            far = sum(v for d, v in e["recall"].items() if int(d) >= 2048)
+            return (-far, -sum(e["recall"].values()), e["loss"])
+
+        return key(ev) < key(best)
+    return ev["loss"] < best["loss"]
 
 
 def snapshot(state: dict, model, mtp, opt) -> None:
@@ -759,6 +941,81 @@ def parse(argv: list[str] | None):
     t.add_argument("--short-frac", type=float, default=0.5, help="share of steps on short windows")
     t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: 2e-3)")
     t.add_argument("--warmup", type=int, default=60)
+    t.add_argument(
+        "--lr-schedule",
+        choices=["cosine", "constant"],
+        default="cosine",
+        help="after the warmup: cosine to 10%% of --lr at --steps (default), or constant",
+    )
+    t.add_argument(
+        "--init-from",
+        default=None,
+        help="start from an exported model folder (its config and weights, a fresh optimizer) "
+        "instead of random weights",
+    )
+    t.add_argument(
+        "--synthetic-share",
+        type=float,
+        default=0.0,
+        help="share of each step's windows that are synthetic copy windows, whose loss counts only "
+        "the copies: a curriculum meant to make induction heads form (on the shipped model it did "
+        "not in the steps tried: docs/stdlib-moe.md) (default: 0)",
+    )
+    t.add_argument(
+        "--synthetic-final-share",
+        type=float,
+        default=0.15,
+        help="the share once annealed (default: 0.15)",
+    )
+    t.add_argument(
+        "--synthetic-anneal-below",
+        type=float,
+        default=2.0,
+        help="anneal once the synthetic copy loss (running mean) falls below this, in nats (default: 2.0)",
+    )
+    t.add_argument(
+        "--synthetic-anneal-steps", type=int, default=50, help="steps the anneal takes (default: 50)"
+    )
+    t.add_argument(
+        "--synthetic-copy-frac",
+        type=float,
+        default=0.5,
+        help="share of a synthetic window's tokens that are copies (default: 0.5)",
+    )
+    t.add_argument(
+        "--synthetic-layout",
+        choices=["scattered", "periodic"],
+        default="scattered",
+        help="synthetic windows: random tokens with segments copied from earlier at spread distances "
+        "(default), or one random segment repeated to fill the window",
+    )
+    t.add_argument(
+        "--synthetic-source",
+        choices=["random", "text"],
+        default="random",
+        help="what the synthetic windows copy: uniformly random tokens (default), or a training "
+        "text window (renamed and planted as the text windows are); either way only the copies count",
+    )
+    t.add_argument(
+        "--synthetic-min-len", type=int, default=16, help="copied segment length, min (default: 16)"
+    )
+    t.add_argument(
+        "--synthetic-max-len", type=int, default=128, help="copied segment length, max (default: 128)"
+    )
+    t.add_argument("--synthetic-min-distance", type=int, default=64, help="copy distance, min (default: 64)")
+    t.add_argument(
+        "--synthetic-max-distance",
+        type=int,
+        default=4096,
+        help="copy distance, max (log-uniform between; capped by the window; default: 4096)",
+    )
+    t.add_argument(
+        "--best-by",
+        choices=["loss", "recall"],
+        default="loss",
+        help="which evaluation WORK/best.pt keeps: the lowest held-out loss (default), or the best "
+        "planted-name recall at 2048+ tokens (then at any distance, then loss)",
+    )
     t.add_argument("--mtp-weight", type=float, default=0.3, help="weight of the MTP loss (DeepSeek-V3: 0.3)")
     t.add_argument("--balance-rate", type=float, default=1e-2, help="router bias update per step")
     t.add_argument("--rename-prob", type=float, default=0.8, help="share of windows with renamed identifiers")
@@ -814,6 +1071,9 @@ def parse(argv: list[str] | None):
     t.add_argument("--eval-per-distance", type=int, default=8, help="planted-identifier cases per distance")
     t.add_argument("--save-minutes", type=float, default=10)
     t.add_argument(
+        "--keep-evals", action="store_true", help="also keep each evaluation's checkpoint as WORK/step-N.pt"
+    )
+    t.add_argument(
         "--stop-after", type=int, default=None, help="stop (checkpointed) after this many steps of this run"
     )
     t.add_argument("--log-every", type=int, default=10)
@@ -838,7 +1098,11 @@ def parse(argv: list[str] | None):
     e = sub.add_parser("export", help="write a model folder from WORK's checkpoint")
     e.add_argument("--work", type=Path, required=True)
     e.add_argument("--out", type=Path, required=True)
-    e.add_argument("--checkpoint", default="last", choices=["last", "best"])
+    e.add_argument(
+        "--checkpoint",
+        default="last",
+        help="last (default), best, or step-N (an evaluation's, kept with --keep-evals)",
+    )
     e.add_argument("--index-topk", type=int, default=None, help="override index_topk in the config")
     return p.parse_args(argv)
 
@@ -853,10 +1117,12 @@ OPERATIONAL = {
     "stop_after",
     "change",
     "cmd",
+    "keep_evals",
 }
-TRAINER_VERSION = 4  # recorded with every recipe change
+TRAINER_VERSION = 5  # recorded with every recipe change
 # 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
-# (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5)
+# (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5); 5: --init-from,
+# --lr-schedule, the --synthetic-* copy curriculum, --best-by
 
 
 def apply_changes(state: dict, args, log) -> None:
@@ -901,7 +1167,11 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(FIXTURE / "tokenizer.json")
     text, heldout, train_texts = training_text(0)
     if args.cmd == "export":
-        state = torch.load(args.work / f"{args.checkpoint}.pt", weights_only=False)
+        path = args.work / f"{args.checkpoint}.pt"
+        if not re.fullmatch(r"last|best|step-\d+", args.checkpoint) or not path.exists():
+            print(f"export: no checkpoint {path}", file=sys.stderr)
+            return 2
+        state = torch.load(path, weights_only=False)
         export(state, args.out, tok, heldout, token_counts(tok, train_texts), args.work, args)
         log(f"exported {args.checkpoint} (step {state['step']}, phase {state['phase']}) to {args.out}")
         return 0

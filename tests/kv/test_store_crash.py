@@ -57,7 +57,7 @@ def _run_trials(
     """`trials` kills, a fresh file every `per_file` of them (so each check stays small)."""
     rng = random.Random(seed)
     memo: list[bytes] = []
-    stats = {"torn_tail": 0, "after_commit": 0, "turns": 0}
+    stats = {"torn_tail": 0, "after_commit": 0, "turns": 0, "killed_before_a_turn": 0}
     for first in range(0, trials, per_file):
         path = tmp_path / f"crash-{first}.kv"
         RecordFile.create(path, child.header()).close()
@@ -77,11 +77,15 @@ def _kill_repeatedly(
             ready = proc.stdout.readline().split()
             assert ready[:1] == ["ready"], ready
             assert int(ready[1]) == count  # the child resumes exactly what the parent loaded
+            # Half the trials wait for the first committed turn, so kills land mid-append even
+            # when a loaded machine starts the child slowly; the others may land before it.
+            first = proc.stdout.readline() if rng.random() < 0.5 else ""
             time.sleep(rng.uniform(0, max_delay))
         finally:
             proc.send_signal(signal.SIGKILL)
             out, _ = proc.communicate()
-        printed = [int(x) for x in out.split()]
+        printed = [int(x) for x in (first + out).split()]
+        stats["killed_before_a_turn"] += not printed
         last = printed[-1] if printed else count
         stats["turns"] += len(printed)
         count, torn = _check_committed_state(path, last, memo)
@@ -95,8 +99,10 @@ def _kill_repeatedly(
 
 def test_sigkill_during_appends_always_reloads_a_committed_state(tmp_path):
     stats = _run_trials(tmp_path, trials=50, max_delay=0.02, seed=1)
-    assert stats["turns"] > 50  # the kills landed while appending, not before the first turn
-    print(stats)
+    # the kills landed while appending, not all before the first turn: half the trials wait for
+    # a committed turn before their random delay, whatever the machine's load
+    assert stats["turns"] >= 25
+    assert stats["killed_before_a_turn"] > 0  # and some landed before the first turn    print(stats)
 
 
 @pytest.mark.slow

@@ -222,3 +222,138 @@ def test_copy_segments_repeat_earlier_text_token_for_token(tm):
         seen.add(t)
     assert 0.2 < repeats / len(out) < 0.5
     assert min(distances) < 512 and max(distances) > 2048
+
+
+def _synthetic_args(tm, **over):
+    a = dict(
+        synthetic_copy_frac=0.5,
+        synthetic_min_len=16,
+        synthetic_max_len=128,
+        synthetic_min_distance=64,
+        synthetic_max_distance=4096,
+        synthetic_layout="scattered",
+    )
+    a.update(over)
+    return types.SimpleNamespace(**a)
+
+
+def test_synthetic_windows_copy_exactly_from_near_and_far(tm):
+    """Every masked token equals the token `distance` back, and so does the one before it (the copy
+    is readable from an earlier occurrence); about the asked share is copied, from 64 to ~4000
+    tokens back; the avoided token (EOT) never appears."""
+    ids, mask = tm.synthetic_window(random.Random(3), 4096, 500, 7, _synthetic_args(tm))
+    assert len(ids) == len(mask) == 4096 and 7 not in ids and max(ids) == 499
+    assert 0.4 < sum(mask) / 4096 < 0.55
+    distances = []
+    for pos in range(1, 4096):
+        if mask[pos]:
+            # the distance of this copy: the nearest earlier position whose token and predecessor match
+            d = next(
+                d for d in range(1, pos) if ids[pos - d] == ids[pos] and ids[pos - d - 1] == ids[pos - 1]
+            )
+            distances.append(d)
+    assert min(distances) >= 1 and max(distances) > 2048
+    assert sum(d < 512 for d in distances) > 0.2 * len(distances)
+    # unmasked random tokens are not copies: with 500 tokens a chance match is rare
+    free = [p for p in range(1, 4096) if not mask[p] and not mask[p - 1]]
+    assert len(free) > 1000
+
+
+def test_synthetic_copies_are_exact_at_their_own_distance(tm):
+    """With distinct random draws (a huge vocabulary) nothing repeats by chance: each run of masked
+    tokens, with the unmasked copy start before it, repeats an earlier stretch exactly at one
+    distance (a copy may read from an earlier copy, so the stretch can occur twice)."""
+    rng = random.Random(5)
+    ids, mask = tm.synthetic_window(rng, 1024, 10**9, -1, _synthetic_args(tm, synthetic_max_distance=1024))
+    runs, pos = 0, 1
+    while pos < 1024:
+        if mask[pos]:
+            start = pos - 1  # the copy's first token: unmasked, already a repeat
+            assert not mask[start]
+            end = pos
+            while end < 1024 and mask[end]:
+                end += 1
+            run = ids[start:end]
+            assert any(ids[start - d : end - d] == run for d in range(end - start, start + 1)), start
+            runs, pos = runs + 1, end
+        pos += 1
+    assert runs >= 4
+
+
+def test_mixed_batch_and_the_anneal(tm):
+    """Share 0 draws exactly the text batch; share 0.5 of 4 windows puts 2 synthetic windows last
+    with their masks, seeded by the step; the share holds until the synthetic loss's running mean
+    falls below the threshold, then goes linearly to the final share."""
+    text = "\n".join(f"def fn_{i}(value):\n    return value * {i}\n" for i in range(400))
+
+    class Tok:
+        def encode(self, s):
+            return types.SimpleNamespace(ids=list(s.encode()))
+
+        def token_to_id(self, s):
+            return 0
+
+        def get_vocab_size(self):
+            return 300
+
+    args = tm.parse(
+        [
+            "train",
+            "--work",
+            "w",
+            "--synthetic-share",
+            "0.5",
+            "--synthetic-max-len",
+            "16",
+            "--synthetic-min-distance",
+            "16",
+        ]
+    )
+    args.short_context = 64
+    w = tm.Windows(text, Tok(), args)
+    x0, m0 = w.mixed_batch(3, 4, 64, 0.0)
+    assert m0 is None and torch.equal(x0, w.batch(3, 4, 64))
+    x, m = w.mixed_batch(3, 4, 64, 0.5)
+    assert x.shape == (4, 64) and m.shape == (2, 64) and m.any()
+    assert torch.equal(x[:2], x0[:2]) and torch.equal(x, w.mixed_batch(3, 4, 64, 0.5)[0])
+    assert not torch.equal(x, w.mixed_batch(4, 4, 64, 0.5)[0])
+
+    args.synthetic_final_share, args.synthetic_anneal_below, args.synthetic_anneal_steps = 0.1, 2.0, 10
+    state = {"step": 0}
+    for step, loss in enumerate([8.0, 8.0, 1.0, 1.0]):
+        state["step"] = step + 1
+        tm.track_synthetic(state, loss, args)
+    assert state.get("synthetic_anneal_from") is None and tm.synthetic_share(10, state, args) == 0.5
+    for step in range(4, 40):
+        state["step"] = step + 1
+        tm.track_synthetic(state, 0.5, args)
+    start = state["synthetic_anneal_from"]
+    assert tm.synthetic_share(start, state, args) == 0.5
+    assert tm.synthetic_share(start + 5, state, args) == pytest.approx(0.3)
+    assert tm.synthetic_share(start + 50, state, args) == pytest.approx(0.1)
+
+
+def test_init_from_loads_an_export(tm, tmp_path):
+    """export's folder loads back (the MTP layer's DeepSeek-V3 names mapped to the trainer's) into
+    the weights it was written from, to bf16 rounding; a folder of another model is refused."""
+    cfg = _tiny(tm)
+    _, model, mtp = _build(tm, cfg)
+
+    class Tok:
+        def save(self, path):
+            Path(path).write_text("{}")
+
+    tm.tf.save(tmp_path / "m", model, mtp, cfg, Tok(), ["x"], [1], {})
+    _, model_state, mtp_state = tm.load_exported(tmp_path / "m")
+    for ref, got in ((model.state_dict(), model_state), (mtp.state_dict(), mtp_state)):
+        for k, v in ref.items():
+            if k.endswith("inv_freq"):
+                continue
+            assert torch.equal(got[k], v.to(torch.bfloat16).float()) or k.endswith("correction_bias"), k
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "m" / "model.safetensors"))
+    del weights["model.layers.1.mlp.gate.weight"]
+    save_file(weights, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(SystemExit, match="not a model this trainer exported"):
+        tm.load_exported(tmp_path / "m")
