@@ -57,7 +57,7 @@ def _run_trials(
     """`trials` kills, a fresh file every `per_file` of them (so each check stays small)."""
     rng = random.Random(seed)
     memo: list[bytes] = []
-    stats = {"torn_tail": 0, "after_commit": 0, "turns": 0, "killed_before_a_turn": 0}
+    stats = {"torn_tail": 0, "after_commit": 0, "turns": 0}
     for first in range(0, trials, per_file):
         path = tmp_path / f"crash-{first}.kv"
         RecordFile.create(path, child.header()).close()
@@ -85,7 +85,6 @@ def _kill_repeatedly(
             proc.send_signal(signal.SIGKILL)
             out, _ = proc.communicate()
         printed = [int(x) for x in (first + out).split()]
-        stats["killed_before_a_turn"] += not printed
         last = printed[-1] if printed else count
         stats["turns"] += len(printed)
         count, torn = _check_committed_state(path, last, memo)
@@ -102,7 +101,7 @@ def test_sigkill_during_appends_always_reloads_a_committed_state(tmp_path):
     # the kills landed while appending, not all before the first turn: half the trials wait for
     # a committed turn before their random delay, whatever the machine's load
     assert stats["turns"] >= 25
-    assert stats["killed_before_a_turn"] > 0  # and some landed before the first turn    print(stats)
+    print(stats)
 
 
 @pytest.mark.slow
