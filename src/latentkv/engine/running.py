@@ -220,23 +220,17 @@ class Running:
             self._fail_unavailable(seqs, exc)
             return
         except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
-            rows = [self._decode_alone(s) for s in seqs]
+            rows = [self._guarded(s, self._decode_alone) for s in seqs]
         seconds = time.perf_counter() - t0
         for seq, logits in zip(seqs, rows, strict=True):
             if logits is not None:
                 seq.decode_seconds += seconds
                 self._guarded(seq, self._advance, logits)
 
-    def _decode_alone(self, seq: Sequence) -> torch.Tensor | None:
-        try:
-            one = torch.tensor([seq.pending], device=self.model.device)
-            return self.model.decode_batch(one, [seq.cache])[0]
-        except Unavailable as exc:
-            self.finish(seq, "error", str(exc), refused="unavailable")
-            return None
-        except Exception as exc:  # noqa: BLE001
-            self.fail(seq, exc)
-            return None
+    def _decode_alone(self, seq: Sequence) -> torch.Tensor:
+        """One sequence's decode pass on its own (run through `_guarded` after a batch failed)."""
+        one = torch.tensor([seq.pending], device=self.model.device)
+        return self.model.decode_batch(one, [seq.cache])[0]
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token from logits [vocab] (only what its grammar allows, if it has
@@ -430,7 +424,7 @@ class Drafting(Running):
             self._fail_unavailable(seqs, exc)
             return
         except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
-            outs = [self._verify_alone(s, seg) for s, seg in zip(seqs, segments, strict=True)]
+            outs = [self._guarded(s, self._verify_alone, seg) for s, seg in zip(seqs, segments, strict=True)]
         seconds = time.perf_counter() - t0
         for seq, seg, out in zip(seqs, segments, outs, strict=True):
             if out is not None:
@@ -438,14 +432,8 @@ class Drafting(Running):
                 self._guarded(seq, self._settle, out, len(seg), seconds)
 
     def _verify_alone(self, seq: Sequence, segment: torch.Tensor):
-        try:
-            return self.model.verify_batch([segment], [seq.cache])
-        except Unavailable as exc:
-            self.finish(seq, "error", str(exc), refused="unavailable")
-            return None
-        except Exception as exc:  # noqa: BLE001
-            self.fail(seq, exc)
-            return None
+        """One sequence's verify pass on its own (run through `_guarded` after a batch failed)."""
+        return self.model.verify_batch([segment], [seq.cache])
 
     def _settle(
         self, seq: Sequence, out: tuple[torch.Tensor, torch.Tensor], fed: int, seconds: float
