@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -124,9 +124,15 @@ class CacheStats:
 
 
 class ExpertCache:
-    """(layer, expert) -> value, at most `budget` bytes resident; thread-safe."""
+    """(layer, expert) -> value, at most `budget` bytes resident; thread-safe. `on_evict(key,
+    value)` is told of each eviction (a store that reuses an evicted value's memory)."""
 
-    def __init__(self, budget: int, policy: str | Policy = "lru"):
+    def __init__(
+        self,
+        budget: int,
+        policy: str | Policy = "lru",
+        on_evict: Callable[[Key, Any], None] | None = None,
+    ):
         if budget < 0:
             raise ValueError(f"expert cache budget must be >= 0 bytes, got {budget}")
         self.budget = budget
@@ -138,6 +144,7 @@ class ExpertCache:
         self._protected: set[Key] = set()
         self._bytes = 0
         self._lock = threading.RLock()
+        self._on_evict = on_evict
 
     @property
     def resident_bytes(self) -> int:
@@ -214,7 +221,9 @@ class ExpertCache:
         return self._bytes + nbytes <= self.budget
 
     def _evict(self, key: Key) -> None:
-        _, n = self._items.pop(key)
+        value, n = self._items.pop(key)
         self._bytes -= n
         self.policy.remove(key)
         self.stats.evictions += 1
+        if self._on_evict is not None:
+            self._on_evict(key, value)
