@@ -68,7 +68,7 @@ def _front(kind: str, experts, slots: int, tmp_path, policy: str = "lru"):
 
 
 def _check_slots(cache: DeviceCache) -> None:
-    slots = [cache.cache.get(k, count=False) for k in cache.cache.cached_keys()]
+    slots = [slot for _key, slot in cache.cache.values()]
     assert len(slots) + len(cache._free) <= cache.slots
     pointers = [s.buffer.data_ptr() for s in slots]
     assert len(set(pointers)) == len(pointers), "two cached experts share one slot"
@@ -102,7 +102,7 @@ def test_the_layer_through_the_device_cache_is_bit_identical(layer, tmp_path, ki
     s = cache.stats
     assert s.asked == s.hits + s.misses > 0
     assert s.copies == s.misses + s.prefetch_copies
-    extent = cache.cache.get(cache.cache.cached_keys()[0], count=False).layout.length
+    extent = cache.cache.values()[0][1].layout.length
     assert s.bytes_copied == s.copies * extent
     if slots == 8 and not prefetch:
         assert s.misses == len(cache.cache)  # every expert copied once (none evicted), then hits
@@ -204,7 +204,7 @@ def test_on_cuda_host_experts_are_page_locked_and_copies_ordered_by_events(layer
     store.prefetch([0, 1])
     got = MoE(_router_on(router, cuda), store, _shared_on(shared, cuda))(x.to(cuda))
     assert torch.allclose(got.cpu(), want, rtol=1e-4, atol=1e-5)
-    slot = cache.cache.get(cache.cache.cached_keys()[0], count=False)
+    slot = cache.cache.values()[0][1]
     assert slot.buffer.is_cuda and slot.ready is not None and slot.free_after is not None
 
 

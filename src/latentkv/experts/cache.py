@@ -160,6 +160,11 @@ class ExpertCache:
         with self._lock:
             return list(self._items)
 
+    def values(self) -> list[tuple[Key, Any]]:
+        """(key, value) of every cached entry, touching neither statistics nor policy."""
+        with self._lock:
+            return [(k, v) for k, (v, _n) in self._items.items()]
+
     def get(self, key: Key, count: bool = True) -> Any | None:
         """The cached value (a hit) or None (a miss); `count=False` peeks without statistics."""
         with self._lock:

@@ -261,12 +261,10 @@ class DeviceCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the device slots holding experts now."""
-        return sum(self.cache.get(k, count=False).layout.length for k in self.cache.cached_keys())
+        return sum(slot.layout.length for _key, slot in self.cache.values())
 
     def layer_bytes(self, layer: int) -> int:
-        return sum(
-            self.cache.get(k, count=False).layout.length for k in self.cache.cached_keys() if k[0] == layer
-        )
+        return sum(slot.layout.length for key, slot in self.cache.values() if key[0] == layer)
 
     def snapshot(self) -> dict:
         """The counters, the slots and the bytes they hold."""
