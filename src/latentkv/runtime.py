@@ -288,55 +288,51 @@ def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: fl
 def _stream_plan(spec: LoadSpec) -> Plan:
     """--ram-gb split for `spec` (the expert store planned before it is written); refused in one
     line when it does not fit."""
-    from latentkv.streaming.attach import default_store_dir
     from latentkv.streaming.planner import GIB, make_plan
 
     engine = spec.engine
-    plan = make_plan(
-        spec.model_cfg,
-        spec.directory,
-        int(engine.ram_gb * GIB),
-        spec.weight_format,
-        engine.cache,
-        spec.max_model_len,
-        spec.max_num_seqs,
-        store_dir=default_store_dir(spec.directory, spec.expert_format),
-        draft_tokens=spec.draft_tokens,
-    )
-    if not plan.fits:
-        raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")
-    return plan
+    return _fitted(spec, f"--ram-gb {engine.ram_gb}", make_plan, int(engine.ram_gb * GIB))
 
 
 def _gpu_plan(spec: LoadSpec) -> GpuPlan:
     """--vram-gb (and --ram-gb, default: a share of available memory) split for `spec`, by the
     planner `latentkv plan --vram-gb` prints; refused in one line when it does not fit, or when
     the experts' format cannot be copied into VRAM as it is held on the host."""
-    from latentkv.streaming.attach import default_store_dir
     from latentkv.streaming.gpu_plan import make_gpu_plan
     from latentkv.streaming.planner import GIB
 
     engine = spec.engine
-    plan = make_gpu_plan(
+    ram = None if engine.ram_gb is None else int(engine.ram_gb * GIB)
+    flag = f"--vram-gb {engine.vram_gb:g}"
+    plan = _fitted(spec, flag, make_gpu_plan, int(engine.vram_gb * GIB), ram)
+    if plan.expert_home != "vram" and spec.device.type == "cuda" and spec.expert_format == "int4":
+        raise UserError(
+            f"{flag}: int4 experts cannot be cached in VRAM yet (the host holds them in the CPU op's "
+            "packed layout, the GPU's op reads another); use --expert-dtype bf16 or int8, or a budget "
+            "where every expert fits in VRAM"
+        )
+    return plan
+
+
+def _fitted(spec: LoadSpec, flag: str, make, *budgets: int | None):
+    """`make(config, folder, *budgets, formats, KV, ...)` for `spec`: a planner's split (the
+    expert store planned before it is written), refused in one line naming `flag` when it does
+    not fit."""
+    from latentkv.streaming.attach import default_store_dir
+
+    plan = make(
         spec.model_cfg,
         spec.directory,
-        int(engine.vram_gb * GIB),
-        None if engine.ram_gb is None else int(engine.ram_gb * GIB),
+        *budgets,
         spec.weight_format,
-        engine.cache,
+        spec.engine.cache,
         spec.max_model_len,
         spec.max_num_seqs,
         store_dir=default_store_dir(spec.directory, spec.expert_format),
         draft_tokens=spec.draft_tokens,
     )
     if not plan.fits:
-        raise UserError(f"--vram-gb {engine.vram_gb:g}: {plan.problems[0]} (see `latentkv plan`)")
-    if plan.expert_home != "vram" and spec.device.type == "cuda" and spec.expert_format == "int4":
-        raise UserError(
-            f"--vram-gb {engine.vram_gb:g}: int4 experts cannot be cached in VRAM yet (the host holds them "
-            "in the CPU op's packed layout, the GPU's op reads another); use --expert-dtype bf16 or int8, "
-            "or a budget where every expert fits in VRAM"
-        )
+        raise UserError(f"{flag}: {plan.problems[0]} (see `latentkv plan`)")
     return plan
 
 
