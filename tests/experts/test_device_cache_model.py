@@ -79,3 +79,25 @@ def test_device_slots_follow_the_plan():
     staged = dataclasses.replace(plan, staging_bytes=4 * plan.expert_extent_bytes + 1)
     assert device_slots(staged) == 7
     assert device_slots(dataclasses.replace(plan, vram_experts=0)) == 1
+
+
+def test_resolve_load_plans_the_gpu_and_refuses_in_one_line(monkeypatch):
+    """With --device cuda (torch's probe patched: resolve_load allocates nothing) --vram-gb is
+    planned by the GPU planner: everything fits -> vram; a budget under the CUDA context does not
+    fit; int4 experts that would be cached in VRAM are refused."""
+    from latentkv.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    spec = resolve_load("builtin:fixture", EngineConfig(device="cuda", vram_gb=64.0), max_model_len=64)
+    assert spec.gpu_plan is not None and spec.gpu_plan.expert_home == "vram" and spec.plan is None
+    with pytest.raises(UserError, match=r"--vram-gb 0\.5: dense weights, .* \(see `latentkv plan`\)"):
+        resolve_load("builtin:fixture", EngineConfig(device="cuda", vram_gb=0.5), max_model_len=64)
+    whole = spec.gpu_plan
+    tight = (whole.dense_bytes + whole.kv_bytes + whole.activation_bytes + whole.staging_bytes) / 2**30
+    tight += 4 * 3 * whole.expert_extent_bytes / 2**30  # staging (none in the vram plan) and a few more
+    engine = EngineConfig(device="cuda", vram_gb=tight, weight_dtype="f32", expert_dtype="int4")
+    with pytest.raises(UserError, match="int4 experts cannot be cached in VRAM yet"):
+        resolve_load("builtin:fixture", engine, max_model_len=64)
+    pinned = resolve_load("builtin:fixture", dataclasses.replace(engine, expert_dtype=None), max_model_len=64)
+    plan = pinned.gpu_plan
+    assert plan.expert_home == "pinned" and device_slots(plan) == plan.vram_experts + 4  # + staging: 2k
