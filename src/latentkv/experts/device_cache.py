@@ -32,6 +32,7 @@ slots with synchronous copies (how the tests run it).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -149,9 +150,13 @@ def hold(store: LocalStore, pin: bool) -> HostExperts:
         for name, raw in zip(names, raws, strict=True):
             flat_view(buffer, layout, name, base).copy_(raw)
         held.append(expert_from_views(layout, lambda n, b=base, lay=layout: flat_view(buffer, lay, n, b)))
+    host = HostExperts(held, buffer)
     if pin and buffer.numel():
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
-    return HostExperts(held, buffer)
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+        # unlocked before the buffer is freed (at the latest at exit, where an error is moot)
+        weakref.finalize(host, cudart.cudaHostUnregister, buffer.data_ptr())
+    return host
 
 
 class DeviceCache:
