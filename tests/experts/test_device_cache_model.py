@@ -101,3 +101,35 @@ def test_resolve_load_plans_the_gpu_and_refuses_in_one_line(monkeypatch):
     pinned = resolve_load("builtin:fixture", dataclasses.replace(engine, expert_dtype=None), max_model_len=64)
     plan = pinned.gpu_plan
     assert plan.expert_home == "pinned" and device_slots(plan) == plan.vram_experts + 4  # + staging: 2k
+
+
+def test_the_server_scheduler_reports_the_device_cache_on_metrics(tmp_path):
+    """`serve`'s scheduler hands the cache's counters to /metrics (latentkv_device_expert_*), and
+    its batched requests through the cache decode the resident model's tokens."""
+    from latentkv.config import ServerConfig
+    from latentkv.engine.request import Finished, Request
+    from latentkv.engine.scheduler import Scheduler
+    from latentkv.server.metrics import render
+
+    want = _tokens(load("builtin:fixture", EngineConfig(), quiet=True).model, 5)
+    loaded = build(_spec("builtin:fixture", "pinned", 2), quiet=True)
+    config = ServerConfig(model="builtin:fixture", served_model_name="m", kv_dir=tmp_path)
+    scheduler = Scheduler.for_server(config, loaded, 64)
+    scheduler.start()
+    try:
+        params = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=())
+        handles = scheduler.submit_all([Request(PROMPT, params), Request(PROMPT[:3], params)])
+        events = [list(h) for h in handles]
+        assert all(isinstance(e[-1], Finished) for e in events)
+        assert [t.token for t in events[0][:-1]] == want
+        stats = scheduler.stats()
+    finally:
+        scheduler.shutdown()
+    assert stats.device_experts["asked"] > 0 and stats.device_experts["slots"] == 2
+    text = render("m", True, stats)
+    samples = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"
+    }
+    assert samples["latentkv_device_expert_hits_total"] == stats.device_experts["hits"]
+    assert samples["latentkv_device_expert_slots"] == 2
+    assert "latentkv_device_expert" not in render("m", True, dataclasses.replace(stats, device_experts=None))

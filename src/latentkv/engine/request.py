@@ -141,6 +141,7 @@ class SchedulerStats:
     kv_bytes_capacity: int  # what max_num_seqs caches of max_model_len tokens hold
     kv_cache_dtype: str
     experts: dict | None = None  # ExpertStreamer.snapshot() when the experts stream from disk
+    device_experts: dict | None = None  # DeviceCache.snapshot() when experts are cached on the GPU
     # a cluster's head: {"status", "serving", "reason", "advice", "epoch", "ranks": [per-rank records]}
     cluster: dict | None = None
     speculative: dict | None = None  # `SpeculativeStats.as_dict()` over every request, when drafting

@@ -84,6 +84,7 @@ from latentkv.engine.speculative import SpeculativeConfig, check_model
 
 if TYPE_CHECKING:
     from latentkv.cluster.head import Cluster
+    from latentkv.experts.device_cache import DeviceCache
     from latentkv.experts.streamed import ExpertStreamer
     from latentkv.kv.cache import KVTier
 
@@ -108,6 +109,7 @@ class Scheduler:
         model_dir: Path | None = None,
         sink: Sink | None = None,
         streamer: ExpertStreamer | None = None,
+        device_cache: DeviceCache | None = None,
         speculative: SpeculativeConfig | None = None,
         cluster: Cluster | None = None,
         on_shutdown: Callable[[], None] | None = None,
@@ -115,7 +117,8 @@ class Scheduler:
     ):
         """`sink`: deliver every step's events to this callable as [(handle, event), ...] instead
         of to the handles' iterators (see `delivery.Outbox`). `streamer`: the ExpertStreamer
-        serving the model's experts from disk, whose telemetry `stats` reports. `speculative`:
+        serving the model's experts from disk, whose telemetry `stats` reports (and
+        `device_cache`'s, the experts' cache on the GPU). `speculative`:
         every running sequence drafts with the MTP layer and all of them are verified in one
         batched pass per step. `grammars`: the model tokenizer's constraints, for requests with
         a grammar (structured output)."""
@@ -134,6 +137,7 @@ class Scheduler:
         self.kv_dir = Path(kv_dir) if kv_dir is not None else None
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.streamer = streamer
+        self.device_cache = device_cache
         self.cluster = cluster  # the head of a cluster: its status and every rank's telemetry in stats
         self.speculative = speculative
         self.grammars = grammars
@@ -186,6 +190,7 @@ class Scheduler:
             model_dir=loaded.directory,
             sink=sink,
             streamer=loaded.streamer,
+            device_cache=loaded.device_cache,
             cluster=loaded.cluster,
             on_shutdown=loaded.close,
             speculative=(
@@ -267,6 +272,7 @@ class Scheduler:
                 kv_bytes_capacity=self._capacity,
                 kv_cache_dtype=self.tier.name,
                 experts=self.streamer.snapshot() if self.streamer is not None else None,
+                device_experts=self.device_cache.snapshot() if self.device_cache is not None else None,
                 speculative=running.spec_snapshot,
                 cluster=self._cluster_stats(),
             )

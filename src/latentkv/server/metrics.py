@@ -219,6 +219,8 @@ class _StateCollector(Collector):
             _engine(out, stats, snap.rates)
             if stats.experts is not None:
                 _experts(out, stats.experts)
+            if stats.device_experts is not None:
+                _metrics(out, DEVICE_EXPERT_METRICS, stats.device_experts)
             if stats.speculative:
                 _speculative(out, stats.speculative)
             if stats.cluster:
@@ -309,6 +311,33 @@ EXPERT_METRICS = (
 )
 
 
+# (metric, kind, help, key in DeviceCache.snapshot()): the routed experts' cache on the GPU (--vram-gb)
+DEVICE_EXPERT_METRICS = (
+    (
+        "latentkv_device_expert_requests_total",
+        "counter",
+        "Experts asked of the GPU's expert cache (once per pass each)",
+        "asked",
+    ),
+    ("latentkv_device_expert_hits_total", "counter", "Experts found in a GPU slot", "hits"),
+    (
+        "latentkv_device_expert_copies_total",
+        "counter",
+        "Experts copied from host memory to the GPU",
+        "copies",
+    ),
+    (
+        "latentkv_device_expert_copied_bytes_total",
+        "counter",
+        "Bytes copied from host memory to the GPU",
+        "bytes_copied",
+    ),
+    ("latentkv_device_expert_hit_rate", "gauge", "GPU expert cache hits over experts asked for", "hit_rate"),
+    ("latentkv_device_expert_slots", "gauge", "Experts the GPU's expert cache holds at most", "slots"),
+    ("latentkv_device_expert_cache_bytes", "gauge", "Bytes the GPU's expert slots hold", "bytes"),
+)
+
+
 # With --speculative mtp: the MTP draft layer's share (its experts are asked for every step).
 DRAFT_EXPERT_METRICS = (
     (
@@ -385,10 +414,14 @@ def _cluster(out: _Families, cluster: dict) -> None:
         out.families.append(family)
 
 
-def _experts(out: _Families, snapshot: dict) -> None:
-    table = EXPERT_METRICS + (DRAFT_EXPERT_METRICS if snapshot.get("draft_asked") else ())
+def _metrics(out: _Families, table: tuple, snapshot: dict) -> None:
+    """One sample per (metric, kind, help, key) row of `table`, its value snapshot[key]."""
     for name, kind, help_text, key in table:
         (out.counter if kind == "counter" else out.gauge)(name, help_text, snapshot[key])
+
+
+def _experts(out: _Families, snapshot: dict) -> None:
+    _metrics(out, EXPERT_METRICS + (DRAFT_EXPERT_METRICS if snapshot.get("draft_asked") else ()), snapshot)
     if (store := snapshot.get("store")) is not None:
         out.gauge(
             "latentkv_expert_store_degraded",
