@@ -198,7 +198,6 @@ def build(spec: LoadSpec, quiet: bool = False) -> Loaded:
     or the cluster, then the model over it on `spec.device`, the tokenizer, the compiled step."""
     import torch
 
-    from latentkv.models.weights import load_model
     from latentkv.tokenizer import Tokenizer
 
     engine = spec.engine
@@ -214,13 +213,7 @@ def build(spec: LoadSpec, quiet: bool = False) -> Loaded:
         elif spec.plan is not None:
             model, streamer = _build_streamed(spec, quiet)
         else:
-            model = load_model(
-                spec.directory,
-                spec.weight_format,
-                progress=not quiet,
-                device=spec.device,
-                expert_dtype=engine.expert_dtype,
-            )
+            model = _load_resident(spec, quiet)
     seconds = time.perf_counter() - t0
     tokenizer = Tokenizer.of_model(spec.directory)
     if not quiet:
@@ -349,8 +342,7 @@ def _build_device_cached(spec: LoadSpec, quiet: bool) -> tuple[Model, ExpertStre
     cache of the plan's pinned bytes (`disk`): (model, the streamer or None, the cache)."""
     from latentkv.experts.device_cache import DeviceCache
     from latentkv.experts.streamed import StreamConfig
-    from latentkv.models.weights import load_model
-    from latentkv.streaming.attach import ensure_store, load_streamed, mtp_store_problem
+    from latentkv.streaming.attach import load_streamed
     from latentkv.streaming.planner import GIB
 
     engine, plan = spec.engine, spec.gpu_plan
@@ -361,19 +353,10 @@ def _build_device_cached(spec: LoadSpec, quiet: bool) -> tuple[Model, ExpertStre
     )
     streamer = None
     if plan.expert_home == "pinned":
-        model = load_model(
-            spec.directory,
-            spec.weight_format,
-            progress=not quiet,
-            device=spec.device,
-            expert_dtype=engine.expert_dtype,
-            front=cache,
-        )
+        model = _load_resident(spec, quiet, front=cache)
         where = "host RAM (page-locked)" if spec.device.type == "cuda" else "host RAM"
     else:
-        store = ensure_store(spec.directory, spec.expert_format, progress=not quiet)
-        if spec.draft_tokens and (problem := mtp_store_problem(spec.directory, store)) is not None:
-            raise UserError(problem)
+        store = _expert_store(spec, quiet)
         config = StreamConfig(budget=plan.pinned_expert_bytes, policy=engine.expert_policy)
         model, streamer = load_streamed(
             spec.directory,
@@ -396,18 +379,41 @@ def _build_device_cached(spec: LoadSpec, quiet: bool) -> tuple[Model, ExpertStre
     return model, streamer, cache
 
 
+def _load_resident(spec: LoadSpec, quiet: bool, front: DeviceCache | None = None) -> Model:
+    """The model with its routed experts read from the checkpoint (onto the host behind `front`)."""
+    from latentkv.models.weights import load_model
+
+    return load_model(
+        spec.directory,
+        spec.weight_format,
+        progress=not quiet,
+        device=spec.device,
+        expert_dtype=spec.engine.expert_dtype,
+        front=front,
+    )
+
+
+def _expert_store(spec: LoadSpec, quiet: bool) -> Path:
+    """The model's expert store, converted on first use; drafting (`draft_tokens`) with a store
+    that lacks the MTP layer's experts is refused."""
+    from latentkv.streaming.attach import ensure_store, mtp_store_problem
+
+    store = ensure_store(spec.directory, spec.expert_format, progress=not quiet)
+    if spec.draft_tokens and (problem := mtp_store_problem(spec.directory, store)) is not None:
+        raise UserError(problem)
+    return store
+
+
 def _build_streamed(spec: LoadSpec, quiet: bool) -> tuple[Model, ExpertStreamer]:
     """Convert the experts if needed, load the dense weights over them: (model, streamer).
     Drafting (`draft_tokens`) with a store that lacks the MTP layer's experts is refused."""
     from latentkv.experts.streamed import StreamConfig
-    from latentkv.streaming.attach import ensure_store, load_streamed, mtp_store_problem
+    from latentkv.streaming.attach import load_streamed
     from latentkv.streaming.planner import GIB
 
     engine, plan = spec.engine, spec.plan
     assert plan is not None
-    store = ensure_store(spec.directory, spec.expert_format, progress=not quiet)
-    if spec.draft_tokens and (problem := mtp_store_problem(spec.directory, store)) is not None:
-        raise UserError(problem)
+    store = _expert_store(spec, quiet)
     config = StreamConfig(budget=plan.expert_cache_bytes, policy=engine.expert_policy)
     model, streamer = load_streamed(
         spec.directory, store, config, spec.weight_format, progress=not quiet, device=spec.device
