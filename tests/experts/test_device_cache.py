@@ -16,7 +16,7 @@ import torch
 from latentkv.experts.base import Expert, Job, LocalStore
 from latentkv.experts.cache import ExpertCache
 from latentkv.experts.device_cache import DeviceCache, HostExperts
-from latentkv.experts.extent import CODECS
+from latentkv.experts.extent import CODECS, expert_layout
 from latentkv.experts.streamed import ExpertStreamer, StreamConfig
 from latentkv.models.moe import MoE
 from latentkv.models.registry import resolve
@@ -136,6 +136,16 @@ def test_every_format_with_an_extent_codec_computes_as_on_the_host(fmt):
     for j in jobs:
         assert torch.equal(got[j.expert], j.apply(experts[j.expert], x)), fmt
     assert store.at_once == 2 and len(cache.cache) == 2
+    # no second copy: the experts computed on are views of the slots, and of the held host buffer
+    for _key, slot in cache.cache.values():
+        assert _inside(slot.expert, slot.buffer), fmt
+    assert all(_inside(x, store.host.buffer) for x in store.host.experts), fmt
+
+
+def _inside(expert: Expert, buffer: torch.Tensor) -> bool:
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    _layout, raws = expert_layout(expert)
+    return all(start <= t.data_ptr() < end for t in raws if t.numel())
 
 
 def _warm_then_pass(policy: str, experts, x) -> tuple[torch.Tensor, dict]:

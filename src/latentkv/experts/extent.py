@@ -85,7 +85,7 @@ def _int8_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _int8_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> Linear:
-    return format_class(fmt)(tensors["q"], tensors["scale"], tensors.get("bias"))
+    return format_class(fmt)(tensors["q"], tensors["scale"], tensors.get("bias"), keep=True)
 
 
 def _int4_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -87,9 +87,12 @@ class Int8Linear(Linear):
     pieces = ("q", "scale")  # the portable state a file stores (`quantize_state`, `from_state`)
     scale_pieces = ("scale",)  # the pieces a factor multiplies: W~ * c (`scaled_state`)
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *, keep: bool = False
+    ):
         """q int8 [out, in_padded]; scale bfloat16 [out] (per channel) or float32
-        [out, in_padded / G] (grouped)."""
+        [out, in_padded / G] (grouped). `keep`: a contiguous q with nothing to pad is used as
+        given, not copied (an expert over a buffer it shares: a read extent, a device slot)."""
         if q.dim() != 2 or q.dtype != torch.int8:
             raise ValueError(f"int8 weight must be int8 [out, in], got {q.dtype} {tuple(q.shape)}")
         grouped = scale.dim() == 2
@@ -108,7 +111,8 @@ class Int8Linear(Linear):
         self.group_size = q.shape[1] // scale.shape[1] if grouped else None
         self.out_features, self.in_features = q.shape
         self._pad = 0 if grouped else -self.in_features % IN_MULTIPLE
-        self.q = F.pad(q, (0, self._pad)).contiguous()  # [out, in + pad]: padded columns are 0
+        # [out, in + pad]: padded columns are 0
+        self.q = q if keep and not self._pad and q.is_contiguous() else F.pad(q, (0, self._pad)).contiguous()
         self.scale = scale.contiguous()  # [out] bfloat16 (the op's), or [out, groups] float32
         self._scale_f32 = scale.float()  # for the tile path
         self._bias = None if bias is None else bias.float().contiguous()
