@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -355,59 +356,6 @@ LKV_VNNI XQ quantize_x(const float* x, int64_t M, int64_t K, int64_t ldx, int64_
   return out;
 }
 
-// int8: R rows of q times MB rows of x, 32 columns per step.
-template <int R, int MB>
-LKV_VNNI void int8_vnni_tile(const Int8Args& a, const XQ& xq, int64_t n, int64_t m0) {
-  const int8_t* __restrict q[R];
-  const int16_t* __restrict x[MB];
-  for (int r = 0; r < R; ++r) q[r] = a.q + (n + r) * a.ldq;
-  for (int i = 0; i < MB; ++i) x[i] = xq.q.data() + (m0 + i) * xq.Kpad;
-  __m512 y[MB][R];
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < R; ++r) y[i][r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < xq.groups; ++g) {
-    const int64_t k0 = g * XGROUP8, k1 = std::min(a.K, k0 + XGROUP8);
-    __m512i acc[MB][R];
-    for (int i = 0; i < MB; ++i)
-      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_si512();
-    for (int64_t k = k0; k < k1; k += 32) {
-      const __mmask32 mask = k1 - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << (k1 - k)) - 1);
-      __m512i w[R];
-      for (int r = 0; r < R; ++r) w[r] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, q[r] + k));
-      for (int i = 0; i < MB; ++i) {
-        const __m512i xv = _mm512_loadu_si512(x[i] + k);
-        for (int r = 0; r < R; ++r) acc[i][r] = _mm512_dpwssd_epi32(acc[i][r], w[r], xv);
-      }
-    }
-    for (int i = 0; i < MB; ++i) {
-      const __m512 step = _mm512_set1_ps(xq.scale[(m0 + i) * xq.groups + g]);
-      for (int r = 0; r < R; ++r) y[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]), step, y[i][r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const float s = bf16_to_f32(a.scale[n + r]);
-    for (int i = 0; i < MB; ++i) store_row(a, m0 + i, n + r, _mm512_reduce_add_ps(y[i][r]) * s);
-  }
-}
-
-template <int R>
-LKV_VNNI void int8_vnni_rows(const Int8Args& a, const XQ& xq, int64_t n) {
-  int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) int8_vnni_tile<R, 4>(a, xq, n, m);
-  switch (a.M - m) {
-    case 3: int8_vnni_tile<R, 3>(a, xq, n, m); break;
-    case 2: int8_vnni_tile<R, 2>(a, xq, n, m); break;
-    case 1: int8_vnni_tile<R, 1>(a, xq, n, m); break;
-    default: break;
-  }
-}
-
-LKV_VNNI void int8_vnni(const Int8Args& a, const XQ& xq, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) int8_vnni_rows<4>(a, xq, n);
-  for (; n < n1; ++n) int8_vnni_rows<1>(a, xq, n);
-}
-
 // int4: MB rows of x through block b, two columns at a time. One 64-byte load holds columns k and
 // k + 1; a zero-masked byte permutation puts byte j of each (16 rows per permutation) in the two
 // words of dword j, the low nibbles are masked out and the high ones shifted down, and vpdpwssd
@@ -484,13 +432,19 @@ LKV_VNNI void int4_vnni(const Int4Args& a, const XQ& xq, int64_t b0, int64_t b1)
 // x's rounding is at most half a step of 1/127 of its group's largest: llama.cpp's q8 activations
 // (q8_0: groups of 32, q8_K: 256) (docs/weights.md measures what it costs).
 
-// int8: R rows of q times MB rows of x, 64 columns per step.
-template <int R, int MB>
-LKV_VNNI void int8_vnni8_tile(const Int8Args& a, const XQ& xq, int64_t n, int64_t m0) {
+// int8 on both VNNI paths: R rows of q times MB rows of x. X8 (isa 4): int8 x, 64 columns per
+// step, the weights biased; else (isa 3) int16 x, 32 columns per step, the weights sign-extended.
+template <int R, int MB, bool X8>
+LKV_VNNI void int8_vnni_tile(const Int8Args& a, const XQ& xq, int64_t n, int64_t m0) {
+  using Code = std::conditional_t<X8, int8_t, int16_t>;
+  constexpr int64_t STEP = X8 ? 64 : 32;
   const int8_t* __restrict q[R];
-  const int8_t* __restrict x[MB];
+  const Code* __restrict x[MB];
   for (int r = 0; r < R; ++r) q[r] = a.q + (n + r) * a.ldq;
-  for (int i = 0; i < MB; ++i) x[i] = xq.q8.data() + (m0 + i) * xq.Kpad;
+  for (int i = 0; i < MB; ++i) {
+    if constexpr (X8) x[i] = xq.q8.data() + (m0 + i) * xq.Kpad;
+    else x[i] = xq.q.data() + (m0 + i) * xq.Kpad;
+  }
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 y[MB][R];
   for (int i = 0; i < MB; ++i)
@@ -499,17 +453,25 @@ LKV_VNNI void int8_vnni8_tile(const Int8Args& a, const XQ& xq, int64_t n, int64_
     const int64_t k0 = g * XGROUP8, k1 = std::min(a.K, k0 + XGROUP8);
     __m512i acc[MB][R];
     for (int i = 0; i < MB; ++i) {
-      const __m512i start = _mm512_maskz_set1_epi32(1, -128 * xq.codes[(m0 + i) * xq.groups + g]);
+      // X8: the sum starts at -128 sum(x codes), taking back the weights' bias exactly
+      const __m512i start = X8 ? _mm512_maskz_set1_epi32(1, -128 * xq.codes[(m0 + i) * xq.groups + g])
+                               : _mm512_setzero_si512();
       for (int r = 0; r < R; ++r) acc[i][r] = start;
     }
-    for (int64_t k = k0; k < k1; k += 64) {
-      // past K: weight 0 (biased 128) times x 0
-      const __mmask64 mask = k1 - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (k1 - k)) - 1;
+    for (int64_t k = k0; k < k1; k += STEP) {
+      // past K: weight 0 (biased: 128) times x 0
+      const __mmask64 mask = k1 - k >= STEP ? (~__mmask64(0) >> (64 - STEP)) : (__mmask64(1) << (k1 - k)) - 1;
       __m512i w[R];
-      for (int r = 0; r < R; ++r) w[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, q[r] + k), bias);
+      for (int r = 0; r < R; ++r) {
+        if constexpr (X8) w[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, q[r] + k), bias);
+        else w[r] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(__mmask32(mask), q[r] + k));
+      }
       for (int i = 0; i < MB; ++i) {
         const __m512i xv = _mm512_loadu_si512(x[i] + k);
-        for (int r = 0; r < R; ++r) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], w[r], xv);
+        for (int r = 0; r < R; ++r) {
+          if constexpr (X8) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], w[r], xv);
+          else acc[i][r] = _mm512_dpwssd_epi32(acc[i][r], w[r], xv);
+        }
       }
     }
     for (int i = 0; i < MB; ++i) {
@@ -523,22 +485,23 @@ LKV_VNNI void int8_vnni8_tile(const Int8Args& a, const XQ& xq, int64_t n, int64_
   }
 }
 
-template <int R>
-LKV_VNNI void int8_vnni8_rows(const Int8Args& a, const XQ& xq, int64_t n) {
+template <int R, bool X8>
+LKV_VNNI void int8_vnni_rows(const Int8Args& a, const XQ& xq, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) int8_vnni8_tile<R, 4>(a, xq, n, m);
+  for (; m + 4 <= a.M; m += 4) int8_vnni_tile<R, 4, X8>(a, xq, n, m);
   switch (a.M - m) {
-    case 3: int8_vnni8_tile<R, 3>(a, xq, n, m); break;
-    case 2: int8_vnni8_tile<R, 2>(a, xq, n, m); break;
-    case 1: int8_vnni8_tile<R, 1>(a, xq, n, m); break;
+    case 3: int8_vnni_tile<R, 3, X8>(a, xq, n, m); break;
+    case 2: int8_vnni_tile<R, 2, X8>(a, xq, n, m); break;
+    case 1: int8_vnni_tile<R, 1, X8>(a, xq, n, m); break;
     default: break;
   }
 }
 
-LKV_VNNI void int8_vnni8(const Int8Args& a, const XQ& xq, int64_t n0, int64_t n1) {
+template <bool X8>
+LKV_VNNI void int8_vnni(const Int8Args& a, const XQ& xq, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) int8_vnni8_rows<4>(a, xq, n);
-  for (; n < n1; ++n) int8_vnni8_rows<1>(a, xq, n);
+  for (; n + 4 <= n1; n += 4) int8_vnni_rows<4, X8>(a, xq, n);
+  for (; n < n1; ++n) int8_vnni_rows<1, X8>(a, xq, n);
 }
 
 // int4: MB rows of x through block b, four columns at a time. Two 64-byte loads hold columns
@@ -770,8 +733,8 @@ XQ prepare_int8(const Int8Args& a, int64_t isa) {
 // Rows [n0, n1) of y through the path `isa` names.
 void int8_span(const Int8Args& a, const XQ& xq, int64_t isa, int64_t n0, int64_t n1) {
 #if LKV_X86
-  if (isa == 4) return int8_vnni8(a, xq, n0, n1);
-  if (isa == 3) return int8_vnni(a, xq, n0, n1);
+  if (isa == 4) return int8_vnni<true>(a, xq, n0, n1);
+  if (isa == 3) return int8_vnni<false>(a, xq, n0, n1);
   if (isa == 2) return int8_avx512(a, n0, n1);
   if (isa == 1) return int8_avx2(a, n0, n1);
 #endif
