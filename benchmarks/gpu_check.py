@@ -23,6 +23,10 @@ section still runs; a section that would overrun the time budget is skipped and 
   the CPU, on every oracle model and builtin:fixture: greedy tokens and teacher-forced argmax
   equal, logits within 1e-4 (the fixture: 1e-3, as its own test).
 - decode: builtin:slice decode tok/s with bf16 and int4 weights, on the device and on the CPU.
+- experts: builtin:slice decode (bf16) through the runtime with a --vram-gb budget that holds a
+  quarter of the routed experts: the rest in page-locked host RAM behind the VRAM expert cache
+  (experts/device_cache.py); tok/s, the cache's counters, and whether the greedy tokens equal
+  the all-resident model's on the device.
 
 --dry-run runs every section on the CPU at small shapes (the kernels under triton's
 interpreter, builtin:tiny instead of builtin:slice), so the script is exercised by the test
@@ -438,6 +442,81 @@ def decode_speed(device, shapes: Shapes) -> list[dict]:
     return rows
 
 
+def _quarter_budget(spec) -> int:
+    """VRAM bytes for `spec`'s model: the dense weights, KV, activations and staging, plus a quarter
+    of the routed experts (so the plan's home is `pinned`)."""
+    from latentkv.streaming.gpu_plan import make_gpu_plan
+
+    def plan(vram: int):
+        return make_gpu_plan(
+            spec.model_cfg, spec.directory, vram, None, "bf16", max_model_len=spec.max_model_len
+        )
+
+    whole = plan(1 << 50)
+    fixed = whole.dense_bytes + whole.kv_bytes + whole.activation_bytes
+    staging = (2 * whole.top_k) * whole.expert_extent_bytes
+    return fixed + staging + whole.expert_bytes // 4
+
+
+def experts_cached(device, shapes: Shapes) -> list[dict]:
+    """Decode through the VRAM expert cache (`--vram-gb` at a quarter of the experts) vs resident."""
+    import dataclasses
+
+    import torch
+
+    from latentkv.config import EngineConfig
+    from latentkv.runtime import build, load, resolve_load
+    from latentkv.streaming.gpu_plan import make_gpu_plan
+
+    length = shapes.decode_context + shapes.decode_tokens + 8
+    base = resolve_load(shapes.decode_model, EngineConfig(weight_dtype="bf16", device=device.type), length)
+    vram = _quarter_budget(base)
+    if device.type == "cuda":  # the user's path: --device cuda --vram-gb V
+        spec = resolve_load(
+            shapes.decode_model,
+            EngineConfig(weight_dtype="bf16", device="cuda", vram_gb=vram / 2**30),
+            length,
+        )
+    else:  # the dry run: the same plan handed to the CPU build (--vram-gb needs a GPU)
+        plan = make_gpu_plan(base.model_cfg, base.directory, vram, None, "bf16", max_model_len=length)
+        spec = dataclasses.replace(base, gpu_plan=plan)
+    rows = []
+    for label, loaded in (("resident", lambda: load(shapes.decode_model, base.engine, True, length)),
+                          ("vram-cache", lambda: build(spec, quiet=True))):  # fmt: skip
+        loaded = loaded()
+        model = loaded.model
+        cache = model.make_cache()
+        vocab = model.cfg.vocab_size
+        prompt = torch.arange(shapes.decode_context, device=device) % (vocab - 2) + 2
+        token = model.forward(prompt, cache)[-1].argmax().reshape(1)
+        tokens = [int(token)]
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(shapes.decode_tokens):
+            token = model.forward(token, cache)[-1].argmax().reshape(1)
+            tokens.append(int(token))
+        _sync(device)
+        seconds = time.perf_counter() - start
+        row = {
+            "model": shapes.decode_model,
+            "experts": label,
+            "device": str(device),
+            "vram_gib": round(vram / 2**30, 3),
+            "context": shapes.decode_context,
+            "tokens": shapes.decode_tokens,
+            "tok_per_s": round(shapes.decode_tokens / seconds, 2),
+            "greedy": tokens,
+        }
+        if loaded.device_cache is not None:
+            row["plan_home"] = spec.gpu_plan.expert_home
+            row["cache"] = loaded.device_cache.snapshot()
+        rows.append(row)
+        loaded.close()
+        del loaded, model, cache
+    rows[1]["same_tokens_as_resident"] = rows[1]["greedy"] == rows[0]["greedy"]
+    return rows
+
+
 def _sync(device) -> None:
     import torch
 
@@ -455,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default=None,
-        help="comma list of sections (env,copy,kernels,bandwidth,weights,oracle,decode)",
+        help="comma list of sections (env,copy,kernels,bandwidth,weights,oracle,decode,experts)",
     )
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -486,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     run("weights", lambda: weights(device, shapes))
     run("oracle", lambda: oracle(device, shapes))
     run("decode", lambda: decode_speed(device, shapes))
+    run("experts", lambda: experts_cached(device, shapes))
     results["ok"] = all(
         row.get("ok", True)
         for key in ("kernels", "weights", "oracle")

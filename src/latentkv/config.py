@@ -545,6 +545,7 @@ class EngineConfig:
     compile: bool = False  # decode one token per step through torch.compile (models/compiled.py)
     expert_dtype: str | None = None  # routed experts' format; None: the same as weight_dtype
     ram_gb: float | None = None  # stream routed experts from disk within this RAM budget (GiB)
+    vram_gb: float | None = None  # plan one GPU's memory (GiB): experts in VRAM, or cached there
     expert_policy: str = "lru"  # the expert cache's eviction policy when streaming
     cluster: ClusterConfig | None = None  # expert-parallel over a cluster (started by torchrun)
     device: str = "cpu"  # --device: cpu, cuda or auto (resolved once, by `runtime.resolve_device`)
@@ -556,8 +557,14 @@ class EngineConfig:
             check_threads(self.threads)
         if self.ram_gb is not None:
             check_gib("--ram-gb", self.ram_gb)
+        if self.vram_gb is not None:
+            check_gib("--vram-gb", self.vram_gb)
         if self.ram_gb is not None and self.compile:
             raise ConfigError("--compile does not apply to streamed experts (--ram-gb): drop one of them")
+        if self.vram_gb is not None and self.compile:
+            raise ConfigError(
+                "--compile does not apply to experts planned for a GPU (--vram-gb): drop one of them"
+            )
         if self.cluster is not None and self.compile:
             raise ConfigError("--compile does not apply to a cluster (experts on several ranks): drop it")
 

@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
     from latentkv.cluster.head import Cluster
     from latentkv.config import CacheConfig, EngineConfig, ModelConfig
+    from latentkv.experts.device_cache import DeviceCache
     from latentkv.experts.streamed import ExpertStreamer
     from latentkv.kv.cache import KVTier
     from latentkv.models.model import Model
+    from latentkv.streaming.gpu_plan import GpuPlan
     from latentkv.streaming.planner import Plan
     from latentkv.tokenizer import Tokenizer
 
@@ -60,15 +62,21 @@ def resolve_device(name: str) -> torch.device:
 
 def check_device(engine: EngineConfig) -> torch.device:
     """The device of `engine`, refused in one line where this torch cannot use it or the run's
-    experts cannot follow it there (streamed from disk, or held by a cluster's ranks: both hand
-    their experts over in host memory)."""
+    experts cannot follow it there: a cluster's ranks hand their experts over in host memory;
+    experts streamed from disk (--ram-gb) reach a GPU through its VRAM cache, which --vram-gb
+    plans; --vram-gb plans a GPU, so it needs one."""
     device = resolve_device(engine.device)
+    if engine.vram_gb is not None and device.type != "cuda":
+        raise UserError(
+            f"--vram-gb plans a GPU's memory: it needs --device cuda (the run is on {device.type})"
+        )
     if device.type != "cpu":
         if engine.cluster is not None:
             raise UserError(f"--device {engine.device}: a cluster runs on the CPU only (drop --device)")
-        if engine.ram_gb is not None:
+        if engine.ram_gb is not None and engine.vram_gb is None:
             raise UserError(
-                f"--device {engine.device}: experts streamed from disk (--ram-gb) run on the CPU only"
+                f"--device {engine.device} with --ram-gb: add --vram-gb V, the GPU's budget, so that its "
+                "memory is planned too (`latentkv plan MODEL --vram-gb V --ram-gb G` shows the split)"
             )
     return device
 
@@ -92,6 +100,7 @@ class Loaded:
     tier: KVTier  # --kv-cache-dtype resolved for this model, once: every cache of the run is made in it
     streamer: ExpertStreamer | None = None  # the experts stream from disk (--ram-gb)
     cluster: Cluster | None = None  # the head of a cluster: the other ranks hold experts too
+    device_cache: DeviceCache | None = None  # the routed experts cached on the device (--vram-gb)
 
     def close(self) -> None:
         """Stop expert reads and save the usage history (streamed runs); a cluster's head tells
@@ -132,6 +141,9 @@ class LoadSpec:
     max_num_seqs: int
     draft_tokens: int  # MTP draft tokens per step planned for (0: none)
     plan: Plan | None = None  # --ram-gb: the budget's split (the expert cache, the KV pool)
+    # --vram-gb: the GPU's and the host's split, and where the routed experts live. `build` follows
+    # it on any device (tests set it for a CPU run to exercise the VRAM cache's path there)
+    gpu_plan: GpuPlan | None = None
 
     @property
     def weight_format(self) -> str:
@@ -172,7 +184,9 @@ def resolve_load(
             )
         length = max_model_len or min(cfg.max_position_embeddings, 4096)
         spec = LoadSpec(model_arg, directory, cfg, engine, device, length, max_num_seqs, draft_tokens)
-        if engine.ram_gb is not None and engine.cluster is None:  # a cluster plans every rank itself
+        if engine.vram_gb is not None:
+            spec = dataclasses.replace(spec, gpu_plan=_gpu_plan(spec))
+        elif engine.ram_gb is not None and engine.cluster is None:  # a cluster plans every rank itself
             spec = dataclasses.replace(spec, plan=_stream_plan(spec))
     return spec
 
@@ -189,10 +203,12 @@ def build(spec: LoadSpec, quiet: bool = False) -> Loaded:
     if engine.threads:
         torch.set_num_threads(engine.threads)
     t0 = time.perf_counter()
-    streamer = cluster = None
+    streamer = cluster = device_cache = None
     with _user_errors():
         if engine.cluster is not None:
             model, streamer, cluster = _build_head(spec, quiet)
+        elif spec.gpu_plan is not None and spec.gpu_plan.expert_home != "vram":
+            model, streamer, device_cache = _build_device_cached(spec, quiet)
         elif spec.plan is not None:
             model, streamer = _build_streamed(spec, quiet)
         else:
@@ -210,7 +226,7 @@ def build(spec: LoadSpec, quiet: bool = False) -> Loaded:
     tier = model.tier(engine.cache)  # check_tier refused a tier that cannot store these rows
     if engine.compile:
         model.compile_decode(tier, progress=not quiet)
-    return Loaded(model, tokenizer, spec.directory, seconds, tier, streamer, cluster)
+    return Loaded(model, tokenizer, spec.directory, seconds, tier, streamer, cluster, device_cache)
 
 
 @contextlib.contextmanager
@@ -270,24 +286,112 @@ def _report_load(model_arg: str, model: Model, engine: EngineConfig, seconds: fl
 def _stream_plan(spec: LoadSpec) -> Plan:
     """--ram-gb split for `spec` (the expert store planned before it is written); refused in one
     line when it does not fit."""
-    from latentkv.streaming.attach import default_store_dir
     from latentkv.streaming.planner import GIB, make_plan
 
     engine = spec.engine
-    plan = make_plan(
+    return _fitted(spec, f"--ram-gb {engine.ram_gb}", make_plan, int(engine.ram_gb * GIB))
+
+
+def _gpu_plan(spec: LoadSpec) -> GpuPlan:
+    """--vram-gb (and --ram-gb, default: a share of available memory) split for `spec`, by the
+    planner `latentkv plan --vram-gb` prints; refused in one line when it does not fit, or when
+    the experts' format cannot be copied into VRAM as it is held on the host."""
+    from latentkv.streaming.gpu_plan import make_gpu_plan
+    from latentkv.streaming.planner import GIB
+
+    engine = spec.engine
+    ram = None if engine.ram_gb is None else int(engine.ram_gb * GIB)
+    flag = f"--vram-gb {engine.vram_gb:g}"
+    plan = _fitted(spec, flag, make_gpu_plan, int(engine.vram_gb * GIB), ram)
+    if plan.expert_home != "vram" and spec.device.type == "cuda" and spec.expert_format == "int4":
+        raise UserError(
+            f"{flag}: int4 experts cannot be cached in VRAM yet (the host holds them in the CPU op's "
+            "packed layout, the GPU's op reads another); use --expert-dtype bf16 or int8, or a budget "
+            "where every expert fits in VRAM"
+        )
+    return plan
+
+
+def _fitted(spec: LoadSpec, flag: str, make, *budgets: int | None):
+    """`make(config, folder, *budgets, formats, KV, ...)` for `spec`: a planner's split (the
+    expert store planned before it is written), refused in one line naming `flag` when it does
+    not fit."""
+    from latentkv.streaming.attach import default_store_dir
+
+    plan = make(
         spec.model_cfg,
         spec.directory,
-        int(engine.ram_gb * GIB),
+        *budgets,
         spec.weight_format,
-        engine.cache,
+        spec.engine.cache,
         spec.max_model_len,
         spec.max_num_seqs,
         store_dir=default_store_dir(spec.directory, spec.expert_format),
         draft_tokens=spec.draft_tokens,
     )
     if not plan.fits:
-        raise UserError(f"--ram-gb {engine.ram_gb}: {plan.problems[0]} (see `latentkv plan`)")
+        raise UserError(f"{flag}: {plan.problems[0]} (see `latentkv plan`)")
     return plan
+
+
+def device_slots(plan: GpuPlan) -> int:
+    """Experts the VRAM cache holds: the plan's cache plus its staging for a pass (one layer's
+    experts and the next layer's prefetch); at least one."""
+    extent = max(1, plan.expert_extent_bytes)
+    return max(1, plan.vram_experts + plan.staging_bytes // extent)
+
+
+def _build_device_cached(spec: LoadSpec, quiet: bool) -> tuple[Model, ExpertStreamer | None, DeviceCache]:
+    """The model on `spec.device` with its routed experts in host memory behind a VRAM cache:
+    every expert resident on the host (`pinned`), or streamed from the disk store into a host
+    cache of the plan's pinned bytes (`disk`): (model, the streamer or None, the cache)."""
+    from latentkv.experts.device_cache import DeviceCache
+    from latentkv.experts.streamed import StreamConfig
+    from latentkv.models.weights import load_model
+    from latentkv.streaming.attach import ensure_store, load_streamed, mtp_store_problem
+    from latentkv.streaming.planner import GIB
+
+    engine, plan = spec.engine, spec.gpu_plan
+    assert plan is not None
+    slots = device_slots(plan)
+    cache = DeviceCache(
+        spec.device, slots, engine.expert_policy, prefetch_max=spec.model_cfg.num_experts_per_tok
+    )
+    streamer = None
+    if plan.expert_home == "pinned":
+        model = load_model(
+            spec.directory,
+            spec.weight_format,
+            progress=not quiet,
+            device=spec.device,
+            expert_dtype=engine.expert_dtype,
+            front=cache,
+        )
+        where = "host RAM (page-locked)" if spec.device.type == "cuda" else "host RAM"
+    else:
+        store = ensure_store(spec.directory, spec.expert_format, progress=not quiet)
+        if spec.draft_tokens and (problem := mtp_store_problem(spec.directory, store)) is not None:
+            raise UserError(problem)
+        config = StreamConfig(budget=plan.pinned_expert_bytes, policy=engine.expert_policy)
+        model, streamer = load_streamed(
+            spec.directory,
+            store,
+            config,
+            spec.weight_format,
+            progress=not quiet,
+            device=spec.device,
+            front=cache,
+        )
+        where = f"a host cache of {plan.pinned_expert_bytes / GIB:.2f} GiB over the disk store {store}"
+    if not quiet:
+        _note(
+            f"routed experts in {where}, {slots} of {plan.experts_total} cached on {spec.device} "
+            f"({slots * plan.expert_extent_bytes / GIB:.2f} GiB, {engine.expert_policy}; --vram-gb "
+            f"{engine.vram_gb}: see `latentkv plan`)"
+        )
+        for note in streamer.notes if streamer is not None else ():
+            _note(note)
+    return model, streamer, cache
 
 
 def _build_streamed(spec: LoadSpec, quiet: bool) -> tuple[Model, ExpertStreamer]:
@@ -321,6 +425,16 @@ def _build_streamed(spec: LoadSpec, quiet: bool) -> tuple[Model, ExpertStreamer]
                 "rule stops drafting while it measures slower (docs/speculative.md)"
             )
     return model, streamer
+
+
+def device_cache_line(cache: DeviceCache) -> str:
+    """One line of the VRAM expert cache's counters."""
+    t = cache.snapshot()
+    return (
+        f"experts cached on {cache.device}: hit rate {t['hit_rate']:.1%} ({t['hits']} of {t['asked']}), "
+        f"{t['copies']} copies ({t['prefetch_copies']} ahead), {t['bytes_copied'] / 2**20:.1f} MiB copied, "
+        f"{t['cached']} of {t['slots']} slots"
+    )
 
 
 def experts_line(streamer: ExpertStreamer) -> str:

@@ -56,7 +56,7 @@ def test_dry_run_of_the_kernel_sections(tmp_path):
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     result = dry_run(tmp_path)
-    for name in ("env", "copy", "kernels", "bandwidth", "weights", "oracle", "decode"):
+    for name in ("env", "copy", "kernels", "bandwidth", "weights", "oracle", "decode", "experts"):
         assert "result" in result[name], (name, result[name])
     assert {(r["precision"], r["mode"]) for r in result["kernels"]["result"]} == {
         ("ieee", "split-k"),
@@ -66,6 +66,18 @@ def test_dry_run_end_to_end(tmp_path):
     assert all(r["ok"] for r in result["kernels"]["result"] + result["oracle"]["result"])
     assert all(r["gb_per_s"] > 0 and r["share_of_copy"] > 0 for r in result["bandwidth"]["result"])
     assert {r["weights"] for r in result["decode"]["result"]} == {"bf16", "int4"}
+    resident, cached = result["experts"]["result"]
+    assert resident["experts"] == "resident" and cached["experts"] == "vram-cache"
+    assert cached["plan_home"] == "pinned" and cached["cache"]["misses"] > 0
+    assert cached["same_tokens_as_resident"], (resident["greedy"], cached["greedy"])
+
+
+def test_dry_run_of_the_vram_expert_cache_section(tmp_path):
+    """The experts section alone (a builtin:tiny load, two short decodes: a few seconds)."""
+    result = dry_run(tmp_path, "--only", "experts")
+    resident, cached = result["experts"]["result"]
+    assert cached["plan_home"] == "pinned" and 0 < cached["cache"]["slots"] < cached["cache"]["asked"]
+    assert cached["same_tokens_as_resident"] and cached["tok_per_s"] > 0
 
 
 def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):

@@ -94,8 +94,36 @@ def test_resolve_device(monkeypatch):
         resolve_device("gpu")
 
 
-def test_cuda_with_streamed_experts_is_refused(monkeypatch):
-    """Streamed experts come to the MoE layer in host memory: not with cuda (yet)."""
+def test_cuda_with_streamed_experts_needs_a_vram_plan(monkeypatch):
+    """Streamed experts reach a GPU through its VRAM cache, which --vram-gb plans: --ram-gb alone
+    with cuda is refused naming --vram-gb; with it the device stands. A cluster stays CPU-only."""
+    from latentkv.config import ClusterConfig
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(UserError, match="--ram-gb"):
+    with pytest.raises(UserError, match="add --vram-gb V"):
         check_device(EngineConfig(device="cuda", ram_gb=4.0))
+    assert check_device(EngineConfig(device="cuda", ram_gb=4.0, vram_gb=8.0)) == torch.device("cuda")
+    assert check_device(EngineConfig(device="auto", vram_gb=8.0)) == torch.device("cuda")
+    with pytest.raises(UserError, match="a cluster runs on the CPU only"):
+        check_device(
+            EngineConfig(device="cuda", cluster=ClusterConfig(2, 0, "127.0.0.1", 29500), vram_gb=8.0)
+        )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "builtin:tiny", *PROMPT, "--vram-gb", "4"],
+        ["generate", "builtin:tiny", *PROMPT, "--vram-gb", "4", "--device", "auto"],
+        ["bench", "decode", "builtin:tiny", "--context", "8", "--vram-gb", "4"],
+    ],
+)
+def test_vram_gb_without_a_gpu_is_one_line_and_exit_2(capsys, no_cuda, argv):
+    code, _out, err = _run(capsys, *argv)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "--vram-gb plans a GPU's memory" in lines[0], err
+
+
+def test_vram_gb_must_be_a_positive_budget(capsys):
+    code, _out, err = _run(capsys, "generate", "builtin:tiny", *PROMPT, "--vram-gb", "-1")
+    assert code == 2 and "--vram-gb" in err and "Traceback" not in err

@@ -127,3 +127,13 @@ def test_a_history_of_another_model_or_shape_is_ignored(tmp_path):
     path.write_text("{garbage")
     assert "unreadable" in UsageHistory.load(path, "fp", {1: 4})[1]
     assert UsageHistory.load(tmp_path / "none.json", "fp", {1: 4})[1] is None
+
+
+def test_on_evict_hears_each_eviction_and_values_peeks_without_touching_the_order():
+    evicted = []
+    c = ExpertCache(2, "lru", on_evict=lambda key, value: evicted.append((key, value)))
+    c.put("a", 1, 1)
+    c.put("b", 2, 1)
+    assert c.values() == [("a", 1), ("b", 2)]  # a stays least recent: values() is not a use
+    c.put("c", 3, 1)
+    assert evicted == [("a", 1)] and "a" not in c

@@ -120,6 +120,7 @@ class Chat:
         self.model = loaded.model
         self.streamer = loaded.streamer  # experts streamed from disk (--ram-gb), or None
         self.cluster = loaded.cluster  # the head of a cluster (torchrun), or None
+        self.device_cache = loaded.device_cache  # experts cached on the GPU (--vram-gb), or None
         self.tokenizer = loaded.tokenizer
         self.fmt = fmt
         self.conv = conv
@@ -214,6 +215,10 @@ class Chat:
             from latentkv.runtime import experts_line
 
             say(f"[{experts_line(self.streamer)}]")
+        if self.device_cache is not None:
+            from latentkv.runtime import device_cache_line
+
+            say(f"[{device_cache_line(self.device_cache)}]")
         if stats.speculative:
             say(f"[{stats.speculative.line()}]")
 

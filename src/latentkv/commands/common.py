@@ -34,6 +34,7 @@ def add_model_arguments(p: argparse.ArgumentParser, positional: bool = True, com
     )
     add_cache_arguments(p)
     add_streaming_arguments(p)
+    add_vram_argument(p)
     if compile:
         add_compile_argument(p)
 
@@ -47,8 +48,22 @@ def add_device_argument(p: argparse.ArgumentParser) -> None:
         default="cpu",
         choices=DEVICES,
         help="where the weights, the KV cache and the activations live: cpu (default), cuda, or auto "
-        "(cuda when torch sees a CUDA device, else cpu); cuda is refused where torch has no CUDA, and "
-        "with --ram-gb or a cluster (docs/gpu.md: not yet measured on a GPU)",
+        "(cuda when torch sees a CUDA device, else cpu); cuda is refused where torch has no CUDA and "
+        "with a cluster; with --ram-gb it needs --vram-gb (docs/gpu.md: never run on a GPU yet)",
+    )
+
+
+def add_vram_argument(p: argparse.ArgumentParser) -> None:
+    """--vram-gb: plan one GPU's memory and place the routed experts as `latentkv plan` says."""
+    p.add_argument(
+        "--vram-gb",
+        type=float,
+        default=None,
+        metavar="V",
+        help="with --device cuda: the GPU's memory budget in GiB, split as `latentkv plan MODEL --vram-gb V` "
+        "shows: the routed experts resident in VRAM when they fit, else in host RAM (pinned; streamed "
+        "from disk when --ram-gb is too small for them) with a cache of them in VRAM (docs/gpu.md: "
+        "never run on a GPU yet)",
     )
 
 
@@ -66,7 +81,8 @@ def add_streaming_arguments(p: argparse.ArgumentParser) -> None:
         "--expert-cache-policy",
         default="lru",
         choices=["lru", "lfu", "least-stale"],
-        help="eviction policy of the expert cache with --ram-gb (default: lru)",
+        help="eviction policy of the expert cache with --ram-gb (and of the VRAM cache with --vram-gb) "
+        "(default: lru)",
     )
 
 
@@ -259,6 +275,7 @@ def engine_config(args: argparse.Namespace):
             cache=cache,
             compile=getattr(args, "compile", False),
             ram_gb=getattr(args, "ram_gb", None),
+            vram_gb=getattr(args, "vram_gb", None),
             expert_policy=getattr(args, "expert_cache_policy", "lru"),
             cluster=cluster_config(args) if hasattr(args, "cluster_timeout") else None,
             device=getattr(args, "device", "cpu"),

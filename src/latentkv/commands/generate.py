@@ -32,7 +32,7 @@ from latentkv.commands.session import add_session_arguments, check_name
 from latentkv.config import check_tokens
 from latentkv.engine.request import context_problem
 from latentkv.errors import UserError
-from latentkv.runtime import experts_line, load
+from latentkv.runtime import device_cache_line, experts_line, load
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,7 +83,16 @@ def run(args: argparse.Namespace) -> int:
     conv = _open_session(args, loaded)
     try:
         return _generate(
-            args, model, tokenizer, prompt, sampling, loaded.tier, conv, loaded.streamer, loaded.cluster
+            args,
+            model,
+            tokenizer,
+            prompt,
+            sampling,
+            loaded.tier,
+            conv,
+            loaded.streamer,
+            loaded.cluster,
+            loaded.device_cache,
         )
     finally:
         if conv is not None:
@@ -140,7 +149,16 @@ def _open_session(args: argparse.Namespace, loaded):
 
 
 def _generate(
-    args, model, tokenizer, prompt: list[int], sampling, tier, conv, streamer=None, cluster=None
+    args,
+    model,
+    tokenizer,
+    prompt: list[int],
+    sampling,
+    tier,
+    conv,
+    streamer=None,
+    cluster=None,
+    device_cache=None,
 ) -> int:
     from latentkv.engine.generate import GenerationStats, stream_generate
 
@@ -187,6 +205,8 @@ def _generate(
             out["session"] = conv.report()
         if streamer is not None:
             out["experts"] = streamer.snapshot()
+        if device_cache is not None:
+            out["device_experts"] = device_cache.snapshot()
         if cluster is not None:
             out["cluster"] = cluster.report(streamer)
         print(json.dumps(out, indent=1))
@@ -199,6 +219,8 @@ def _generate(
         print(f"KV tier: {describe_tier(cache.tier)}", file=sys.stderr)
         if streamer is not None and cluster is None:
             print(experts_line(streamer), file=sys.stderr)
+        if device_cache is not None:
+            print(device_cache_line(device_cache), file=sys.stderr)
         if cluster is not None:
             from latentkv.cluster.head import describe
 

@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="V",
         help="plan for one GPU with V GiB of memory: dense weights, KV pool and activations in VRAM, "
         "the routed experts in VRAM when they fit, else pinned in host RAM (--ram-gb) or streamed from "
-        "disk, with the hottest cached in VRAM",
+        "disk, with the hottest cached in VRAM (what generate, chat, serve and bench decode load with "
+        "--device cuda --vram-gb V)",
     )
     p.add_argument(
         "--weight-dtype",

@@ -182,3 +182,17 @@ class ExpertSource(Protocol):
     def store(self, layer: int) -> ExpertStore:
         """The store of MoE layer `layer` (the checkpoint's layer index)."""
         ...
+
+
+class ExpertFront(Protocol):
+    """Serves each MoE layer's routed experts on the model's device from a store in host memory
+    (a `DeviceCache`): the loader reads the layer's resident experts onto `host` (or takes an
+    `ExpertSource`'s store) and builds the MoE layer with `over(layer, that store, resident)`."""
+
+    host: torch.device  # where the loader reads resident routed experts
+    predicts: bool  # as `ExpertSource.predicts`
+
+    def over(self, layer: int, store: ExpertStore, resident: bool) -> ExpertStore:
+        """Layer `layer`'s store on the device, in front of `store`; `resident`: `store` holds
+        every expert in host memory (read by the loader), else it is a source's (streamed)."""
+        ...

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -124,9 +124,15 @@ class CacheStats:
 
 
 class ExpertCache:
-    """(layer, expert) -> value, at most `budget` bytes resident; thread-safe."""
+    """(layer, expert) -> value, at most `budget` bytes resident; thread-safe. `on_evict(key,
+    value)` is told of each eviction (a store that reuses an evicted value's memory)."""
 
-    def __init__(self, budget: int, policy: str | Policy = "lru"):
+    def __init__(
+        self,
+        budget: int,
+        policy: str | Policy = "lru",
+        on_evict: Callable[[Key, Any], None] | None = None,
+    ):
         if budget < 0:
             raise ValueError(f"expert cache budget must be >= 0 bytes, got {budget}")
         self.budget = budget
@@ -138,6 +144,7 @@ class ExpertCache:
         self._protected: set[Key] = set()
         self._bytes = 0
         self._lock = threading.RLock()
+        self._on_evict = on_evict
 
     @property
     def resident_bytes(self) -> int:
@@ -152,6 +159,11 @@ class ExpertCache:
     def cached_keys(self) -> list[Key]:
         with self._lock:
             return list(self._items)
+
+    def values(self) -> list[tuple[Key, Any]]:
+        """(key, value) of every cached entry, touching neither statistics nor policy."""
+        with self._lock:
+            return [(k, v) for k, (v, _n) in self._items.items()]
 
     def get(self, key: Key, count: bool = True) -> Any | None:
         """The cached value (a hit) or None (a miss); `count=False` peeks without statistics."""
@@ -214,7 +226,9 @@ class ExpertCache:
         return self._bytes + nbytes <= self.budget
 
     def _evict(self, key: Key) -> None:
-        _, n = self._items.pop(key)
+        value, n = self._items.pop(key)
         self._bytes -= n
         self.policy.remove(key)
         self.stats.evictions += 1
+        if self._on_evict is not None:
+            self._on_evict(key, value)

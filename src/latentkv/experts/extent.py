@@ -172,18 +172,33 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def expert_from_extent(extent: Extent) -> Expert:
     """Rebuild the expert an extent holds; its tensors are views of the extent's buffer."""
-    meta = extent.layout.meta
+    return expert_from_views(
+        extent.layout, lambda name: _view(extent, name), f"layer {extent.layer} expert {extent.expert}"
+    )
+
+
+def expert_from_views(
+    layout: ExtentLayout, view: Callable[[str], torch.Tensor], what: str = "an expert"
+) -> Expert:
+    """Rebuild the expert `layout` describes over the tensors `view(name)` hands (an extent's
+    buffer read from disk, or a flat buffer in memory: `flat_view`)."""
     parts = []
     for part in PARTS:
-        m = meta[part]
-        tensors = {name: _view(extent, f"{part}.{name}") for name in m["tensors"]}
+        m = layout.meta[part]
+        tensors = {name: view(f"{part}.{name}") for name in m["tensors"]}
         lin = codec_for(m["format"]).from_raw(m["format"], m["params"], tensors)
         if (lin.in_features, lin.out_features) != (m["in_features"], m["out_features"]):
-            raise ValueError(
-                f"layer {extent.layer} expert {extent.expert}: {part} rebuilt with the wrong shape"
-            )
+            raise ValueError(f"{what}: {part} rebuilt with the wrong shape")
         parts.append(lin)
     return Expert(*parts)
+
+
+def flat_view(buffer: torch.Tensor, layout: ExtentLayout, name: str, base: int = 0) -> torch.Tensor:
+    """Tensor `name` of `layout` inside a flat uint8 tensor `buffer` (on any device), the extent
+    starting at byte `base`."""
+    spec = layout.spec(name)
+    start = base + spec.offset
+    return buffer[start : start + spec.nbytes].view(getattr(torch, spec.dtype)).view(spec.shape)
 
 
 def _view(extent: Extent, name: str) -> torch.Tensor:
@@ -203,7 +218,9 @@ __all__ = [
     "LinearCodec",
     "codec_for",
     "expert_from_extent",
+    "expert_from_views",
     "expert_layout",
+    "flat_view",
     "int4_portable",
     "register_codec",
 ]

@@ -23,7 +23,7 @@ import torch
 
 from latentkv.config import ModelConfig
 from latentkv.experts import ExpertSource, ExpertStore, ResidentExperts
-from latentkv.experts.base import Expert
+from latentkv.experts.base import Expert, ExpertFront
 from latentkv.models.convert import read_manifest
 from latentkv.models.indexer import Indexer, IndexerWeights
 from latentkv.models.layers import RMSNorm, SwiGLU, softmax_scale
@@ -185,10 +185,11 @@ def load_model(
     experts: ExpertSource | None = None,
     expert_dtype: str | None = None,
     load_mtp: bool = True,
+    front: ExpertFront | None = None,
 ) -> Model:
     """The model in `directory`, its matrices in `weight_dtype` and its routed experts in
     `expert_dtype` (default: the same), every tensor on `device` (the one device the model, its
-    caches and its passes then use). `experts`, `load_mtp`: see `build_model`."""
+    caches and its passes then use). `experts`, `load_mtp`, `front`: see `build_model`."""
     directory = Path(directory)
     cfg = ModelConfig.from_hf(directory)
     raw_cfg = json.loads((directory / "config.json").read_text())
@@ -209,6 +210,7 @@ def load_model(
         expert_dtype=expert_dtype,
         packed=packed,
         load_mtp=load_mtp,
+        front=front,
     )
     if progress and ckpt.gguf is not None and packed:
         from latentkv.models.gguf import report_line
@@ -263,16 +265,22 @@ def build_model(
     expert_dtype: str | None = None,
     packed: dict | None = None,
     load_mtp: bool = True,
+    front: ExpertFront | None = None,
 ) -> Model:
     """With `experts`, every MoE layer is built with `experts.store(layer)` (the MTP layer's
     as layer `num_hidden_layers`) and the routed experts' tensors are never read (streamed from
     disk, held elsewhere); when the source `predicts`, each MoE layer and the dense layer
     before the first one are built with the `Lookahead` of the next MoE layer. Without it the
-    experts are read into `ResidentExperts`. `load_mtp=False` leaves the MTP layer out."""
+    experts are read into `ResidentExperts`. With `front` (experts served on `device` from host
+    memory), each layer's store (the source's, or resident experts read onto `front.host`) is
+    put behind `front.over`. `load_mtp=False` leaves the MTP layer out."""
     for name in (weight_dtype, expert_dtype or weight_dtype):
         format_class(name)  # ValueError naming the valid formats
     rd = _Reader(ckpt, weight_dtype, block_size, device, expert_dtype, packed)
-    routed = _Routed(cfg, rd, experts)
+    host_rd = None
+    if front is not None and experts is None:
+        host_rd = _Reader(ckpt, weight_dtype, block_size, front.host, expert_dtype, packed)
+    routed = _Routed(cfg, rd, experts, front=front, host_rd=host_rd)
     D, V = cfg.hidden_size, cfg.vocab_size
     embed = rd.table("model.embed_tokens.weight", (V, D))
     layers = range(cfg.num_layers)
@@ -440,14 +448,24 @@ class _Routed:
     over the next MoE layer). A lookahead needs the next layer's MLP norm and router before that
     layer is built: they are read once, early, and the layer is then built with the same ones."""
 
-    def __init__(self, cfg: ModelConfig, rd: _Reader, source: ExpertSource | None, main: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rd: _Reader,
+        source: ExpertSource | None,
+        main: bool = True,
+        front: ExpertFront | None = None,
+        host_rd: _Reader | None = None,
+    ):
         self.cfg, self.rd, self.source = cfg, rd, source
+        self.front, self.host_rd = front, host_rd  # host_rd: reads resident experts for the front
         self._stores: dict[int, ExpertStore] = {}
         self._norms: dict[str, RMSNorm] = {}
         self._routers: dict[str, Router] = {}
         sparse = [i for i, kind in enumerate(cfg.mlp_layer_types) if kind == "sparse"]
         self._next: dict[int, int] = {}  # layer -> the next MoE layer, which it predicts
-        if main and source is not None and source.predicts:
+        predictor = source if source is not None else front
+        if main and predictor is not None and predictor.predicts:
             self._next = dict(zip(sparse, sparse[1:], strict=False))
             if sparse and sparse[0] > 0:
                 self._next[sparse[0] - 1] = sparse[0]  # the dense layer before the first MoE layer
@@ -455,7 +473,7 @@ class _Routed:
     def mtp(self, one: ModelConfig) -> _Routed:
         """The MTP layer's (one layer, predicting nothing: its input needs the token the main
         model has just produced)."""
-        return _Routed(one, self.rd, self.source, main=False)
+        return _Routed(one, self.rd, self.source, False, self.front, self.host_rd)
 
     def norm(self, p: str) -> RMSNorm:
         if p not in self._norms:
@@ -468,10 +486,16 @@ class _Routed:
             self._routers[p] = _router(self.cfg, self.rd, p)
         return self._routers[p]
 
-    def store(self, layer: int) -> ExpertStore:
-        assert self.source is not None
+    def store(self, layer: int, p: str) -> ExpertStore:
+        """Layer `layer`'s store (`p`: its MLP's tensor prefix): the source's, or resident
+        experts read for the front; behind the front when there is one."""
         if layer not in self._stores:
-            self._stores[layer] = self.source.store(layer)
+            if self.source is not None:
+                store, resident = self.source.store(layer), False
+            else:
+                assert self.front is not None and self.host_rd is not None
+                store, resident = _resident(self.cfg, self.host_rd, p), True
+            self._stores[layer] = store if self.front is None else self.front.over(layer, store, resident)
         return self._stores[layer]
 
     def lookahead_after(self, layer: int) -> Lookahead | None:
@@ -480,7 +504,7 @@ class _Routed:
         if nxt is None:
             return None
         p = f"model.layers.{nxt}."
-        return Lookahead(self.norm(p), self.router(p + "mlp."), self.store(nxt))
+        return Lookahead(self.norm(p), self.router(p + "mlp."), self.store(nxt, p + "mlp."))
 
     def moe(self, p: str, layer: int) -> MoE:
         """The MoE layer read from the tensors named `p` (`model.layers.{i}.`)."""
@@ -490,8 +514,8 @@ class _Routed:
         if cfg.n_shared_experts:
             width = cfg.moe_intermediate_size * cfg.n_shared_experts
             shared = _swiglu(rd, p + "mlp.shared_experts.", cfg.hidden_size, width)
-        if self.source is not None:  # experts served from elsewhere (streamed): never read here
-            return MoE(router, self.store(layer), shared, self.lookahead_after(layer))
+        if self.source is not None or self.front is not None:  # streamed, or behind a device cache
+            return MoE(router, self.store(layer, p + "mlp."), shared, self.lookahead_after(layer))
         return MoE(router, _resident(cfg, rd, p + "mlp."), shared)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from latentkv.experts.base import ExpertFront
 from latentkv.experts.streamed import ExpertStreamer, StreamConfig, StreamedExperts
 from latentkv.models.moe import MoE
 
@@ -61,10 +62,12 @@ def load_streamed(
     progress: bool = False,
     *,
     device: torch.device | str,
+    front: ExpertFront | None = None,
 ):
     """Load the dense weights of the checkpoint at `model_dir` onto `device` and serve its routed
     experts from the expert store at `store_dir` (which must be this checkpoint's): (model,
-    streamer)."""
+    streamer). With `front` (a `DeviceCache`), each layer's streamed store is served on `device`
+    through it."""
     from latentkv.config import ModelConfig
     from latentkv.models.loader import Checkpoint
     from latentkv.models.mtp import routed_layer
@@ -81,6 +84,7 @@ def load_streamed(
             device=device,
             experts=StreamedSource(streamer, cfg.num_experts_per_tok, prefetch),
             load_mtp=_keeps_mtp(streamer, routed_layer(cfg, ckpt)),
+            front=front,
         )
     except BaseException:
         streamer.close()

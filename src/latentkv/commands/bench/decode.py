@@ -9,7 +9,12 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from latentkv.commands.bench import common
-from latentkv.commands.common import add_device_argument, add_streaming_arguments, add_weight_arguments
+from latentkv.commands.common import (
+    add_device_argument,
+    add_streaming_arguments,
+    add_vram_argument,
+    add_weight_arguments,
+)
 from latentkv.commands.common import weight_dtypes as weight_list
 from latentkv.errors import UserError
 
@@ -47,6 +52,7 @@ def add(sub) -> None:
     add_weight_arguments(d, multiple=True)
     add_device_argument(d)
     add_streaming_arguments(d)
+    add_vram_argument(d)
     d.add_argument(
         "--kv-cache-dtype",
         default="f32",
@@ -167,6 +173,7 @@ def _load(args: argparse.Namespace, plan: _Plan, dtype: str):
             weight_dtype=dtype,
             expert_dtype=args.expert_dtype,
             ram_gb=args.ram_gb,
+            vram_gb=args.vram_gb,
             expert_policy=args.expert_cache_policy,
             cluster=plan.cluster,
             device=args.device,

@@ -1,0 +1,103 @@
+"""A model loaded through the runtime with a --vram-gb plan whose experts do not all fit in VRAM
+(`LoadSpec.gpu_plan`, set here by hand on a CPU run: the CLI takes --vram-gb only with
+--device cuda) serves its routed experts through the device cache, from resident host experts
+(`pinned`) or from the disk store (`disk`), and generates the resident model's tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from latentkv.config import EngineConfig
+from latentkv.engine.generate import generate
+from latentkv.engine.sampling import SamplingParams
+from latentkv.experts.device_cache import DeviceExperts
+from latentkv.models.moe import MoE
+from latentkv.runtime import build, device_cache_line, device_slots, load, resolve_load
+from latentkv.streaming.gpu_plan import make_gpu_plan
+
+PROMPT = [5, 17, 3, 99, 42, 7, 11, 2]
+
+
+def _spec(name: str, home: str, slots: int):
+    spec = resolve_load(name, EngineConfig(), max_model_len=64)
+    plan = make_gpu_plan(spec.model_cfg, spec.directory, 1 << 40, 1 << 40, "f32", max_model_len=64)
+    plan = dataclasses.replace(
+        plan,
+        expert_home=home,
+        vram_experts=slots,
+        staging_bytes=0,
+        pinned_expert_bytes=3 * plan.expert_extent_bytes,  # the disk home's host cache: 3 experts
+    )
+    return dataclasses.replace(spec, gpu_plan=plan)
+
+
+def _tokens(model, n: int = 12) -> list[int]:
+    return generate(model, PROMPT, n, SamplingParams(), cache=model.make_cache()).tokens
+
+
+@pytest.mark.parametrize("name", ["builtin:fixture", "builtin:tiny"])
+@pytest.mark.parametrize(("home", "slots"), [("pinned", 3), ("pinned", 1), ("disk", 5)])
+def test_generate_through_the_device_cache_gives_the_resident_tokens(
+    name, home, slots, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("LATENTKV_CACHE", str(tmp_path))  # the disk home converts its store there
+    want = _tokens(load(name, EngineConfig(), quiet=True).model)
+    loaded = build(_spec(name, home, slots), quiet=True)
+    try:
+        stores = [b.mlp.experts for b in loaded.model.blocks if isinstance(b.mlp, MoE)]
+        assert stores and all(isinstance(s, DeviceExperts) for s in stores)
+        assert (loaded.streamer is not None) == (home == "disk")
+        assert _tokens(loaded.model) == want
+        cache = loaded.device_cache
+        assert cache is not None and cache.slots == slots and len(cache.cache) <= slots
+        s = cache.stats
+        assert s.misses > 0 and s.asked == s.hits + s.misses
+        assert "experts cached on cpu" in device_cache_line(cache)
+    finally:
+        loaded.close()
+
+
+def test_logits_match_the_resident_model_closely():
+    """The device cache computes the experts one by one (the MoE layer's `run` path); the resident
+    model's small layers take the fused paths: the same sums in another order, within float32."""
+    ids = torch.tensor(PROMPT)
+    want_model = load("builtin:fixture", EngineConfig(), quiet=True).model
+    loaded = build(_spec("builtin:fixture", "pinned", 2), quiet=True)
+    with torch.inference_mode():
+        want = want_model.forward(ids, want_model.make_cache(), all_logits=True)
+        got = loaded.model.forward(ids, loaded.model.make_cache(), all_logits=True)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_device_slots_follow_the_plan():
+    spec = _spec("builtin:fixture", "pinned", 3)
+    plan = spec.gpu_plan
+    assert device_slots(plan) == 3
+    staged = dataclasses.replace(plan, staging_bytes=4 * plan.expert_extent_bytes + 1)
+    assert device_slots(staged) == 7
+    assert device_slots(dataclasses.replace(plan, vram_experts=0)) == 1
+
+
+def test_resolve_load_plans_the_gpu_and_refuses_in_one_line(monkeypatch):
+    """With --device cuda (torch's probe patched: resolve_load allocates nothing) --vram-gb is
+    planned by the GPU planner: everything fits -> vram; a budget under the CUDA context does not
+    fit; int4 experts that would be cached in VRAM are refused."""
+    from latentkv.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    spec = resolve_load("builtin:fixture", EngineConfig(device="cuda", vram_gb=64.0), max_model_len=64)
+    assert spec.gpu_plan is not None and spec.gpu_plan.expert_home == "vram" and spec.plan is None
+    with pytest.raises(UserError, match=r"--vram-gb 0\.5: dense weights, .* \(see `latentkv plan`\)"):
+        resolve_load("builtin:fixture", EngineConfig(device="cuda", vram_gb=0.5), max_model_len=64)
+    whole = spec.gpu_plan
+    tight = (whole.dense_bytes + whole.kv_bytes + whole.activation_bytes + whole.staging_bytes) / 2**30
+    tight += 4 * 3 * whole.expert_extent_bytes / 2**30  # staging (none in the vram plan) and a few more
+    engine = EngineConfig(device="cuda", vram_gb=tight, weight_dtype="f32", expert_dtype="int4")
+    with pytest.raises(UserError, match="int4 experts cannot be cached in VRAM yet"):
+        resolve_load("builtin:fixture", engine, max_model_len=64)
+    pinned = resolve_load("builtin:fixture", dataclasses.replace(engine, expert_dtype=None), max_model_len=64)
+    plan = pinned.gpu_plan
+    assert plan.expert_home == "pinned" and device_slots(plan) == plan.vram_experts + 4  # + staging: 2k
