@@ -9,7 +9,10 @@ product of those rows with an int8 and an int4 matrix through:
 
     torch op      what the formats ran before: x cast to bfloat16, `_weight_int8pack_mm` /
                   `_weight_int4pack_mm_for_cpu` on the op's packed layout, the result cast back
-    latentkv      the format's decode path now: latentkv's kernel (weights/native) on float32 x
+    latentkv      latentkv's kernel (weights/native) on float32 x as the process runs it, and on
+                  AVX-512 VNNI both of its activation paths: x quantized per group to int16
+                  (vpdpwssd) and to int8 (vpdpbusd), named "int16 x" / "int8 x" ("f32 x": the
+                  float paths)
     inductor      (--inductor) int8 only: torch.compile(mode="max-autotune") of the dequantize-
                   then-multiply pattern, x @ q.to(bfloat16)^T * scale, the pattern Inductor's CPU
                   weight-only-quantization lowering targets, with the weights as graph inputs
@@ -98,9 +101,18 @@ class Buffers:
         return count, packed, sz, half + groups * out_f * 4
 
 
+def own_paths() -> list:
+    """latentkv's kernels as this process runs them, and on AVX-512 VNNI both activation paths
+    (int16 and int8 x), the process's own first."""
+    own = native.kernels()
+    if own is None:
+        return []
+    vnni = [k for isa in (3, 4) if isa != own.isa and (k := native.with_isa(isa)) is not None]
+    return [own, *vnni] if own.isa in (3, 4) else [own]
+
+
 def candidates(buf: Buffers, x: torch.Tensor, out_f: int, inductor: bool = False) -> dict:
     """name -> (run(i) over matrix i, bytes a call reads, matrices per pass)."""
-    own = native.kernels()
     in_f = x.shape[1]
     c8, q8, s8, n8 = buf.int8(out_f, in_f)
     c4, q4, sz, n4 = buf.int4(out_f, in_f)
@@ -112,9 +124,10 @@ def candidates(buf: Buffers, x: torch.Tensor, out_f: int, inductor: bool = False
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q4[i], GROUP, sz[i]).float()
 
     runs = {"int8 torch op": (op8, n8, c8), "int4 torch op": (op_4, n4, c4)}
-    if own is not None:
-        runs["int8 latentkv"] = (lambda i: own.int8_mm(x, q8[i], s8[i]), n8, c8)
-        runs["int4 latentkv"] = (lambda i: own.int4_mm(x, q4[i], sz[i], GROUP, out_f), n4, c4)
+    for k in own_paths():
+        acts = native.ACTIVATIONS[k.isa]
+        runs[f"int8 latentkv {acts} x"] = (lambda i, k=k: k.int8_mm(x, q8[i], s8[i]), n8, c8)
+        runs[f"int4 latentkv {acts} x"] = (lambda i, k=k: k.int4_mm(x, q4[i], sz[i], GROUP, out_f), n4, c4)
     if inductor:
         woq = torch.compile(
             lambda x, q, s: (x @ q.to(torch.bfloat16).T) * s, mode="max-autotune", dynamic=False

@@ -19,8 +19,10 @@ from latentkv.models.weights import load_model
 
 TOLERANCE = 1e-5  # relative to the largest |logit|
 # int8/int4 on AVX-512 VNNI quantize each matrix's input to int16 per group: a float32-rounding
-# difference upstream can move an activation across a step (2^-15 of its group's largest)
+# difference upstream can move an activation across a step (2^-15 of its group's largest); int4
+# there quantizes to int8 (steps of 1/127: the same crossing moves an activation 258x as far)
 PACKED_TOLERANCE = 2e-4
+X8_PACKED_TOLERANCE = 5e-2
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,8 @@ def test_compiled_packed_weights_match_eager_in_one_graph(tiny_dir, fmt):
     with torch._dynamo.config.patch(error_on_recompile=True):
         worst, tokens_a, tokens_b, _, _ = _decode_both(model, eager, None, 30, 60, seed=4)
     assert torch._dynamo.utils.counters["frames"] == frames  # nothing traced after the warm-up
-    assert worst < PACKED_TOLERANCE, worst
+    x8 = fmt == "int4" and native.kernels().isa4 == 4
+    assert worst < (X8_PACKED_TOLERANCE if x8 else PACKED_TOLERANCE), worst
     assert tokens_a == tokens_b
     assert (
         "graph_break" not in torch._dynamo.utils.counters or not torch._dynamo.utils.counters["graph_break"]

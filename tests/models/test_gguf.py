@@ -26,6 +26,7 @@ from latentkv.config import ModelConfig
 from latentkv.models.registry import ModelNotFound, builtin_path, resolve
 from latentkv.models.weights import load_model
 from latentkv.tokenizer import Tokenizer
+from latentkv.weights import native
 from latentkv.weights.base import format_class
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
@@ -139,9 +140,12 @@ def _gguf_name(name: str) -> str:
 def test_logits_equal_the_dequantized_checkpoints(loaded):
     ours, reference = (logits(m) for m in loaded)
     kl = F.kl_div(F.log_softmax(ours, -1), F.log_softmax(reference, -1), log_target=True, reduction="none")
-    # measured: max |difference| 0.008 on logits of std 1.8, KL 3e-6 (bf16 weights against f32: 2e-5)
+    # measured: max |difference| 0.008 on logits of std 1.8, KL 3e-6 (bf16 weights against f32: 2e-5);
+    # where int4 reads int8 x (AVX-512 VNNI, the rounding llama.cpp's q8 activations make) KL 4.3e-5
+    own = native.kernels()
+    x8 = own is not None and own.isa4 == 4
     assert (ours - reference).abs().max() < 0.05
-    assert kl.sum(-1).max() < 2e-5
+    assert kl.sum(-1).max() < (1e-4 if x8 else 2e-5)
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 

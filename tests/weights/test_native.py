@@ -1,7 +1,8 @@
 """latentkv's int8/int4 decode kernels (weights/native), every vector path this CPU runs (AVX-512
-VNNI, AVX-512, AVX2, plain C++), against slower references on fresh random inputs: float64 over
-the format's dequantized matrix, torch's own op (bfloat16 x), and for the VNNI path a float64
-product of x quantized to int16 exactly as the kernel defines it. Odd shapes (rows past a block,
+VNNI with int8 or int16 activations, AVX-512, AVX2, plain C++), against slower references on
+fresh random inputs: float64 over the format's dequantized matrix, torch's own op (bfloat16 x),
+and for the VNNI paths a float64 product of x quantized to int16 / int8 exactly as the kernel
+defines it. Odd shapes (rows past a block,
 columns past a group, odd widths), every group size, 1 to 17 rows of x, the residual add. The seed
 is in every failure message. CI runs these a second time under ATEN_CPU_CAPABILITY=default,
 where the process picks the plain C++ path itself."""
@@ -24,7 +25,8 @@ pytestmark = [
     pytest.mark.skipif(native.kernels() is None, reason=f"kernels not built here: {native.unavailable()}"),
 ]
 
-PATHS = [isa for isa in (3, 2, 1, 0) if native.with_isa(isa) is not None]
+PATHS = [isa for isa in (4, 3, 2, 1, 0) if native.with_isa(isa) is not None]
+VNNI = {3: 32767, 4: 127}  # path -> the largest code of its quantized x
 ROWS = [1, 2, 3, 4, 5, 8, 17]
 EPS = 2.0**-23  # float32's machine epsilon: twice its unit roundoff
 BF16 = 2.0**-8  # bfloat16's
@@ -35,9 +37,10 @@ BF16 = 2.0**-8  # bfloat16's
 #   A the magnitudes the path multiplies (int8 |scale q|; int4 |scale (q - 8)| + |zero| or
 #   |scale q| + |zero - 8 scale|, as the path splits the zero point off), n the terms and the
 #   roundings after them (scales, zero points, group sums, the float32 reference matrix).
-# - int16 x (VNNI): an activation is within 0.51 of its group's step max |x| / 32767 (half a step
-#   from rounding, and the float32 roundings of 32767 / max and of x times it: 3 ulps of at most
-#   32767 steps); the integer sums are exact, the float32 ones per group bounded as above.
+# - int16 / int8 x (VNNI): an activation is within 0.51 of its group's step max |x| / L, L = 32767
+#   or 127 (half a step from rounding, and the float32 roundings of L / max and of x times it: 3
+#   ulps of at most L steps); the integer sums are exact, the float32 ones per group bounded as
+#   above.
 # - torch's op: x and its output rounded to bfloat16 (half of BF16 each), and int4's weights.
 
 
@@ -51,20 +54,20 @@ def _rounding(x: torch.Tensor, mags: torch.Tensor, terms: int) -> torch.Tensor:
     return terms * EPS * (x.double().abs() @ mags.T)
 
 
-def _steps(x: torch.Tensor, group: int, width: int) -> torch.Tensor:
-    """Each activation's step on the VNNI path, float64 [M, K]: max |x| of its group / 32767."""
+def quantization_steps(x: torch.Tensor, group: int, width: int, levels: int) -> torch.Tensor:
+    """Each activation's step on a VNNI path, float64 [M, K]: max |x| of its group / levels."""
     M, K = x.shape
     top = F.pad(x, (0, width - K)).view(M, -1, group).abs().amax(-1, keepdim=True).double()
-    return (top / 32767).expand(M, width // group, group).reshape(M, width)[:, :K]
+    return (top / levels).expand(M, width // group, group).reshape(M, width)[:, :K]
 
 
 def _bounds(x, mags, isa, group, width, terms):
-    """(bound against x @ W in float64, bound against the int16 x's product or None) for a
+    """(bound against x @ W in float64, bound against the quantized x's product or None) for a
     kernel summing `terms` roundings per output on the float paths, groups of `group` columns
-    (int16 x per group on the VNNI path) over `width` padded columns."""
-    if isa != 3:
+    (int16 or int8 x per group on the VNNI paths) over `width` padded columns."""
+    if isa not in VNNI:
         return _rounding(x, mags, terms), None
-    steps = _steps(x, group, width)
+    steps = quantization_steps(x, group, width, VNNI[isa])
     rounding = _rounding(x.double().abs() + steps, mags, 2 * (width // group) + 8)
     return (0.51 * steps) @ mags.T + rounding, rounding
 
@@ -86,17 +89,17 @@ def _op_bound(x, mags, kernel_bound, weights_rounded=False):
     return kernel_bound + (bf16 + (x.shape[1] + 4) * EPS) * (x.double().abs() @ mags.T)
 
 
-def _x16(x: torch.Tensor, group: int, width: int) -> torch.Tensor:
-    """x [M, K] as the VNNI path reads it, in float64: per row and group of columns, the step
-    max |x| / 32767 (float32), codes round(x * (32767 / max)) (float32 product, ties to even)."""
+def quantized_x(x: torch.Tensor, group: int, width: int, levels: int) -> torch.Tensor:
+    """x [M, K] as a VNNI path reads it, in float64: per row and group of columns, the step
+    max |x| / L (float32), codes round(x * (L / max)) (float32 product, ties to even), L = levels."""
     M, K = x.shape
     xp = F.pad(x, (0, width - K)).view(M, -1, group)  # [M, groups, G]
     top = xp.abs().amax(-1, keepdim=True)  # float32
     # float32 division as the kernel rounds it (torch's `32767.0 / top` is 32767 * (1 / top),
     # an ulp off for a quarter of the values, and then a code off by one now and then)
-    inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
-    codes = (xp * inv).round().clamp(-32767, 32767)
-    step = torch.where(top > 0, top / 32767.0, torch.zeros_like(top))
+    inv = torch.where(top > 0, torch.full_like(top, float(levels)) / top, torch.zeros_like(top))
+    codes = (xp * inv).round().clamp(-levels, levels)
+    step = torch.where(top > 0, top / float(levels), torch.zeros_like(top))
     return (codes.double() * step.double()).view(M, width)[:, :K]
 
 
@@ -115,8 +118,8 @@ def test_int8_matches_float64_and_the_op(isa, n, k):
         assert y.shape == (m, n) and y.dtype == torch.float32
         bound, rounding = _bounds(x, mags, isa, 256, width, k + 2)
         assert not (why := _within(y, x.double() @ w64.T, bound)), f"seed {seed} m {m}: {why}"
-        if isa == 3:
-            why = _within(y, _x16(x, 256, width) @ w64.T, rounding)
+        if isa in VNNI:
+            why = _within(y, quantized_x(x, 256, width, VNNI[isa]) @ w64.T, rounding)
             assert not why, f"seed {seed} m {m}: {why}"
         assert torch.equal(kernels.int8_mm(x, lin.q, lin.scale, residual), residual + y), f"seed {seed}"
         if k % 16 == 0:  # torch's bf16 op reads past x otherwise (weights/int8.py)
@@ -159,8 +162,8 @@ def test_int4_matches_float64_and_the_op(isa, n, k, group):
         assert y.shape == (m, n) and y.dtype == torch.float32
         bound, rounding = _bounds(x, mags, isa, group, width, k + 2 * (width // group) + 4)
         assert not (why := _within(y, x.double() @ w64.T, bound)), f"seed {seed} m {m}: {why}"
-        if isa == 3:
-            why = _within(y, _x16(x, group, width) @ w64.T, rounding)
+        if isa in VNNI:
+            why = _within(y, quantized_x(x, group, width, VNNI[isa]) @ w64.T, rounding)
             assert not why, f"seed {seed} m {m}: {why}"
         assert torch.equal(kernels.int4_mm(x, packed, sz, group, n, residual), residual + y), f"seed {seed}"
     if int4.same_layout(int4.op_layout(), int4.KERNEL_LAYOUT):  # the op reads the same bytes here
@@ -229,28 +232,52 @@ def test_bad_arguments_are_refused_with_a_reason():
             "scale_zeros",
         ),
     ]
+    if native.with_isa(4) is not None:  # int8 x reads 4 columns of a group at a time
+        cases.append(
+            (
+                lambda: torch.ops.latentkv.int4_mm(
+                    torch.zeros(1, 12),
+                    torch.zeros(64, 6, dtype=torch.uint8),
+                    torch.zeros(2, 64, 2, dtype=torch.bfloat16),
+                    6,
+                    64,
+                    None,
+                    4,
+                ),
+                "divisible by 4",
+            )
+        )
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
 
 
 def test_the_process_path_follows_torchs_capability():
-    """The path is torch's capability (ATEN_CPU_CAPABILITY lowers both), where this CPU runs it."""
+    """The path is torch's capability (ATEN_CPU_CAPABILITY lowers both), where this CPU runs it;
+    on AVX-512 VNNI int8 weights read int16 x (path 3), int4 weights int8 x (path 4)."""
     best = native.isa_for(torch.backends.cpu.get_cpu_capability())
-    assert native.kernels().isa == max(p for p in PATHS if p <= best)
+    own = native.kernels()
+    assert own.isa == max(p for p in PATHS if p <= best)
+    assert own.isa4 == (4 if own.isa == 3 else own.isa)
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=os.pathsep.join(sys.path))
-    code = "from latentkv.weights import native; print(native.kernels().isa)"
+    code = "from latentkv.weights import native; k = native.kernels(); print(k.isa, k.isa4)"
     if 1 in PATHS:
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
-        assert out.stdout.strip() == "1", out.stderr
+        assert out.stdout.strip() == "1 1", out.stderr
 
 
 def test_no_compiler_means_torchs_ops_and_a_reason(monkeypatch):
     monkeypatch.setattr(native, "COMPILERS", ("no-such-c++-compiler",))
     with pytest.raises(OSError, match="no C\\+\\+ compiler"):
         native._build()
+
+
+def _process_isa(fmt: str) -> int:
+    """The path this process runs a format's matrices on."""
+    own = native.kernels()
+    return own.isa if fmt == "int8" else own.isa4
 
 
 def _linear_bound(x: torch.Tensor, lin, isa: int) -> torch.Tensor:
@@ -319,7 +346,7 @@ def test_an_expert_takes_the_one_call_path_at_decode(fmt, monkeypatch):
     fused = expert(x, residual)
     monkeypatch.setattr("latentkv.experts.base.fused_swiglu", lambda *a: None)
     steps = expert(x, residual)
-    _, bound = _expert(x, expert.gate_up, expert.down, native.kernels().isa)
+    _, bound = _expert(x, expert.gate_up, expert.down, _process_isa(fmt))
     # two results each within `bound` of float64, and each + residual rounded once more
     why = _within(fused, steps.double(), 2 * bound + 2 * EPS * (residual.abs().double() + steps.abs()))
     assert not why, f"seed {seed}: {why}"
@@ -374,7 +401,7 @@ def test_every_head_in_one_call(fmt, h, n, k, s):
     y = heads(x)
     assert y.shape == (h, s, n) and y.dtype == torch.float32
     assert torch.equal(y, torch.stack([head(x[i]) for i, head in enumerate(heads.heads)])), f"seed {seed}"
-    isa = native.kernels().isa
+    isa = _process_isa(fmt)
     for i, head in enumerate(heads.heads):
         want = x[i].double() @ head.dequantize().double().T
         assert not (why := _within(y[i], want, _linear_bound(x[i], head, isa))), (

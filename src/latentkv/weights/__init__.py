@@ -43,8 +43,8 @@ def describe(fmt: str) -> str | None:
     gemm = "oneDNN bf16 GEMM" + (" (AMX)" if f["amx"] and f["mkldnn_bf16"] else "")
     own = native.kernels()
     if own is not None:
-        acts = "int16" if own.isa == 3 else "f32"
-        decode = {fmt: f"latentkv's {own.name} kernel ({acts} activations)" for fmt in ("int8", "int4")}
+        acts = {"int8": native.ACTIVATIONS[own.isa], "int4": native.ACTIVATIONS[own.isa4]}
+        decode = {fmt: f"latentkv's {own.name} kernel ({acts[fmt]} activations)" for fmt in acts}
         int4_prefill = f"dequantized {tile} tiles"
     else:
         why = native.unavailable()

@@ -104,4 +104,4 @@ class _PackedHeads:
         x = x.float()
         if self._meta == ():
             return torch.ops.latentkv.heads_int8(x, *self._tensors, self._kernel.isa)
-        return torch.ops.latentkv.heads_int4(x, *self._tensors, *self._meta, self._kernel.isa)
+        return torch.ops.latentkv.heads_int4(x, *self._tensors, *self._meta, self._kernel.isa4)

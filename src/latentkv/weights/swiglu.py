@@ -100,7 +100,7 @@ class PackedExperts:
         gu, gu_sz, dn, dn_sz = self._tensors
         gu_rows, dn_rows, group = self._meta
         return torch.ops.latentkv.moe_int4(
-            x, idx, w, gu, gu_sz, gu_rows, dn, dn_sz, dn_rows, group, by_id, self._kernel.isa
+            x, idx, w, gu, gu_sz, gu_rows, dn, dn_sz, dn_rows, group, by_id, self._kernel.isa4
         )
 
 

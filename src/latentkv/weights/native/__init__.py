@@ -7,8 +7,9 @@
 A decode step multiplies one row (or a batch's few) by every matrix: it is bound by the bytes
 it reads. torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read int8 and int4 at
 well under the machine's memory bandwidth (docs/weights.md); these kernels stream each matrix
-once, widen every weight to float32 in registers and multiply it by every row of x (float32
-activations, float32 sums), with the residual add folded in.
+once, widen every weight in registers and multiply it by every row of x, with the residual add
+folded in: float32 x and sums on AVX2 and plain C++; on AVX-512 VNNI exact integer products
+with x quantized per group (int16 for int8 weights, int8 for int4 weights, decode.cpp).
 
 Built once per machine: the C++ source is compiled with the system's C++ compiler against the
 installed torch (no ninja, no network) into the cache directory (`config.cache_root()/kernels`,
@@ -16,7 +17,7 @@ keyed by a hash of the source, flags, compiler and torch version), then loaded a
 (`torch.ops.latentkv.*`). Where no compiler is found or the build fails, `kernels()` is None,
 `unavailable()` says why, and the formats use torch's ops as before.
 
-The vector path (AVX-512, AVX2 or plain C++) is chosen once per process from torch's own CPU
+The vector path (AVX-512 VNNI, AVX-512, AVX2 or plain C++) is chosen once per process from torch's own CPU
 capability (`torch.backends.cpu.get_cpu_capability()`, which honours ATEN_CPU_CAPABILITY), so a
 run capped to AVX2 or to plain code by torch runs these kernels the same way.
 """
@@ -41,15 +42,22 @@ from latentkv.config import cache_root
 SOURCE = Path(__file__).with_name("decode.cpp")
 # torch's capability -> the kernels' best path there (a CPU without AVX512-VNNI and VBMI runs 2)
 ISA = {"AVX512": 3, "AVX2": 1, "DEFAULT": 0}
-ISA_NAMES = {3: "AVX-512 VNNI", 2: "AVX-512", 1: "AVX2", 0: "plain C++"}
+ISA_NAMES = {4: "AVX-512 VNNI", 3: "AVX-512 VNNI", 2: "AVX-512", 1: "AVX2", 0: "plain C++"}
+# what each path quantizes the activations to (the float paths read them as they are)
+ACTIVATIONS = {4: "int8", 3: "int16", 2: "f32", 1: "f32", 0: "f32"}
 COMPILERS = ("g++", "c++", "clang++")
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The loaded kernels and the vector path this process runs them with."""
+    """The loaded kernels and the vector paths this process runs them with: `isa` for int8
+    matrices, `isa4` for int4 ones. They differ on AVX-512 VNNI only: int4 reads x quantized to
+    int8 (path 4: no widening of the nibbles, within what llama.cpp's q8 activations cost and far
+    below int4's own rounding), int8 keeps int16 x (path 3: int8 x would cost 3x int8's own
+    rounding for little speed; docs/weights.md)."""
 
     isa: int
+    isa4: int
 
     @property
     def name(self) -> str:
@@ -74,7 +82,7 @@ class Kernels:
         """x f32 [M, K] (K <= Kp), packed uint8 [Np, Kp / 2] in `int4.KERNEL_LAYOUT`,
         scale_zeros bf16 [Kp / G, Np, 2] -> [M, out_features] f32 (+ residual)."""
         return torch.ops.latentkv.int4_mm(
-            x, packed, scale_zeros, group_size, out_features, residual, self.isa
+            x, packed, scale_zeros, group_size, out_features, residual, self.isa4
         )
 
     def expert_int8(self, x, gate_up, down, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +104,7 @@ class Kernels:
             down.out_features,
             gate_up.group_size,
             residual,
-            self.isa,
+            self.isa4,
         )
 
 
@@ -114,7 +122,7 @@ def kernels() -> Kernels | None:
     isa = isa_for(torch.backends.cpu.get_cpu_capability())
     while isa > 0 and not torch.ops.latentkv.has_isa(isa):  # torch's capability, but not the CPU's
         isa -= 1
-    return Kernels(isa)
+    return Kernels(isa, 4 if isa == 3 else isa)
 
 
 def unavailable() -> str | None:
@@ -123,10 +131,11 @@ def unavailable() -> str | None:
 
 
 def with_isa(isa: int) -> Kernels | None:
-    """The kernels on a given vector path, where this CPU runs it (tests compare the paths)."""
+    """The kernels on a given vector path for both formats, where this CPU runs it (tests and
+    benchmarks compare the paths)."""
     if _load() is not None or not torch.ops.latentkv.has_isa(isa):
         return None
-    return Kernels(isa)
+    return Kernels(isa, isa)
 
 
 @functools.cache

@@ -19,6 +19,8 @@
 // weights/native/__init__.py):
 //   3  AVX-512 VNNI (+ VBMI): x quantized to int16 per group of columns, exact integer dot
 //      products (vpdpwssd), one float32 scale per group (see the section below);
+//   4  the same instructions with x quantized to int8 per group, u8 x s8 products (vpdpbusd) on
+//      the weights' own bytes (see its section);
 //   2  AVX-512 (F, BW, VL, DQ), 1 AVX2 + FMA, 0 plain C++ (the compiler's baseline ISA): float32 x,
 //      weights widened to float32, float32 sums.
 // Output rows are split over torch's intra-op threads (at::parallel_for). Built with
@@ -35,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -87,9 +90,12 @@ struct Int4Args {
 // x quantized to int16 per group of columns (the VNNI path; see there)
 constexpr int64_t XGROUP8 = 256;  // int8: columns per x scale (bounds the int32 sums)
 
-struct X16 {
-  std::vector<int16_t> q;  // [M][Kpad], zero past K
+// x quantized per group of columns (the VNNI paths): int16 codes (isa 3) or int8 ones (isa 4)
+struct XQ {
+  std::vector<int16_t> q;  // [M][Kpad], zero past K (isa 3)
+  std::vector<int8_t> q8;  // the same (isa 4)
   std::vector<float> scale, sum;  // [M][groups]: the step, and the sum of the quantized x
+  std::vector<int32_t> codes;     // [M][groups]: the sum of the codes (isa 4: int8's bias)
   int64_t Kpad, groups;
 };
 
@@ -304,14 +310,21 @@ LKV_AVX512 void int4_avx512(const Int4Args& a, int64_t b0, int64_t b1) {
 // int16 once (int8: vpmovsxbw; int4: a byte permutation and a nibble mask) and each instruction
 // multiplies 32 of them: about a third of the float32 path's work per weight.
 
-LKV_VNNI X16 quantize_x16(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t group, int64_t Kpad) {
-  X16 out{std::vector<int16_t>(M * Kpad, 0), {}, {}, Kpad, Kpad / group};
+// LEVELS = 32767 (int16 codes, isa 3) or 127 (int8 codes, isa 4).
+template <int LEVELS>
+LKV_VNNI XQ quantize_x(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t group, int64_t Kpad) {
+  XQ out{};
+  out.Kpad = Kpad;
+  out.groups = Kpad / group;
+  if constexpr (LEVELS == 32767) out.q.assign(M * Kpad, 0);
+  else out.q8.assign(M * Kpad, 0);
   out.scale.assign(M * out.groups, 0.0f);
   out.sum.assign(M * out.groups, 0.0f);
+  out.codes.assign(M * out.groups, 0);
   const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512i top_code = _mm512_set1_epi32(LEVELS), bottom_code = _mm512_set1_epi32(-LEVELS);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * ldx;
-    int16_t* qm = out.q.data() + m * Kpad;
     for (int64_t g = 0; g < out.groups; ++g) {
       const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
       __m512 amax = _mm512_setzero_ps();
@@ -321,74 +334,26 @@ LKV_VNNI X16 quantize_x16(const float* x, int64_t M, int64_t K, int64_t ldx, int
       }
       const float top = _mm512_reduce_max_ps(amax);
       if (!(top > 0.0f)) continue;  // all zero (or past K): q stays 0, scale 0
-      const float step = top / 32767.0f;
-      const __m512 inv = _mm512_set1_ps(32767.0f / top);
+      const float step = top / static_cast<float>(LEVELS);
+      const __m512 inv = _mm512_set1_ps(static_cast<float>(LEVELS) / top);
       __m512i total = _mm512_setzero_si512();
       for (int64_t k = k0; k < k1; k += 16) {
         const __mmask16 mask = k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1);
         __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, xm + k), inv));
-        v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(32767)), _mm512_set1_epi32(-32767));
+        v = _mm512_max_epi32(_mm512_min_epi32(v, top_code), bottom_code);
         total = _mm512_add_epi32(total, v);
-        _mm256_mask_storeu_epi16(qm + k, mask, _mm512_cvtepi32_epi16(v));
+        if constexpr (LEVELS == 32767)
+          _mm256_mask_storeu_epi16(out.q.data() + m * Kpad + k, mask, _mm512_cvtepi32_epi16(v));
+        else
+          _mm_mask_storeu_epi8(out.q8.data() + m * Kpad + k, mask, _mm512_cvtepi32_epi8(v));
       }
+      const int32_t codes = _mm512_reduce_add_epi32(total);
       out.scale[m * out.groups + g] = step;
-      out.sum[m * out.groups + g] = static_cast<float>(_mm512_reduce_add_epi32(total)) * step;
+      out.sum[m * out.groups + g] = static_cast<float>(codes) * step;
+      out.codes[m * out.groups + g] = codes;
     }
   }
   return out;
-}
-
-// int8: R rows of q times MB rows of x, 32 columns per step.
-template <int R, int MB>
-LKV_VNNI void int8_vnni_tile(const Int8Args& a, const X16& xq, int64_t n, int64_t m0) {
-  const int8_t* __restrict q[R];
-  const int16_t* __restrict x[MB];
-  for (int r = 0; r < R; ++r) q[r] = a.q + (n + r) * a.ldq;
-  for (int i = 0; i < MB; ++i) x[i] = xq.q.data() + (m0 + i) * xq.Kpad;
-  __m512 y[MB][R];
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < R; ++r) y[i][r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < xq.groups; ++g) {
-    const int64_t k0 = g * XGROUP8, k1 = std::min(a.K, k0 + XGROUP8);
-    __m512i acc[MB][R];
-    for (int i = 0; i < MB; ++i)
-      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_si512();
-    for (int64_t k = k0; k < k1; k += 32) {
-      const __mmask32 mask = k1 - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << (k1 - k)) - 1);
-      __m512i w[R];
-      for (int r = 0; r < R; ++r) w[r] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, q[r] + k));
-      for (int i = 0; i < MB; ++i) {
-        const __m512i xv = _mm512_loadu_si512(x[i] + k);
-        for (int r = 0; r < R; ++r) acc[i][r] = _mm512_dpwssd_epi32(acc[i][r], w[r], xv);
-      }
-    }
-    for (int i = 0; i < MB; ++i) {
-      const __m512 step = _mm512_set1_ps(xq.scale[(m0 + i) * xq.groups + g]);
-      for (int r = 0; r < R; ++r) y[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]), step, y[i][r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const float s = bf16_to_f32(a.scale[n + r]);
-    for (int i = 0; i < MB; ++i) store_row(a, m0 + i, n + r, _mm512_reduce_add_ps(y[i][r]) * s);
-  }
-}
-
-template <int R>
-LKV_VNNI void int8_vnni_rows(const Int8Args& a, const X16& xq, int64_t n) {
-  int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) int8_vnni_tile<R, 4>(a, xq, n, m);
-  switch (a.M - m) {
-    case 3: int8_vnni_tile<R, 3>(a, xq, n, m); break;
-    case 2: int8_vnni_tile<R, 2>(a, xq, n, m); break;
-    case 1: int8_vnni_tile<R, 1>(a, xq, n, m); break;
-    default: break;
-  }
-}
-
-LKV_VNNI void int8_vnni(const Int8Args& a, const X16& xq, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) int8_vnni_rows<4>(a, xq, n);
-  for (; n < n1; ++n) int8_vnni_rows<1>(a, xq, n);
 }
 
 // int4: MB rows of x through block b, two columns at a time. One 64-byte load holds columns k and
@@ -396,7 +361,7 @@ LKV_VNNI void int8_vnni(const Int8Args& a, const X16& xq, int64_t n0, int64_t n1
 // words of dword j, the low nibbles are masked out and the high ones shifted down, and vpdpwssd
 // adds q[k] x[k] + q[k+1] x[k+1] to each row's int32 sum. Rows of accumulator v: 16 v .. 16 v + 15.
 template <int MB>
-LKV_VNNI void int4_vnni_tile(const Int4Args& a, const X16& xq, int64_t b, int64_t m0) {
+LKV_VNNI void int4_vnni_tile(const Int4Args& a, const XQ& xq, int64_t b, int64_t m0) {
   const uint8_t* __restrict blk = a.packed + b * a.Kp * HALF;
   const uint32_t* __restrict x[MB];  // int16 pairs
   for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const uint32_t*>(xq.q.data() + (m0 + i) * xq.Kpad);
@@ -447,11 +412,163 @@ LKV_VNNI void int4_vnni_tile(const Int4Args& a, const X16& xq, int64_t b, int64_
     for (int i = 0; i < MB; ++i) store16(a, m0 + i, b * BLOCK + 16 * v, y[i][v]);
 }
 
-LKV_VNNI void int4_vnni(const Int4Args& a, const X16& xq, int64_t b0, int64_t b1) {
+LKV_VNNI void int4_vnni(const Int4Args& a, const XQ& xq, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     int64_t m = 0;
     for (; m + 2 <= a.M; m += 2) int4_vnni_tile<2>(a, xq, b, m);
     if (m < a.M) int4_vnni_tile<1>(a, xq, b, m);
+  }
+}
+
+// ---- AVX-512 VNNI with int8 activations (isa 4) ---------------------------------------------
+// The same as isa 3 with x quantized to int8 per group (step max |x| / 127) and u8 x s8 products
+// (vpdpbusd: four byte pairs into an int32 sum, 64 weights per instruction), which needs no
+// widening of the weights at all:
+//   int8: the signed weights are biased to unsigned (w ^ 0x80 = w + 128) and the bias taken back
+//         exactly through the group's code sum: each group's int32 sum starts at -128 sum(x codes);
+//   int4: the nibbles are unsigned already; a byte permutation gathers 4 columns' bytes per row,
+//         one product of the whole bytes (low + 16 high) and one of the masked low nibbles give
+//         both halves' sums (high = (whole - low) / 16, exact).
+// x's rounding is at most half a step of 1/127 of its group's largest: llama.cpp's q8 activations
+// (q8_0: groups of 32, q8_K: 256) (docs/weights.md measures what it costs).
+
+// int8 on both VNNI paths: R rows of q times MB rows of x. X8 (isa 4): int8 x, 64 columns per
+// step, the weights biased; else (isa 3) int16 x, 32 columns per step, the weights sign-extended.
+template <int R, int MB, bool X8>
+LKV_VNNI void int8_vnni_tile(const Int8Args& a, const XQ& xq, int64_t n, int64_t m0) {
+  using Code = std::conditional_t<X8, int8_t, int16_t>;
+  constexpr int64_t STEP = X8 ? 64 : 32;
+  const int8_t* __restrict q[R];
+  const Code* __restrict x[MB];
+  for (int r = 0; r < R; ++r) q[r] = a.q + (n + r) * a.ldq;
+  for (int i = 0; i < MB; ++i) {
+    if constexpr (X8) x[i] = xq.q8.data() + (m0 + i) * xq.Kpad;
+    else x[i] = xq.q.data() + (m0 + i) * xq.Kpad;
+  }
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 y[MB][R];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < R; ++r) y[i][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    const int64_t k0 = g * XGROUP8, k1 = std::min(a.K, k0 + XGROUP8);
+    __m512i acc[MB][R];
+    for (int i = 0; i < MB; ++i) {
+      // X8: the sum starts at -128 sum(x codes), taking back the weights' bias exactly
+      const __m512i start = X8 ? _mm512_maskz_set1_epi32(1, -128 * xq.codes[(m0 + i) * xq.groups + g])
+                               : _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) acc[i][r] = start;
+    }
+    for (int64_t k = k0; k < k1; k += STEP) {
+      // past K: weight 0 (biased: 128) times x 0
+      const __mmask64 mask = k1 - k >= STEP ? (~__mmask64(0) >> (64 - STEP)) : (__mmask64(1) << (k1 - k)) - 1;
+      __m512i w[R];
+      for (int r = 0; r < R; ++r) {
+        if constexpr (X8) w[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, q[r] + k), bias);
+        else w[r] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(__mmask32(mask), q[r] + k));
+      }
+      for (int i = 0; i < MB; ++i) {
+        const __m512i xv = _mm512_loadu_si512(x[i] + k);
+        for (int r = 0; r < R; ++r) {
+          if constexpr (X8) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], w[r], xv);
+          else acc[i][r] = _mm512_dpwssd_epi32(acc[i][r], w[r], xv);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 step = _mm512_set1_ps(xq.scale[(m0 + i) * xq.groups + g]);
+      for (int r = 0; r < R; ++r) y[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]), step, y[i][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float s = bf16_to_f32(a.scale[n + r]);
+    for (int i = 0; i < MB; ++i) store_row(a, m0 + i, n + r, _mm512_reduce_add_ps(y[i][r]) * s);
+  }
+}
+
+template <int R, bool X8>
+LKV_VNNI void int8_vnni_rows(const Int8Args& a, const XQ& xq, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) int8_vnni_tile<R, 4, X8>(a, xq, n, m);
+  switch (a.M - m) {
+    case 3: int8_vnni_tile<R, 3, X8>(a, xq, n, m); break;
+    case 2: int8_vnni_tile<R, 2, X8>(a, xq, n, m); break;
+    case 1: int8_vnni_tile<R, 1, X8>(a, xq, n, m); break;
+    default: break;
+  }
+}
+
+template <bool X8>
+LKV_VNNI void int8_vnni(const Int8Args& a, const XQ& xq, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) int8_vnni_rows<4, X8>(a, xq, n);
+  for (; n < n1; ++n) int8_vnni_rows<1, X8>(a, xq, n);
+}
+
+// int4: MB rows of x through block b, four columns at a time. Two 64-byte loads hold columns
+// k .. k + 3; permutation h puts byte 16 h + d of each column in the 4 bytes of dword d (rows
+// 16 h + d in the low nibbles, 32 + 16 h + d in the high ones). Rows of sum v: 16 v .. 16 v + 15.
+template <int MB>
+LKV_VNNI void int4_vnni8_tile(const Int4Args& a, const XQ& xq, int64_t b, int64_t m0) {
+  const uint8_t* __restrict blk = a.packed + b * a.Kp * HALF;
+  const int32_t* __restrict x[MB];  // int8 quads
+  for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const int32_t*>(xq.q8.data() + (m0 + i) * xq.Kpad);
+  alignas(64) uint8_t pick_bytes[2][64];
+  for (int h = 0; h < 2; ++h)
+    for (int p = 0; p < 64; ++p) pick_bytes[h][p] = static_cast<uint8_t>(p % 4 * HALF + 16 * h + p / 4);
+  const __m512i pick[2] = {_mm512_load_si512(pick_bytes[0]), _mm512_load_si512(pick_bytes[1])};
+  const __m512i nibble = _mm512_set1_epi8(15);
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 y[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < 4; ++v) y[i][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512i low[MB][2], whole[MB][2];
+    for (int i = 0; i < MB; ++i)
+      for (int h = 0; h < 2; ++h) low[i][h] = whole[i][h] = _mm512_setzero_si512();
+    const int64_t k1 = std::min(a.K, (g + 1) * a.G);  // G % 4 == 0: k + 3 stays in the group
+    for (int64_t k = g * a.G; k < k1; k += 4) {
+      const __m512i c01 = _mm512_loadu_si512(blk + k * HALF);
+      const __m512i c23 = _mm512_loadu_si512(blk + (k + 2) * HALF);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i bytes = _mm512_permutex2var_epi8(c01, pick[h], c23);
+        const __m512i lo = _mm512_and_si512(bytes, nibble);
+        for (int i = 0; i < MB; ++i) {
+          const __m512i xk = _mm512_set1_epi32(x[i][k / 4]);
+          whole[i][h] = _mm512_dpbusd_epi32(whole[i][h], bytes, xk);
+          low[i][h] = _mm512_dpbusd_epi32(low[i][h], lo, xk);
+        }
+      }
+    }
+    // y += s * step * sum(q x8) + (z - 8 s) * sum(x)
+    const uint16_t* sz = a.sz + (g * a.Np + b * BLOCK) * 2;
+    for (int v = 0; v < 4; ++v) {
+      const __m512i pair = _mm512_loadu_si512(sz + 32 * v);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, hi16));
+      const __m512 zs = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+      for (int i = 0; i < MB; ++i) {
+        const int h = v % 2;
+        const __m512i sum = v < 2 ? low[i][h] : _mm512_srai_epi32(_mm512_sub_epi32(whole[i][h], low[i][h]), 4);
+        const int64_t at = (m0 + i) * xq.groups + g;
+        const __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[at]));
+        y[i][v] = _mm512_fmadd_ps(zs, _mm512_set1_ps(xq.sum[at]), _mm512_fmadd_ps(step, _mm512_cvtepi32_ps(sum), y[i][v]));
+      }
+    }
+  }
+  for (int v = 0; v < 4; ++v)
+    for (int i = 0; i < MB; ++i) store16(a, m0 + i, b * BLOCK + 16 * v, y[i][v]);
+}
+
+LKV_VNNI void int4_vnni8(const Int4Args& a, const XQ& xq, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4) int4_vnni8_tile<4>(a, xq, b, m);
+    switch (a.M - m) {
+      case 3: int4_vnni8_tile<3>(a, xq, b, m); break;
+      case 2: int4_vnni8_tile<2>(a, xq, b, m); break;
+      case 1: int4_vnni8_tile<1>(a, xq, b, m); break;
+      default: break;
+    }
   }
 }
 
@@ -566,6 +683,7 @@ LKV_AVX2 void int4_avx2(const Int4Args& a, int64_t b0, int64_t b1) {
 }
 
 bool cpu_has(int64_t isa) {
+  if (isa == 4) return cpu_has(3);  // the same instructions, int8 activations
   if (isa == 3)
     return cpu_has(2) && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
   if (isa == 2)
@@ -583,7 +701,7 @@ bool cpu_has(int64_t isa) { return isa == 0; }
 #endif  // LKV_X86
 
 void check_isa(int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa <= 3, "latentkv kernels: isa must be 0..3, got ", isa);
+  TORCH_CHECK(isa >= 0 && isa <= 4, "latentkv kernels: isa must be 0..4, got ", isa);
   TORCH_CHECK(cpu_has(isa), "latentkv kernels: this CPU lacks the instructions of path ", isa);
 }
 
@@ -600,34 +718,41 @@ const float* residual_of(const std::optional<at::Tensor>& r, int64_t M, int64_t 
 // Rows per thread chunk: small matrices run on the calling thread (a parallel region costs more).
 int64_t grain(int64_t bytes_per_unit) { return std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, bytes_per_unit)); }
 
-// The activations as the chosen path reads them: int16 groups for VNNI (isa 3), else nothing
+// The activations as the chosen path reads them: int16 / int8 groups for VNNI (isa 3 / 4), else nothing
 // (the float rows are read in place).
-X16 prepare_int8(const Int8Args& a, int64_t isa) {
-  X16 xq;
+XQ prepare_int8(const Int8Args& a, int64_t isa) {
+  XQ xq;
 #if LKV_X86
-  if (isa == 3) xq = quantize_x16(a.x, a.M, a.K, a.ldx, XGROUP8, (a.K + XGROUP8 - 1) / XGROUP8 * XGROUP8);
+  const int64_t Kpad = (a.K + XGROUP8 - 1) / XGROUP8 * XGROUP8;
+  if (isa == 3) xq = quantize_x<32767>(a.x, a.M, a.K, a.ldx, XGROUP8, Kpad);
+  if (isa == 4) xq = quantize_x<127>(a.x, a.M, a.K, a.ldx, XGROUP8, Kpad);
 #endif
   return xq;
 }
 
 // Rows [n0, n1) of y through the path `isa` names.
-void int8_span(const Int8Args& a, const X16& xq, int64_t isa, int64_t n0, int64_t n1) {
+void int8_span(const Int8Args& a, const XQ& xq, int64_t isa, int64_t n0, int64_t n1) {
 #if LKV_X86
-  if (isa == 3) return int8_vnni(a, xq, n0, n1);
+  if (isa == 4) return int8_vnni<true>(a, xq, n0, n1);
+  if (isa == 3) return int8_vnni<false>(a, xq, n0, n1);
   if (isa == 2) return int8_avx512(a, n0, n1);
   if (isa == 1) return int8_avx2(a, n0, n1);
 #endif
   int8_generic(a, n0, n1);
 }
 
-// int4's activations: int16 groups for VNNI, else each row's per-group sums (a.xsum, kept in
+// int4's activations: int16 / int8 groups for VNNI, else each row's per-group sums (a.xsum, kept in
 // `xsum`) that the zero points multiply.
-X16 prepare_int4(Int4Args& a, std::vector<float>& xsum, int64_t isa) {
+XQ prepare_int4(Int4Args& a, std::vector<float>& xsum, int64_t isa) {
   xsum.assign(a.M * a.groups, 0.0f);
   a.xsum = xsum.data();
-  X16 xq;
+  XQ xq;
 #if LKV_X86
-  if (isa == 3) return quantize_x16(a.x, a.M, a.K, a.ldx, a.G, a.Kp);
+  if (isa == 3) return quantize_x<32767>(a.x, a.M, a.K, a.ldx, a.G, a.Kp);
+  if (isa == 4) {
+    TORCH_CHECK(a.G % 4 == 0, "latentkv kernels: path 4 needs a group size divisible by 4, got ", a.G);
+    return quantize_x<127>(a.x, a.M, a.K, a.ldx, a.G, a.Kp);
+  }
 #endif
   for (int64_t m = 0; m < a.M; ++m)
     for (int64_t g = 0; g < a.groups; ++g) {
@@ -639,8 +764,9 @@ X16 prepare_int4(Int4Args& a, std::vector<float>& xsum, int64_t isa) {
 }
 
 // Row blocks [b0, b1) of y through the path `isa` names.
-void int4_span(const Int4Args& a, const X16& xq, int64_t isa, int64_t b0, int64_t b1) {
+void int4_span(const Int4Args& a, const XQ& xq, int64_t isa, int64_t b0, int64_t b1) {
 #if LKV_X86
+  if (isa == 4) return int4_vnni8(a, xq, b0, b1);
   if (isa == 3) return int4_vnni(a, xq, b0, b1);
   if (isa == 2) return int4_avx512(a, b0, b1);
   if (isa == 1) return int4_avx2(a, b0, b1);
@@ -651,7 +777,7 @@ void int4_span(const Int4Args& a, const X16& xq, int64_t isa, int64_t b0, int64_
 // y = x @ q^T * scale (+ residual) over raw buffers (a.y written), rows split over the threads.
 void run_int8(const Int8Args& a, int64_t isa) {
   if (a.M == 0 || a.N_rows == 0) return;
-  const X16 xq = prepare_int8(a, isa);
+  const XQ xq = prepare_int8(a, isa);
   const int64_t N = a.N_rows;
   // units of 4 rows
   at::parallel_for(0, (N + 3) / 4, grain(4 * a.K * std::max<int64_t>(1, a.M / 4)), [&](int64_t u0, int64_t u1) {
@@ -663,7 +789,7 @@ void run_int8(const Int8Args& a, int64_t isa) {
 // split over the threads.
 void run_int4(Int4Args& a, std::vector<float>& xsum, int64_t isa) {
   if (a.M == 0) return;
-  const X16 xq = prepare_int4(a, xsum, isa);
+  const XQ xq = prepare_int4(a, xsum, isa);
   at::parallel_for(0, a.Np / BLOCK, grain(BLOCK * a.Kp / 2 * std::max<int64_t>(1, a.M / 4)), [&](int64_t b0, int64_t b1) {
     int4_span(a, xq, isa, b0, b1);
   });
@@ -991,7 +1117,7 @@ at::Tensor heads_int4(const at::Tensor& x, const at::Tensor& packed, const at::T
   return y;
 }
 
-bool has_isa(int64_t isa) { return isa >= 0 && isa <= 3 && cpu_has(isa); }
+bool has_isa(int64_t isa) { return isa >= 0 && isa <= 4 && cpu_has(isa); }
 
 }  // namespace
 
