@@ -466,7 +466,7 @@ def decode_speed(device, shapes: Shapes) -> list[dict]:
     directory = resolve(shapes.decode_model)
     rows = []
     places = [device, torch.device("cpu")] if device.type != "cpu" else [device]
-    for weights in ("bf16", "int4"):
+    for weights in ("bf16", "int8", "int4"):
         for place in places:
             model = load_model(directory, weights, device=str(place))
             cache = model.make_cache()
