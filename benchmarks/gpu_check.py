@@ -9,6 +9,11 @@ section still runs; a section that would overrun the time budget is skipped and 
 - env: the device, its multiprocessors and memory, torch / triton versions.
 - copy: the device's measured copy bandwidth (a 1 GiB tensor copied device to device, bytes
   read + written over the median time): the yardstick for the decode kernel.
+- codecs: every KV tier's codecs on the device (their tables copied there once): rows encoded on
+  the device against the same rows encoded on the CPU (the share of identical code bytes, the
+  largest scale difference), the CPU's codes decoded on the device against the CPU's decode, and
+  the round-trip error on the device against the CPU's. ok: the decodes agree within 1e-6 and
+  the device's round-trip error is within 1% of the CPU's.
 - kernels: every tier the Triton decode kernel serves, at GLM-5's widths (512 + 64, 64 heads,
   4 ragged sequences, split-K, and the DSA gather on a few), against the torch consumers
   (`latentkv.attention.consumers`, run on CPU copies of the same bytes) and a float64
@@ -159,6 +164,53 @@ def copy_bandwidth(device, shapes: Shapes) -> dict:
         "seconds": seconds,
         "gb_per_s": _sig(2 * shapes.copy_bytes / seconds / 1e9),
     }
+
+
+def _rel(a, b) -> float:
+    """Relative L2 distance of a from b (both moved to the CPU, float64)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def codecs(device, shapes: Shapes) -> list[dict]:
+    """Every tier's codecs on the device against the CPU, on the same random rows."""
+    import torch
+
+    from latentkv.config import KV_CACHE_DTYPES
+    from latentkv.kv.codecs import TIERS, EncodedRows, get_codec
+
+    gen = torch.Generator().manual_seed(11)
+    rows = 64 if shapes.dry else 1024
+    out = []
+    for tier in KV_CACHE_DTYPES:
+        for part, width in (("c", shapes.n_c), ("r", shapes.n_r)):
+            codec = get_codec(getattr(TIERS[tier], part), width)
+            x = torch.randn(rows, width, generator=gen) * 3
+            cpu = codec.encode(x)
+            dev = codec.encode(x.to(device))
+            assert dev.codes.device.type == device.type, (tier, part, dev.codes.device)
+            same = (dev.codes.cpu() == cpu.codes).all(dim=1).float().mean().item()
+            scale_diff = (dev.scales.cpu() - cpu.scales).abs().max().item() if cpu.scales.numel() else 0.0
+            decoded = codec.decode(cpu)
+            decode_diff = _rel(
+                codec.decode(EncodedRows(cpu.codes.to(device), cpu.scales.to(device))), decoded
+            )
+            err_cpu, err_dev = _rel(decoded, x), _rel(codec.decode(dev), x)
+            out.append(
+                {
+                    "tier": tier,
+                    "part": part,
+                    "codec": codec.name,
+                    "rows_with_identical_codes": _sig(same),
+                    "max_scale_diff": _sig(scale_diff),
+                    "decode_rel_diff": _sig(decode_diff),
+                    "roundtrip_err_cpu": _sig(err_cpu),
+                    "roundtrip_err_device": _sig(err_dev),
+                    "ok": decode_diff <= 1e-6 and err_dev <= err_cpu * 1.01 + 1e-7,
+                }
+            )
+    _sync(device)
+    return out
 
 
 def _case(tier: str, lengths, shapes: Shapes, device, seed: int):
@@ -414,7 +466,7 @@ def decode_speed(device, shapes: Shapes) -> list[dict]:
     directory = resolve(shapes.decode_model)
     rows = []
     places = [device, torch.device("cpu")] if device.type != "cpu" else [device]
-    for weights in ("bf16", "int4"):
+    for weights in ("bf16", "int8", "int4"):
         for place in places:
             model = load_model(directory, weights, device=str(place))
             cache = model.make_cache()
@@ -534,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default=None,
-        help="comma list of sections (env,copy,kernels,bandwidth,weights,oracle,decode,experts)",
+        help="comma list of sections (env,copy,codecs,kernels,bandwidth,weights,oracle,decode,experts)",
     )
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -560,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     run("env", lambda: env(device))
     run("copy", lambda: copy_bandwidth(device, shapes))
     copy_gbps = results.get("copy", {}).get("result", {}).get("gb_per_s")
+    run("codecs", lambda: codecs(device, shapes))
     run("kernels", lambda: kernels(device, shapes))
     run("bandwidth", lambda: bandwidth(device, shapes, copy_gbps))
     run("weights", lambda: weights(device, shapes))
@@ -568,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     run("experts", lambda: experts_cached(device, shapes))
     results["ok"] = all(
         row.get("ok", True)
-        for key in ("kernels", "weights", "oracle")
+        for key in ("codecs", "kernels", "weights", "oracle")
         for row in (results.get(key, {}).get("result") or [])
     ) and not any("error" in v for v in results.values() if isinstance(v, dict))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

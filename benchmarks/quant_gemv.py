@@ -103,12 +103,13 @@ class Buffers:
 
 def own_paths() -> list:
     """latentkv's kernels as this process runs them, and on AVX-512 VNNI both activation paths
-    (int16 and int8 x), the process's own first."""
+    for both formats (int16 x, path 3, and int8 x, path 4)."""
     own = native.kernels()
     if own is None:
         return []
-    vnni = [k for isa in (3, 4) if isa != own.isa and (k := native.with_isa(isa)) is not None]
-    return [own, *vnni] if own.isa in (3, 4) else [own]
+    if own.isa in (3, 4):
+        return [k for isa in (3, 4) if (k := native.with_isa(isa)) is not None]
+    return [own]
 
 
 def candidates(buf: Buffers, x: torch.Tensor, out_f: int, inductor: bool = False) -> dict:
@@ -125,9 +126,9 @@ def candidates(buf: Buffers, x: torch.Tensor, out_f: int, inductor: bool = False
 
     runs = {"int8 torch op": (op8, n8, c8), "int4 torch op": (op_4, n4, c4)}
     for k in own_paths():
-        acts = native.ACTIVATIONS[k.isa]
-        runs[f"int8 latentkv {acts} x"] = (lambda i, k=k: k.int8_mm(x, q8[i], s8[i]), n8, c8)
-        runs[f"int4 latentkv {acts} x"] = (lambda i, k=k: k.int4_mm(x, q4[i], sz[i], GROUP, out_f), n4, c4)
+        acts8, acts4 = native.ACTIVATIONS[k.isa], native.ACTIVATIONS[k.isa4]
+        runs[f"int8 latentkv {acts8} x"] = (lambda i, k=k: k.int8_mm(x, q8[i], s8[i]), n8, c8)
+        runs[f"int4 latentkv {acts4} x"] = (lambda i, k=k: k.int4_mm(x, q4[i], sz[i], GROUP, out_f), n4, c4)
     if inductor:
         woq = torch.compile(
             lambda x, q, s: (x @ q.to(torch.bfloat16).T) * s, mode="max-autotune", dynamic=False

@@ -74,6 +74,9 @@ def _main(argv: list[str] | None) -> int:
         return 2
     module = importlib.import_module(args._module)
     try:
+        from latentkv.commands.common import settle_weight_default
+
+        settle_weight_default(args)
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

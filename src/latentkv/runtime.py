@@ -83,12 +83,10 @@ def check_device(engine: EngineConfig) -> torch.device:
 
 def check_tier(model_cfg: ModelConfig, cache: CacheConfig) -> None:
     """Refuse a tier that cannot store this model's latent rows (e.g. tq4 on a 24-wide latent)."""
-    from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, codecs_for
+    from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, resolve_tier
 
-    if cache.kv_cache_dtype == "f32":
-        return
     try:
-        codecs_for(CacheLayout.for_model(model_cfg, SHAPES_ONLY), cache)
+        resolve_tier(CacheLayout.for_model(model_cfg, SHAPES_ONLY), cache)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 

@@ -122,7 +122,7 @@ def test_gathered_rows():
 
 def test_empty_cache():
     codec = get_codec("fp8", 64)
-    enc = codec.empty(0)
+    enc = codec.empty(0, device=torch.device("cpu"))
     assert attention.scores(codec, torch.randn(2, 5, 64), enc).shape == (2, 5, 0)
     assert not attention.context(codec, torch.randn(2, 5, 0), enc).any()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import latentkv
+from latentkv.config import KV_CACHE_DTYPES
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 SRC = str(Path(latentkv.__file__).resolve().parents[1])
@@ -41,9 +42,11 @@ def dry_run(tmp_path: Path, *args: str) -> dict:
 
 
 def test_dry_run_of_the_kernel_sections(tmp_path):
-    result = dry_run(tmp_path, "--only", "env,copy,kernels,bandwidth,weights")
-    for name in ("env", "copy", "kernels", "bandwidth", "weights"):
+    result = dry_run(tmp_path, "--only", "env,copy,codecs,kernels,bandwidth,weights")
+    for name in ("env", "copy", "codecs", "kernels", "bandwidth", "weights"):
         assert "result" in result[name], (name, result[name])
+    assert {r["tier"] for r in result["codecs"]["result"]} == set(KV_CACHE_DTYPES)
+    assert all(r["ok"] and r["rows_with_identical_codes"] == 1.0 for r in result["codecs"]["result"])
     assert "oracle" not in result and "decode" not in result
     assert all(r["ok"] for r in result["kernels"]["result"])
     assert all(r["gb_per_s"] > 0 and r["share_of_copy"] > 0 for r in result["bandwidth"]["result"])
@@ -56,7 +59,7 @@ def test_dry_run_of_the_kernel_sections(tmp_path):
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     result = dry_run(tmp_path)
-    for name in ("env", "copy", "kernels", "bandwidth", "weights", "oracle", "decode", "experts"):
+    for name in ("env", "copy", "codecs", "kernels", "bandwidth", "weights", "oracle", "decode", "experts"):
         assert "result" in result[name], (name, result[name])
     assert {(r["precision"], r["mode"]) for r in result["kernels"]["result"]} == {
         ("ieee", "split-k"),

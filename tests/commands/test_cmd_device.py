@@ -127,3 +127,26 @@ def test_vram_gb_without_a_gpu_is_one_line_and_exit_2(capsys, no_cuda, argv):
 def test_vram_gb_must_be_a_positive_budget(capsys):
     code, _out, err = _run(capsys, "generate", "builtin:tiny", *PROMPT, "--vram-gb", "-1")
     assert code == 2 and "--vram-gb" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "command", ["generate builtin:fixture --prompt x", "chat builtin:fixture", "serve builtin:fixture"]
+)
+def test_weight_default_is_bf16_on_a_gpu_only(monkeypatch, command):
+    """An untyped --weight-dtype is f32 on the CPU and bf16 where --device resolves to cuda; a
+    typed one is kept either way."""
+    from latentkv.cli import build_parser
+    from latentkv.commands.common import settle_weight_default
+
+    def parsed(*extra: str):
+        args = build_parser().parse_args([*command.split(), *extra])
+        settle_weight_default(args)
+        return args.weight_dtype
+
+    assert parsed() == "f32"
+    assert parsed("--device", "cpu") == "f32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parsed("--device", "cuda") == "bf16"
+    assert parsed("--device", "auto") == "bf16"
+    assert parsed("--device", "cuda", "--weight-dtype", "f32") == "f32"
+    assert parsed("--device", "cuda", "--weight-dtype", "int8") == "int8"

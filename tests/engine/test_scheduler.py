@@ -370,8 +370,8 @@ def test_worker_survives_requests_that_raise(ours, make, capsys):
 def test_stats(make):
     scheduler = make(start=False, max_num_seqs=3, max_model_len=100, cache_config=CacheConfig("tq4"))
     stats = scheduler.stats()
-    probe = scheduler.model.make_cache(scheduler.model.tier("tq4"))
-    per_token = probe.bytes_per_token_layer() * scheduler.model.cfg.num_layers + probe.index_bytes_per_token()
+    tq4 = scheduler.model.tier("tq4")
+    per_token = tq4.bytes_per_token_layer * scheduler.model.cfg.num_layers + tq4.layout.index_bytes_per_token
     assert stats.kv_bytes_capacity == per_token * 100 * 3
     assert (stats.running, stats.waiting, stats.kv_bytes_in_use, stats.kv_cache_dtype) == (0, 0, 0, "tq4")
     scheduler.submit(Request([5, 6], SamplingParams(max_tokens=1)))

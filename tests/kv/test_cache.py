@@ -144,9 +144,10 @@ def test_byte_accounting_is_f32_rows_and_index_keys_separately():
     cache = LatentCache(resolve_tier(LAYOUT))
     _fill(cache, 7, seed=0)
     cache.append(0, _rows(2, 5, seed=1))  # uncommitted rows are not counted
-    assert cache.bytes_per_token_layer() == 4 * 5
+    assert cache.tier.bytes_per_token_layer == 4 * 5
     assert cache.nbytes() == 4 * 5 * 3 * 7
-    assert cache.index_bytes_per_token() == 4 * 4 * 2
+    assert cache.layout.index_bytes_per_token == 4 * 4 * 2
+    assert cache.tier.bytes_per_token == 4 * 5 * 3 + 4 * 4 * 2
     assert cache.index_nbytes() == 4 * 4 * 2 * 7
     assert cache.tier.name == "f32"
 
@@ -162,4 +163,4 @@ def test_layout_for_model_comes_from_the_config(helpers, checkpoint):
     assert layout.index_head_dim == raw["index_head_dim"]
     dsv3 = CacheLayout.for_model(ModelConfig.from_hf(checkpoint("dsv3-tiny")), torch.device("cpu"))
     assert dsv3.index_layers == ()
-    assert LatentCache(resolve_tier(dsv3)).index_bytes_per_token() == 0
+    assert LatentCache(resolve_tier(dsv3)).layout.index_bytes_per_token == 0

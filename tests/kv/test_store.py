@@ -60,7 +60,12 @@ def _run_first_turn(model, cfg: CacheConfig, seed: int = 0):
 
 def _predicted_record_bytes(cache) -> int:
     """Bytes per token from the cache's own accounting: id + rows + indexer keys + check."""
-    return 4 + cache.layout.num_layers * cache.bytes_per_token_layer() + cache.index_bytes_per_token() + 16
+    return (
+        4
+        + cache.layout.num_layers * cache.tier.bytes_per_token_layer
+        + cache.layout.index_bytes_per_token
+        + 16
+    )
 
 
 @pytest.mark.parametrize("name", MODELS)

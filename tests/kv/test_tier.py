@@ -31,7 +31,6 @@ def test_a_resolved_tier_describes_the_cache_it_makes(name):
     tier = resolve_tier(LAYOUT, CacheConfig(name))
     cache = tier.make_cache()
     assert isinstance(cache, SequenceCache) and cache.tier is tier
-    assert tier.bytes_per_token_layer == cache.bytes_per_token_layer()
     assert tier.exact == isinstance(cache, LatentCache) == (name == "f32")
     assert tier.poolable == (name == "f32")
     # every cache of the tier carries the one tier object it was made from
@@ -43,6 +42,9 @@ def test_a_resolved_tier_describes_the_cache_it_makes(name):
             cache.append(layer, rows)
         cache.append_index_keys(1, torch.randn(3, 8))
         cache.commit(3)
+    # the tier's byte arithmetic is what the cache's tensors hold
+    assert cache.allocated_nbytes() == cache.nbytes() == 3 * LAYOUT.num_layers * tier.bytes_per_token_layer
+    assert tier.bytes_per_token * 3 == cache.nbytes() + cache.index_nbytes() == cache.nbytes() + 3 * 8 * 4
     restored = tier.from_state(cache.state())
     assert type(restored) is type(cache) and restored.length == 3 and restored.tier is tier
     assert all(

@@ -54,7 +54,7 @@ def test_prefill_then_decode_equals_token_by_token(tier, name, ours):
     for cache in (batched, stepped):
         assert cache.tier.name == tier
         assert cache.length == N_TOKENS
-        assert cache.bytes_per_token_layer() == per_layer
+        assert cache.tier.bytes_per_token_layer == per_layer
         assert _stored_bytes(cache) == per_layer * cfg.num_layers * N_TOKENS == cache.nbytes()
 
 

@@ -3,8 +3,8 @@
 On a CPU-only machine a tensor made without `device=` lands on the CPU like the model, so such
 a bug hides until a GPU run mixes devices. Here torch's default device is made `meta` (tensors
 with shapes and no data) for the pass: a tensor made without a device would then be meta, and
-the pass would fail or give other numbers. The f32 KV tier only: the other tiers' codecs still
-build their tables on the default device (kv/codecs: fp8's, the rotations', the block tables').
+the pass would fail or give other numbers. Every KV tier: the codecs' tables are made on the
+host and copied to the rows' device (tests/kv/test_devices.py runs them on meta rows).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latentkv.config import CacheConfig, EngineConfig
+from latentkv.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from latentkv.engine.generate import generate
 from latentkv.engine.sampling import SamplingParams
 from latentkv.runtime import load
@@ -20,8 +20,8 @@ from latentkv.runtime import load
 PROMPT = [5, 17, 3, 99, 42, 7]
 
 
-def _batched(model):
-    caches = [model.make_cache() for _ in range(3)]
+def _batched(model, tier=None):
+    caches = [model.make_cache(tier) for _ in range(3)]
     cpu = torch.device("cpu")
     prompts = [torch.tensor(p, device=cpu) for p in ([1, 2, 3], [4, 5], [6, 7, 8, 9])]
     with torch.inference_mode():
@@ -96,3 +96,22 @@ def test_the_scheduler_makes_nothing_on_the_default_device(monkeypatch, drafting
     assert _served(model, monkeypatch, meta=True, speculative=spec) == _served(
         model, monkeypatch, meta=False, speculative=spec
     )
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("builtin:tiny", EngineConfig(), quiet=True).model
+
+
+@pytest.mark.parametrize("tier", [t for t in KV_CACHE_DTYPES if t != "f32"])
+def test_every_tier_makes_nothing_on_the_default_device(tiny, tier):
+    """Every KV tier's codecs (their tables, every intermediate) take the rows' device: a pass
+    and a batched step with torch's default device made meta give the same tokens and logits."""
+    kv = tiny.tier(tier)
+    want = generate(tiny, PROMPT, 4, SamplingParams(), cache=kv.make_cache()).tokens
+    want_batched = _batched(tiny, kv)
+    with torch.device("meta"):
+        got = generate(tiny, PROMPT, 4, SamplingParams(), cache=kv.make_cache()).tokens
+        got_batched = _batched(tiny, kv)
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_batched, want_batched, strict=True))

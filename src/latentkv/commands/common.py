@@ -86,6 +86,26 @@ def add_streaming_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+class DeviceDefault(str):
+    """A --weight-dtype nobody typed: "f32" everywhere, until `settle_weight_default` sees the
+    run is on a GPU, where the default is bf16 (the tensor cores' format, as `latentkv plan
+    --vram-gb` assumes)."""
+
+
+def settle_weight_default(args: argparse.Namespace) -> None:
+    """An untyped --weight-dtype becomes bf16 when --device resolves to cuda (f32 stays on the
+    CPU). Resolving the device here refuses cuda where torch has none, in the same one line."""
+    if type(getattr(args, "weight_dtype", None)) is not DeviceDefault:
+        return
+    device = getattr(args, "device", "cpu")
+    if device != "cpu":
+        from latentkv.runtime import resolve_device
+        from latentkv.streaming.gpu_plan import GPU_WEIGHT_DTYPE
+
+        if resolve_device(device).type == "cuda":
+            args.weight_dtype = GPU_WEIGHT_DTYPE
+
+
 def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> None:
     """--weight-dtype (one format, or a comma list when `multiple`) and --expert-dtype."""
     from latentkv.weights import format_names
@@ -96,11 +116,11 @@ def add_weight_arguments(p: argparse.ArgumentParser, multiple: bool = False) -> 
     what = "comma-separated weight formats" if multiple else "format of the weight matrices in memory"
     p.add_argument(
         "--weight-dtype",
-        default="f32",
+        default="f32" if multiple else DeviceDefault("f32"),
         choices=None if multiple else formats,
         metavar="LIST" if multiple else "DTYPE",
-        help=f"{what}: {names} (default: f32; int8 per-channel, int4 group-wise; norms and the "
-        "router stay f32)",
+        help=f"{what}: {names} (default: f32{'' if multiple else ', bf16 with --device cuda'}; "
+        "int8 per-channel, int4 group-wise; norms and the router stay f32)",
     )
     p.add_argument(
         "--expert-dtype",

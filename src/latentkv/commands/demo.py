@@ -155,7 +155,7 @@ def _compare_tiers(model, tok, prompt: list[int], max_tokens: int, tiers: str) -
         same = sum(a == b for a, b in zip(out.tokens, reference, strict=False))
         first = next((i for i, (a, b) in enumerate(zip(out.tokens, reference, strict=False)) if a != b), None)
         print(
-            f"  {name:<8} {cache.bytes_per_token_layer():>13}   {out.stats.decode_tps:>12.1f}   "
+            f"  {name:<8} {cache.tier.bytes_per_token_layer:>13}   {out.stats.decode_tps:>12.1f}   "
             f"{same:>9}/{len(reference):<12}   {'-' if first is None else f'token {first}'}"
         )
         if tok is not None:

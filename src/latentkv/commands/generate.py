@@ -233,14 +233,14 @@ def kv_report(model, cache) -> dict:
     """KV sizes per token of the cache in use: ours, the indexer keys, what a per-head K/V cache
     would hold, and the codec parameters (everything that changes the bytes)."""
     cfg = model.cfg
-    per_layer = cache.bytes_per_token_layer()
+    per_layer = cache.tier.bytes_per_token_layer
     expanded = cfg.expanded_kv_values_per_token_layer() * 4
     return {
         "kv_cache_dtype": cache.tier.name,
-        "codec": cache.codec_params(),
+        "codec": cache.tier.codec_params(),
         "bytes_per_token_per_layer": per_layer,
         "bytes_per_token": per_layer * cfg.num_layers,
-        "index_bytes_per_token": cache.index_bytes_per_token(),
+        "index_bytes_per_token": cache.layout.index_bytes_per_token,
         "expanded_per_head_kv_bytes_per_token_per_layer": expanded,
         "smaller_than_expanded": round(expanded / per_layer, 2),
     }

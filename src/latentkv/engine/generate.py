@@ -164,7 +164,7 @@ def stream_generate(
     stop = set(model.cfg.eos_token_ids if stop_ids is None else stop_ids)
     stats = stats if stats is not None else GenerationStats()
     stats.kv_cache_dtype = cache.tier.name
-    stats.kv_bytes_per_token_layer = cache.bytes_per_token_layer()
+    stats.kv_bytes_per_token_layer = cache.tier.bytes_per_token_layer
     stats.finish_reason = "length"
     context = model.cfg.max_position_embeddings
     if cache.length + len(prompt) > context:

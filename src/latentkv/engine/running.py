@@ -94,9 +94,7 @@ class Running:
         self.tier = tier  # every sequence's cache is made in it
         self.seqs: list[Sequence] = []
         probe = model.make_cache(tier)  # fails here, not per request, if the tier is not the model's
-        self.bytes_per_token = (
-            probe.bytes_per_token_layer() * model.cfg.num_layers + probe.index_bytes_per_token()
-        )
+        self.bytes_per_token = tier.bytes_per_token
         # float32 caches of running sequences live side by side (one write per layer and step)
         self.pool = SlotPool(probe.layout, max_num_seqs) if tier.poolable else None
         self._lock = lock

@@ -10,7 +10,7 @@ Per tier, for one model's cache layout (GLM-5's by default):
     max context  the most tokens whose cache fits in a RAM budget, with and without the DSA
                  indexer keys (float32, index_head_dim per token on every full indexer layer)
 
-Nothing here is hard-coded per tier: every byte count comes from `kv.cache.codecs_for`.
+Nothing here is hard-coded per tier: every byte count comes from the resolved tier (`kv.cache.KVTier`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from latentkv.config import CacheConfig, ModelConfig
-from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, codecs_for
+from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, resolve_tier
 from latentkv.kv.codecs import Codec
 
 GIB = 1 << 30
@@ -101,29 +101,19 @@ class TierStats:
         return asdict(self)
 
 
-def index_bytes_per_token(layout: CacheLayout) -> int:
-    return len(layout.index_layers) * layout.index_head_dim * 4
-
-
-def row_bytes(layout: CacheLayout, cache: CacheConfig) -> tuple[int, int]:
-    """(c, r) bytes per row of this tier, from its codecs; ValueError if the widths don't suit it."""
-    codec_c, codec_r = codecs_for(layout, cache)
-    return codec_c.bytes_per_row, codec_r.bytes_per_row
-
-
 def bytes_stats(layout: CacheLayout, cache: CacheConfig, ram_bytes: int) -> TierStats:
-    """Bytes, compression and the context that fits in `ram_bytes`, for one tier."""
-    bytes_c, bytes_r = row_bytes(layout, cache)
-    per_layer = bytes_c + bytes_r
-    f32, bf16 = (sum(row_bytes(layout, CacheConfig(name))) for name in ("f32", "bf16"))
+    """Bytes, compression and the context that fits in `ram_bytes`, for one tier; ValueError if
+    the tier cannot store these widths."""
+    tier = resolve_tier(layout, cache)
+    per_layer = tier.bytes_per_token_layer
+    f32, bf16 = (resolve_tier(layout, CacheConfig(name)).bytes_per_token_layer for name in ("f32", "bf16"))
     per_token = per_layer * layout.num_layers
-    index = index_bytes_per_token(layout)
-    codec_c, codec_r = codecs_for(layout, cache)
+    index = layout.index_bytes_per_token
     return TierStats(
-        kv_cache_dtype=cache.kv_cache_dtype,
-        codec={"c": codec_c.params(), "r": codec_r.params()},
-        bytes_c=bytes_c,
-        bytes_r=bytes_r,
+        kv_cache_dtype=tier.name,
+        codec=tier.params(),
+        bytes_c=tier.codec_c.bytes_per_row,
+        bytes_r=tier.codec_r.bytes_per_row,
         bytes_per_token_per_layer=per_layer,
         bytes_per_token=per_token,
         index_bytes_per_token=index,
@@ -186,10 +176,10 @@ def tier_stats(
 ) -> TierStats:
     """Everything `kv stats` reports for one tier; ValueError if the tier can't store these widths."""
     stats = bytes_stats(layout, cache, ram_bytes)
-    codec_c, codec_r = codecs_for(layout, cache)
-    stats.gaussian = roundtrip_error(codec_c, codec_r, gaussian)
+    tier = resolve_tier(layout, cache)
+    stats.gaussian = roundtrip_error(tier.codec_c, tier.codec_r, gaussian)
     if real is not None:
-        stats.real = roundtrip_error(codec_c, codec_r, real)
+        stats.real = roundtrip_error(tier.codec_c, tier.codec_r, real)
     return stats
 
 

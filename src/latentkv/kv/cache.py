@@ -71,6 +71,11 @@ class CacheLayout:
             cfg.num_layers, cfg.kv_row_width, cfg.kv_lora_rank, index_layers, index_dim, torch.device(device)
         )
 
+    @property
+    def index_bytes_per_token(self) -> int:
+        """Bytes of DSA indexer keys per token (float32, on every layer with its own indexer)."""
+        return len(self.index_layers) * self.index_head_dim * 4
+
 
 class _Buffer:
     """A growable [capacity, width] buffer (amortised doubling, no per-token reallocation).
@@ -275,18 +280,12 @@ class SequenceCache:
             raise ValueError(f"cannot trim a cache of {self.length} tokens to {length}")
         self.length = length
 
-    def bytes_per_token_layer(self) -> int:
-        raise NotImplementedError
-
-    def index_bytes_per_token(self) -> int:
-        return len(self.layout.index_layers) * self.layout.index_head_dim * 4
-
     def nbytes(self) -> int:
         """Bytes of latent rows in use (indexer keys are reported by `index_nbytes`)."""
-        return self.length * self.layout.num_layers * self.bytes_per_token_layer()
+        return self.length * self.layout.num_layers * self.tier.bytes_per_token_layer
 
     def index_nbytes(self) -> int:
-        return self.length * self.index_bytes_per_token()
+        return self.length * self.layout.index_bytes_per_token
 
     def _index_state(self) -> dict[str, torch.Tensor]:
         return {f"index.{i}": self.index_keys(i).clone() for i in self.layout.index_layers}
@@ -315,12 +314,6 @@ class LatentCache(SequenceCache):
     def view(self, layer: int) -> torch.Tensor:
         """The committed rows of one layer, [T, Lkv+R] (f32)."""
         return self._rows[layer].data[: self.length]
-
-    def bytes_per_token_layer(self) -> int:
-        return self.layout.row_width * 4
-
-    def codec_params(self) -> dict:
-        return {"name": "f32"}
 
     def stored_rows(self, layer: int, start: int, end: int) -> list[tuple[str, torch.Tensor]]:
         """(part name, rows [n, k]) of positions [start, end) as the KV file records them."""
@@ -470,12 +463,6 @@ class PackedLatentCache(SequenceCache):
         """The committed rows of one layer, still encoded."""
         return self._reader(layer, self.length)
 
-    def bytes_per_token_layer(self) -> int:
-        return self.codec_c.bytes_per_row + self.codec_r.bytes_per_row
-
-    def codec_params(self) -> dict:
-        return {"c": self.codec_c.params(), "r": self.codec_r.params()}
-
     def stored_rows(self, layer: int, start: int, end: int) -> list[tuple[str, torch.Tensor]]:
         """(part name, rows [n, k]) of positions [start, end) as the KV file records them."""
         rows = self.view(layer)
@@ -572,11 +559,21 @@ class KVTier:
 
     @property
     def bytes_per_token_layer(self) -> int:
+        """Bytes of one token's latent row in one layer: c's and r's codes and scales."""
         return self.codec_c.bytes_per_row + self.codec_r.bytes_per_row
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token in a cache of this tier: its rows in every layer and its indexer keys."""
+        return self.bytes_per_token_layer * self.layout.num_layers + self.layout.index_bytes_per_token
 
     def params(self) -> dict:
         """Each part's codec parameters (what the KV file records)."""
         return {"c": self.codec_c.params(), "r": self.codec_r.params()}
+
+    def codec_params(self) -> dict:
+        """The codecs as reports name them: `params()`, or just the name of the reference storage."""
+        return {"name": "f32"} if self.exact else self.params()
 
     def for_layout(self, layout: CacheLayout) -> KVTier:
         """This tier (the same codecs) over other rows of the same widths: the MTP draft layer's."""

@@ -227,8 +227,7 @@ def make_plan(
         ram_bytes = int(avail * DEFAULT_RAM_SHARE)
         source = f"{DEFAULT_RAM_SHARE:.0%} of {where} ({avail / GIB:.1f} GiB)"
     layout = CacheLayout.for_model(cfg, SHAPES_ONLY)
-    index_bytes = len(layout.index_layers) * layout.index_head_dim * 4  # indexer keys, float32
-    per_token = resolve_tier(layout, cache).bytes_per_token_layer * layout.num_layers + index_bytes
+    per_token = resolve_tier(layout, cache).bytes_per_token  # latent rows and indexer keys
     kv = per_token * max_model_len * max_num_seqs
     shapes, has_mtp_experts, sizes_from = tensor_shapes(cfg, model_dir)
     dense = dense_bytes(shapes, weight_dtype, gguf_bytes_per_element(model_dir))

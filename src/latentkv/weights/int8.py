@@ -10,7 +10,8 @@ in the activations' dtype, and its bfloat16 path is the fast one (docs/weights.m
 Decode (a few rows) is bandwidth-bound, so a quarter of the bytes is the point. It runs latentkv's
 own kernel (`weights/native`: float32 activations, or int16 ones on AVX-512 VNNI, streaming q
 once, the residual add folded in) where it builds, else torch's `_weight_int8pack_mm` on bfloat16
-activations (x @ q^T * scale).
+activations (x @ q^T * scale). Codes on a CUDA device decode through a Triton dequantizing kernel
+(`weights/int8_triton.py`: torch's op has no CUDA kernel) and prefill through the tiles below.
 Prefill (many rows) is compute-bound, and there the op is several times slower than a
 dequantized tile: the scale is per output row so it factors out, `x @ W~^T = (x @ q^T) * scale`,
 and q is exact in bfloat16, so a tile of q cast to the CPU's matmul dtype feeds one `F.linear`
@@ -116,7 +117,8 @@ class Int8Linear(Linear):
         self.scale = scale.contiguous()  # [out] bfloat16 (the op's), or [out, groups] float32
         self._scale_f32 = scale.float()  # for the tile path
         self._bias = None if bias is None else bias.float().contiguous()
-        self._kernel = None if grouped else native.kernels()  # None: torch's op (grouped: tiles)
+        # None: torch's op (grouped: tiles); codes on a CUDA device: the Triton kernel (`int8_triton`)
+        self._kernel = None if grouped or q.is_cuda else native.kernels()
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **params) -> Int8Linear:
@@ -155,7 +157,11 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if self.group_size is not None:
+        if self.q.is_cuda and x2.shape[0] <= KERNEL_MAX_ROWS:
+            from latentkv.weights import int8_triton
+
+            y = int8_triton.int8_mm(x2, self.q, self._scale_f32, self.in_features, self.group_size)
+        elif self.group_size is not None:
             y = self._tiled_groups(x2)
         elif self._kernel is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
             y = self._kernel.int8_mm(_rows(x2), self.q, self.scale)
@@ -180,7 +186,7 @@ class Int8Linear(Linear):
         dtype = matmul_dtype()
         xd = x.to(dtype)
         q = self.q[:, : self.in_features] if self._pad else self.q
-        out = torch.empty(x.shape[0], self.out_features)
+        out = torch.empty(x.shape[0], self.out_features, device=x.device)
         for r0 in range(0, self.out_features, TILE_ROWS):
             r1 = min(r0 + TILE_ROWS, self.out_features)
             part = F.linear(xd, q[r0:r1].to(dtype))  # [M, r1-r0]
@@ -192,7 +198,7 @@ class Int8Linear(Linear):
         at a time (x padded with zero columns to the stored width)."""
         width = self.q.shape[1]
         xp = F.pad(x.float(), (0, width - self.in_features)) if width != self.in_features else x.float()
-        out = torch.empty(x.shape[0], self.out_features)
+        out = torch.empty(x.shape[0], self.out_features, device=x.device)
         for r0 in range(0, self.out_features, TILE_ROWS):
             r1 = min(r0 + TILE_ROWS, self.out_features)
             out[:, r0:r1] = F.linear(xp, self._dequantized(r0, r1))
@@ -211,6 +217,8 @@ class Int8Linear(Linear):
     @property
     def kernel(self) -> str:
         """What runs decode: latentkv's kernel and its vector path, or torch's op."""
+        if self.q.is_cuda:
+            return "latentkv triton (int8_triton)"
         if self.group_size is not None:
             return "float32 tiles (grouped)"
         return f"latentkv {self._kernel.name}" if self._kernel is not None else "_weight_int8pack_mm"

@@ -155,7 +155,7 @@ def test_rotated_variant_is_the_block_format_of_the_rotated_row(fmt):
     h = torch.tensor([[1.0]], dtype=torch.float64)
     while h.shape[0] < width:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)]) / 2**0.5
-    signs = rot.signs(torch.float64)
+    signs = rot.signs(torch.float64, torch.device("cpu"))
     values = plain.decode(plain.encode(rot.rotate(rows))).double()
     expected = (values @ h.T) * signs  # R^T y = D H y (H symmetric)
     torch.testing.assert_close(hq.decode(hq.encode(rows)).double(), expected, rtol=0, atol=1e-5)
@@ -171,7 +171,7 @@ def test_non_finite_and_zero_rows_are_inert(name):
     out = codec.decode(codec.encode(rows))
     assert torch.isfinite(out).all() and torch.all(out[:3] == 0)  # a NaN or inf anywhere: the whole row
     assert (out[3] - rows[3]).norm() < 0.2 * rows[3].norm()  # the finite row is kept
-    assert torch.all(codec.decode(codec.empty(2)) == 0)
+    assert torch.all(codec.decode(codec.empty(2, device=torch.device("cpu"))) == 0)
 
 
 def test_bytes_per_token_per_layer_match_llama_cpp():

@@ -28,7 +28,6 @@ import torch
 from latentkv.attention.triton import kernels
 from latentkv.attention.triton.formats import PartFormat, part_format
 from latentkv.kv.codecs import Codec
-from latentkv.kv.codecs.rotation import Rotation, fwht
 
 PRECISIONS = {"ieee": 0, "bf16": 1}  # float32 products, or bfloat16 operands on the tensor cores
 BLOCK_H = 16  # heads per program: tl.dot needs at least 16 rows
@@ -76,21 +75,6 @@ def _format(codec: Codec) -> PartFormat:
 @functools.lru_cache(maxsize=128)
 def _table(fmt: PartFormat, device: str) -> torch.Tensor:
     return fmt.table_tensor(torch.device(device))
-
-
-@functools.lru_cache(maxsize=128)
-def _signs(rotation: Rotation, device: str) -> torch.Tensor:
-    return rotation.signs(torch.float32).to(device)
-
-
-def rotate(rotation: Rotation, x: torch.Tensor) -> torch.Tensor:
-    """R x on x's device (`Rotation.rotate` keeps its signs on the CPU)."""
-    return fwht(x * _signs(rotation, str(x.device)))
-
-
-def unrotate(rotation: Rotation, y: torch.Tensor) -> torch.Tensor:
-    """R^T y on y's device."""
-    return fwht(y) * _signs(rotation, str(y.device))
 
 
 def _address(t: torch.Tensor | None, fmt: PartFormat, what: str) -> tuple[int, int]:
@@ -171,15 +155,15 @@ def mla_decode(
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}; valid: {', '.join(PRECISIONS)}")
     device = query.device
-    lengths = torch.as_tensor(lengths, dtype=torch.int32).to(device)
+    lengths = torch.as_tensor(lengths, dtype=torch.int32, device=device)
     if index is not None and (index.dim() != 2 or index.shape[0] != B):
         raise ValueError(f"index must be [B, K], got {tuple(index.shape)}")
     q = query.to(torch.float32)
     qc, qr = q[..., :n_c], q[..., n_c:]
     if fc.rotation is not None:
-        qc = rotate(fc.rotation, qc)
+        qc = fc.rotation.rotate(qc)
     if fr.rotation is not None:
-        qr = rotate(fr.rotation, qr)
+        qr = fr.rotation.rotate(qr)
     q = torch.cat([qc, qr], dim=-1).contiguous()  # [B, H, W]
     table, (c_stride, cs_stride, r_stride, rs_stride), (c_align, r_align) = _tables(rows, fc, fr, device)
 
@@ -215,8 +199,8 @@ def mla_decode(
             H, splits, C_WIDTH=n_c, C_PADDED=fc.padded, BLOCK_H=block_h, num_warps=num_warps,
         )  # fmt: skip
     if fc.rotation is not None:
-        out = unrotate(fc.rotation, out)
+        out = fc.rotation.unrotate(out)
     return out, lse
 
 
-__all__ = ["PRECISIONS", "SequenceRows", "mla_decode", "multiprocessors", "pick_splits", "rotate", "unrotate"]
+__all__ = ["PRECISIONS", "SequenceRows", "mla_decode", "multiprocessors", "pick_splits"]

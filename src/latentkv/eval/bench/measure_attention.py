@@ -97,7 +97,7 @@ def bench_attention(
         total_ms=total_s * 1e3,
         attend_ms=statistics.median(fused) * 1e3,
         speed_vs_f32=None,
-        bytes_per_token=cache.bytes_per_token_layer(),
+        bytes_per_token=cache.tier.bytes_per_token_layer,
         bytes_read_per_token=2 * c_bytes + r_bytes,
         cache_bytes=measured,
         cache_bytes_match=measured == predicted_kv_bytes(cache),

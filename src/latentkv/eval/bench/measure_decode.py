@@ -254,7 +254,7 @@ def _kv_fields(cache) -> dict:
     return {
         "kv_tokens": cache.length,
         "kv_bytes_per_token": (measured + index_bytes) / cache.length,
-        "kv_bytes_per_token_layer": cache.bytes_per_token_layer(),
+        "kv_bytes_per_token_layer": cache.tier.bytes_per_token_layer,
         "kv_bytes_measured": measured,
         "kv_bytes_predicted": predicted,
         "kv_bytes_match": measured == predicted,

@@ -37,8 +37,7 @@ def predicted_file_bytes(cache: LatentCache | PackedLatentCache, data_offset: in
     """What docs/kv-file-format.md says a file of `tokens` records of this cache holds."""
     from latentkv.kv.store_header import CHECK_BYTES, TOKEN_BYTES
 
-    per_token = TOKEN_BYTES + cache.layout.num_layers * cache.bytes_per_token_layer()
-    return data_offset + tokens * (per_token + cache.index_bytes_per_token() + CHECK_BYTES)
+    return data_offset + tokens * (TOKEN_BYTES + cache.tier.bytes_per_token + CHECK_BYTES)
 
 
 def bench_resume(

@@ -24,7 +24,7 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 
 def predicted_kv_bytes(cache: LatentCache | PackedLatentCache) -> int:
-    return cache.bytes_per_token_layer() * cache.layout.num_layers * cache.length
+    return cache.tier.bytes_per_token_layer * cache.layout.num_layers * cache.length
 
 
 def measured_index_bytes(cache: LatentCache | PackedLatentCache) -> int:

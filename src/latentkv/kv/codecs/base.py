@@ -11,6 +11,11 @@ bytes; the cache records it so a file written under one codec is never read unde
 
 `decode` exists for tests, fallbacks and re-encoding; attention reads the packed rows through
 the consumers in `latentkv.attention.consumers` without rebuilding them.
+
+Devices: a codec works on the device of the rows it is given (encode) or the codes (decode) and
+makes every intermediate there. Its constant tables (level tables, rotation signs, bit positions)
+are made once on the host (`HOST`, explicitly: never torch's default device) and copied once to
+each device they are used on (`PerDevice`), so a codec is shared by caches on any device.
 """
 
 from __future__ import annotations
@@ -20,6 +25,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# Where a codec's constant tables are made, once, before `PerDevice` copies them to the rows' device.
+HOST = torch.device("cpu")
+
+
+class PerDevice:
+    """A codec's constant tensor (a level table, rotation signs, bit offsets): made once on the
+    host, copied once to each device it is asked for, never rebuilt per call."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+        self._copies = {host.device: host}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        copy = self._copies.get(device)
+        if copy is None:
+            copy = self._copies[device] = self.host.to(device)
+        return copy
 
 
 @dataclass(frozen=True)
@@ -82,11 +105,11 @@ class Codec(ABC):
     def decode(self, enc: EncodedRows) -> torch.Tensor:
         """EncodedRows -> float32 rows [N, width]."""
 
-    def empty(self, rows: int) -> EncodedRows:
-        """Zero-filled storage for `rows` rows (what a cache preallocates)."""
+    def empty(self, rows: int, *, device: torch.device) -> EncodedRows:
+        """Zero-filled storage for `rows` rows on `device`."""
         return EncodedRows(
-            torch.zeros(rows, self.code_bytes, dtype=torch.uint8),
-            torch.zeros(rows, self.scale_count, dtype=torch.float32),
+            torch.zeros(rows, self.code_bytes, dtype=torch.uint8, device=device),
+            torch.zeros(rows, self.scale_count, dtype=torch.float32, device=device),
         )
 
     def check_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from latentkv.kv.codecs.base import Codec, EncodedRows
+from latentkv.kv.codecs.base import HOST, Codec, EncodedRows, PerDevice
 from latentkv.kv.codecs.rotation import DEFAULT_SEED, Rotation
 from latentkv.kv.codecs.turbo import require_power_of_two
 
@@ -77,11 +77,11 @@ def _fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
 def _fifth_bit_table() -> torch.Tensor:
     """q5_0's fifth-bit bytes: byte v of the field -> 8 level bytes (bit i of v -> 16 in byte i),
     as one int64 each (little-endian), so a field expands with one gather: int64 [256]."""
-    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]
+    bits = (torch.arange(256, device=HOST)[:, None] >> torch.arange(8, device=HOST)) & 1  # [256, 8]
     return (bits * 16).to(torch.uint8).view(torch.int64)[:, 0]
 
 
-FIFTH_BITS = _fifth_bit_table()
+FIFTH_BITS = PerDevice(_fifth_bit_table())
 
 
 def _levels(blocks: torch.Tensor, header: int, high: int, bits: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ def _levels(blocks: torch.Tensor, header: int, high: int, bits: int) -> torch.Te
     levels = torch.cat((body & 15, body >> 4), dim=-1)  # [N, B, b]
     if bits == 5:  # the fifth bits, one gather of 8 level bytes per field byte
         field = blocks[..., header : header + high].reshape(-1).to(torch.int32)
-        fifth = FIFTH_BITS.to(blocks.device).index_select(0, field).view(torch.uint8)
+        fifth = FIFTH_BITS.on(blocks.device).index_select(0, field).view(torch.uint8)
         levels |= fifth.view(levels.shape)
     return levels
 
@@ -166,13 +166,15 @@ class BlockCodec(Codec):
         parts.extend(self._pack(q))
         codes = torch.cat(parts, dim=-1)  # [N, B, block_bytes]
         codes = codes.masked_fill(bad[..., None], 0)
-        return EncodedRows(codes.reshape(n, self.code_bytes), torch.empty(n, 0, dtype=torch.float32))
+        return EncodedRows(
+            codes.reshape(n, self.code_bytes), torch.empty(n, 0, dtype=torch.float32, device=x.device)
+        )
 
     def _quantize(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """blocks [N, B, b] float32 -> integer levels [N, B, b] (int32), d [N, B], m [N, B] (float32)."""
         safe = torch.nan_to_num(blocks, nan=0.0, posinf=0.0, neginf=0.0)
         fmt = self.format
-        zero = torch.zeros(safe.shape[:-1])
+        zero = torch.zeros(safe.shape[:-1], device=safe.device)
         if fmt.affine:
             lo, hi = safe.amin(dim=-1), safe.amax(dim=-1)
             d = (hi - lo) / 15.0
@@ -234,13 +236,13 @@ SEARCH_ROWS = 256  # rows searched at once: 256 x 512 values x 42 trials, about 
 
 def level_table(name: str) -> torch.Tensor:
     """q8s: the 255 integers -127 .. 127 (code byte = int8 level); q4s: q4_0's -8 .. 7 (code =
-    level + 8); wq4: its 16 levels; float32."""
+    level + 8); wq4: its 16 levels; float32, on the host."""
     if name == "q8s":
-        return torch.arange(-127, 128, dtype=torch.float32)
+        return torch.arange(-127, 128, dtype=torch.float32, device=HOST)
     if name in ("q4s", "q5s"):
         top = 8 if name == "q4s" else 16
-        return torch.arange(-top, top, dtype=torch.float32)
-    half = torch.tensor(WQ4_LEVELS, dtype=torch.float64)
+        return torch.arange(-top, top, dtype=torch.float32, device=HOST)
+    half = torch.tensor(WQ4_LEVELS, dtype=torch.float64, device=HOST)
     return torch.cat((-half.flip(0), half)).to(torch.float32)
 
 
@@ -275,15 +277,18 @@ class SearchedBlockCodec(Codec):
         self.block_bytes = 2 + self.high + (block if self.bits == 8 else block // 2)
         self.code_bytes = self.blocks * self.block_bytes
         self.scale_count = 0
-        self.table = level_table(name)
+        self.table = level_table(name)  # on the host; `_device_table`: on each device it is used on
         # the end levels as Python floats: read from the table per call, they broke a compiled
         # step's graph (a tensor-to-float conversion)
         self._low, self._high = float(self.table[0]), float(self.table[-1])
         self._mids = (self.table[1:] + self.table[:-1]) / 2
-        self._top = self.table.abs().max()
+        self._top = self.table.abs().max()  # a 0-dim host tensor: a scalar to an op on any device
         signs = (1.0, -1.0) if name in ("q4s", "q5s") else (1.0,)  # either side may take -8 (-16)
         trials = [g * s for g in SCALE_GRID for s in signs]
-        self._grid = torch.tensor(trials, dtype=torch.float32).view(-1, 1, 1, 1)  # [G, 1, 1, 1]
+        grid = torch.tensor(trials, dtype=torch.float32, device=HOST).view(-1, 1, 1, 1)  # [G, 1, 1, 1]
+        self._device_table = PerDevice(self.table)
+        self._device_mids = PerDevice(self._mids)
+        self._device_grid = PerDevice(grid)
 
     def params(self) -> dict[str, Any]:
         return {"name": self.name, "width": self.width, "bits": self.bits, "block": self.block}
@@ -300,7 +305,9 @@ class SearchedBlockCodec(Codec):
         else:
             body = _pack_nibbles_and_high(idx, self.block, self.bits)
         codes = torch.cat([d16.view(torch.uint8), *body], dim=-1).masked_fill(bad[..., None], 0)
-        return EncodedRows(codes.reshape(n, self.code_bytes), torch.empty(n, 0, dtype=torch.float32))
+        return EncodedRows(
+            codes.reshape(n, self.code_bytes), torch.empty(n, 0, dtype=torch.float32, device=x.device)
+        )
 
     def _nearest(
         self, blocks: torch.Tensor, w: torch.Tensor, d: torch.Tensor
@@ -313,7 +320,7 @@ class SearchedBlockCodec(Codec):
     def _nearest_level(self, v: torch.Tensor) -> torch.Tensor:
         """table[_level_index(v)], float32; integer levels without the table lookup."""
         if self.name == "wq4":
-            return self.table[self._level_index(v)]
+            return self._device_table.on(v.device)[self._level_index(v)]
         below = torch.floor(v)
         return (below + (v > below + 0.5)).clamp_(self._low, self._high)
 
@@ -323,7 +330,7 @@ class SearchedBlockCodec(Codec):
         the midpoint floor(v) + 1/2 (exact in float32 up to 2^22, beyond which every v is clamped
         to an end level); wq4: a comparison with each of its 15 midpoints."""
         if self.name == "wq4":
-            return (v.unsqueeze(-1) > self._mids).sum(dim=-1)
+            return (v.unsqueeze(-1) > self._device_mids.on(v.device)).sum(dim=-1)
         low, high = self._low, self._high
         below = torch.floor(v)
         return (below + (v > below + 0.5)).clamp_(low, high).sub_(low).to(torch.int64)
@@ -360,7 +367,7 @@ class SearchedBlockCodec(Codec):
 
         unit = blocks.abs().amax(dim=-1, keepdim=True) / self._top  # [N, B, 1]
         w = self.weight(blocks)
-        q, d = self._best(blocks, w, fp16(unit * self._grid))
+        q, d = self._best(blocks, w, fp16(unit * self._device_grid.on(blocks.device)))
         refit = (w * blocks * q).sum(-1, keepdim=True) / (w * q.square()).sum(-1, keepdim=True).clamp_min(
             1e-30
         )
@@ -377,7 +384,7 @@ class SearchedBlockCodec(Codec):
         levels = _levels(blocks, 2, self.high, self.bits)  # [N, B, b] codes
         if self.name in ("q4s", "q5s"):  # q4_0's (q5_0's) levels: code - 8 (- 16)
             return _scaled(levels, d, len(self.table) // 2).view(n, self.width)
-        values = self.table.to(codes.device).index_select(0, levels.view(-1).to(torch.int32))
+        values = self._device_table.on(codes.device).index_select(0, levels.view(-1).to(torch.int32))
         return values.view(levels.shape).mul_(d).view(n, self.width)
 
     def decode(self, enc: EncodedRows) -> torch.Tensor:
@@ -391,6 +398,6 @@ def _pack_nibbles_and_high(q: torch.Tensor, block: int, bits: int) -> list[torch
     parts = [((q[..., :half] & 15) | ((q[..., half:] & 15) << 4)).to(torch.uint8)]
     if bits == 5:
         fifth = ((q >> 4) & 1).view(*q.shape[:-1], block // 8, 8)
-        weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
+        weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32, device=q.device)
         parts.insert(0, (fifth * weights).sum(dim=-1).to(torch.uint8))
     return parts

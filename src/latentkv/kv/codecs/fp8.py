@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from latentkv.kv.codecs.base import Codec, EncodedRows
+from latentkv.kv.codecs.base import HOST, Codec, EncodedRows, PerDevice
 
 E4M3_MAX = 448.0
 INERT_AMAX = 1e-35
@@ -35,7 +35,7 @@ _EXP_REBIAS = (127 - 7) << 3  # float32 exponent bias 127 -> e4m3 bias 7, in e4m
 
 def e4m3_table() -> torch.Tensor:
     """The value of every code, float32 [256]; NaN codes (0x7F, 0xFF) read as 0."""
-    code = torch.arange(256, dtype=torch.int64)
+    code = torch.arange(256, dtype=torch.int64, device=HOST)
     exp, man = (code >> 3) & 0xF, (code & 7).to(torch.float64)
     magnitude = torch.where(exp == 0, man * 2.0**-9, (1 + man / 8) * torch.exp2(exp.to(torch.float64) - 7))
     value = torch.where(code >= 128, -magnitude, magnitude)
@@ -77,7 +77,8 @@ class Fp8Codec(Codec):
         self.group = group
         self.code_bytes = width
         self.scale_count = width // group
-        self.table = e4m3_table()  # [256]
+        self.table = e4m3_table()  # [256], on the host
+        self._device_table = PerDevice(self.table)
 
     def params(self) -> dict[str, Any]:
         return {"name": self.name, "width": self.width, "bits": self.bits, "group_size": self.group_size}
@@ -95,7 +96,7 @@ class Fp8Codec(Codec):
     def values(self, codes: torch.Tensor) -> torch.Tensor:
         """Unscaled values table[codes], float32 [N, n]."""
         flat = codes.reshape(-1).to(torch.int32)
-        return self.table.index_select(0, flat).view(codes.shape)
+        return self._device_table.on(codes.device).index_select(0, flat).view(codes.shape)
 
     def decode(self, enc: EncodedRows) -> torch.Tensor:
         self.check_encoded(enc)

@@ -31,7 +31,7 @@ class _IdentityCodec(Codec):
     def encode(self, x: torch.Tensor) -> EncodedRows:
         x = self.check_rows(x)  # [N, n]
         codes = x.to(self.dtype, copy=True).view(torch.uint8)  # [N, n * itemsize]
-        return EncodedRows(codes, torch.empty(x.shape[0], 0, dtype=torch.float32))
+        return EncodedRows(codes, torch.empty(x.shape[0], 0, dtype=torch.float32, device=x.device))
 
     def values(self, codes: torch.Tensor) -> torch.Tensor:
         """Stored values [N, n] in the codec's dtype: a view of the bytes, no copy."""

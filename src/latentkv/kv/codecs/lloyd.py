@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from latentkv.kv.codecs.base import HOST
+
 # Positive halves (the codebooks are symmetric), ascending.
 _POSITIVE_LEVELS: dict[int, tuple[float, ...]] = {
     2: (0.452780035, 1.510417608),
@@ -39,10 +41,10 @@ BITS = tuple(sorted(_POSITIVE_LEVELS))
 
 
 def levels(bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 2^bits levels, ascending: code k decodes to levels(bits)[k]."""
+    """The 2^bits levels, ascending, on the host: code k decodes to levels(bits)[k]."""
     if bits not in _POSITIVE_LEVELS:
         raise ValueError(f"Lloyd-Max codebooks exist for {list(BITS)} bits, not {bits}")
-    pos = torch.tensor(_POSITIVE_LEVELS[bits], dtype=torch.float64)
+    pos = torch.tensor(_POSITIVE_LEVELS[bits], dtype=torch.float64, device=HOST)
     return torch.cat([-pos.flip(0), pos]).to(dtype)
 
 
@@ -75,7 +77,7 @@ def _normal_pdf(t: torch.Tensor) -> torch.Tensor:
 
 def _lloyd_step(lev: torch.Tensor) -> torch.Tensor:
     """Levels -> centroids of the cells their midpoints define, on the exact N(0, 1) density."""
-    inf = torch.tensor([math.inf], dtype=torch.float64)
+    inf = torch.tensor([math.inf], dtype=torch.float64, device=lev.device)
     edges = torch.cat([-inf, (lev[1:] + lev[:-1]) / 2, inf])  # [K + 1]
     lo, hi = edges[:-1], edges[1:]
     mass = torch.special.ndtr(hi) - torch.special.ndtr(lo)
@@ -90,7 +92,7 @@ def lloyd_max(bits: int, tol: float = 1e-12, max_iter: int = 100_000) -> torch.T
     iterations, 1-2 s), and lands within ~1e-9 of the fixed point.
     """
     k = 2**bits
-    p = (torch.arange(k, dtype=torch.float64) + 0.5) / k
+    p = (torch.arange(k, dtype=torch.float64, device=HOST) + 0.5) / k
     lev = math.sqrt(2.0) * torch.special.erfinv(2 * p - 1)
     for _ in range(max_iter):
         new = _lloyd_step(lev)
@@ -104,7 +106,7 @@ def lloyd_max(bits: int, tol: float = 1e-12, max_iter: int = 100_000) -> torch.T
 def gaussian_mse(lev: torch.Tensor) -> float:
     """E[(Z - Q(Z))^2] for Z ~ N(0, 1) and nearest-level quantization with levels `lev`."""
     lev = lev.to(torch.float64)
-    inf = torch.tensor([math.inf], dtype=torch.float64)
+    inf = torch.tensor([math.inf], dtype=torch.float64, device=lev.device)
     edges = torch.cat([-inf, (lev[1:] + lev[:-1]) / 2, inf])
     lo, hi = edges[:-1], edges[1:]
     mass = torch.special.ndtr(hi) - torch.special.ndtr(lo)

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from latentkv.kv.codecs.base import HOST, PerDevice
+
 
 def packed_bytes(total_bits: int) -> int:
     return (total_bits + 7) // 8
@@ -30,35 +32,39 @@ class BitLayout:
     """Where each of m values sits in a packed row; packs [N, m] codes <-> uint8 [N, nbytes]."""
 
     def __init__(self, widths: Sequence[int]):
-        w = torch.tensor(list(widths), dtype=torch.int64)
+        w = torch.tensor(list(widths), dtype=torch.int64, device=HOST)
         if w.numel() == 0 or int(w.min()) < 1 or int(w.max()) > 8:
             raise ValueError("bit widths must be between 1 and 8")
         offsets = torch.cumsum(w, 0) - w  # [m]
         self.count = w.numel()
         self.total_bits = int(w.sum())
         self.nbytes = packed_bytes(self.total_bits)
-        self._byte = offsets // 8  # [m]
-        self._next = self._byte + 1  # [m]; may point one past the row, into the scratch byte
-        self._shift = (offsets % 8).to(torch.int32)  # [m]
-        self._mask = ((1 << w) - 1).to(torch.int32)  # [m]
+        byte = offsets // 8
+        self._byte = PerDevice(byte)  # [m]
+        self._next = PerDevice(byte + 1)  # [m]; may point one past the row, into the scratch byte
+        self._shift = PerDevice((offsets % 8).to(torch.int32))  # [m]
+        self._mask = PerDevice(((1 << w) - 1).to(torch.int32))  # [m]
 
     def pack(self, values: torch.Tensor) -> torch.Tensor:
         """Codes [N, m] (any integer dtype, each below 2^width) -> uint8 [N, nbytes]."""
         if values.dim() != 2 or values.shape[1] != self.count:
             raise ValueError(f"expected codes [N, {self.count}], got {tuple(values.shape)}")
-        shifted = (values.to(torch.int32) & self._mask) << self._shift  # [N, m], < 2^16
-        out = torch.zeros(values.shape[0], self.nbytes + 1, dtype=torch.int32)  # +1 scratch byte
-        out.index_add_(1, self._byte, shifted & 0xFF)
-        out.index_add_(1, self._next, shifted >> 8)
+        device = values.device
+        shifted = (values.to(torch.int32) & self._mask.on(device)) << self._shift.on(device)  # [N, m], < 2^16
+        # one scratch byte past the row, for the high part of a field that ends in the last byte
+        out = torch.zeros(values.shape[0], self.nbytes + 1, dtype=torch.int32, device=device)
+        out.index_add_(1, self._byte.on(device), shifted & 0xFF)
+        out.index_add_(1, self._next.on(device), shifted >> 8)
         return out[:, : self.nbytes].to(torch.uint8)
 
     def unpack(self, codes: torch.Tensor) -> torch.Tensor:
         """uint8 [N, nbytes] -> codes int32 [N, m]."""
         if codes.dim() != 2 or codes.shape[1] != self.nbytes:
             raise ValueError(f"expected packed rows [N, {self.nbytes}], got {tuple(codes.shape)}")
+        device = codes.device
         padded = torch.nn.functional.pad(codes, (0, 1)).to(torch.int32)  # [N, nbytes + 1]
-        word = padded[:, self._byte] | (padded[:, self._next] << 8)  # [N, m]
-        return (word >> self._shift) & self._mask
+        word = padded[:, self._byte.on(device)] | (padded[:, self._next.on(device)] << 8)  # [N, m]
+        return (word >> self._shift.on(device)) & self._mask.on(device)
 
 
 def uniform_layout(count: int, bits: int) -> BitLayout:
@@ -80,8 +86,10 @@ def pack_uniform(values: torch.Tensor, bits: int) -> torch.Tensor:
         return uniform_layout(m, bits).pack(values)
     # `per` values fill exactly `nbytes` bytes: build that word, then cut it into bytes.
     v = values.to(torch.int64).view(n, m // per, per) & ((1 << bits) - 1)
-    word = (v << (torch.arange(per) * bits)).sum(dim=-1)  # [N, m/per]; disjoint bits: sum == OR
-    out = (word[..., None] >> (torch.arange(nbytes) * 8)) & 0xFF  # [N, m/per, nbytes]
+    word = (v << (torch.arange(per, device=v.device) * bits)).sum(
+        dim=-1
+    )  # [N, m/per]; disjoint bits: sum == OR
+    out = (word[..., None] >> (torch.arange(nbytes, device=v.device) * 8)) & 0xFF  # [N, m/per, nbytes]
     return out.to(torch.uint8).view(n, m * bits // 8)
 
 
@@ -102,5 +110,5 @@ def unpack_uniform(codes: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     word = c[..., 0]
     for k in range(1, nbytes):
         word = word | (c[..., k] << (8 * k))  # [N, count/per]
-    shifts = torch.arange(per, dtype=dtype) * bits
+    shifts = torch.arange(per, dtype=dtype, device=codes.device) * bits
     return ((word[..., None] >> shifts) & mask).view(n, count).to(torch.int32)

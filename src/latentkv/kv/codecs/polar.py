@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from latentkv.kv.codecs.base import Codec, EncodedRows
+from latentkv.kv.codecs.base import HOST, Codec, EncodedRows, PerDevice
 from latentkv.kv.codecs.packing import BitLayout, unpack_uniform
 from latentkv.kv.codecs.rotation import DEFAULT_SEED, Rotation
 from latentkv.kv.codecs.turbo import check_group_size, require_power_of_two, unit_rows
@@ -47,8 +47,10 @@ class AngleGrid:
     def __init__(self, lo: float, hi: float, bits: int):
         self.lo, self.bins = lo, 2**bits
         self.step = (hi - lo) / self.bins
-        centres = lo + (torch.arange(self.bins, dtype=torch.float64) + 0.5) * self.step
-        self.cos_sin = torch.stack((centres.cos(), centres.sin()), dim=-1).to(torch.float32)  # [bins, 2]
+        centres = lo + (torch.arange(self.bins, dtype=torch.float64, device=HOST) + 0.5) * self.step
+        self.cos_sin = PerDevice(
+            torch.stack((centres.cos(), centres.sin()), dim=-1).to(torch.float32)
+        )  # [bins, 2]
 
     def quantize(self, theta: torch.Tensor) -> torch.Tensor:
         idx = torch.floor((theta.to(torch.float64) - self.lo) / self.step)
@@ -136,12 +138,12 @@ class PolarCodec(Codec):
         group (the whole row without groups) a unit vector."""
         idx = self.unpack(codes)  # [N, n - n/g]
         n_rows = codes.shape[0]
-        cur = torch.ones(n_rows, self.scale_count, 1, dtype=torch.float32)
+        cur = torch.ones(n_rows, self.scale_count, 1, dtype=torch.float32, device=codes.device)
         stop = idx.shape[1]
         for grid, count in zip(reversed(self.grids), reversed(self.counts), strict=True):
             level = idx[:, stop - count : stop].reshape(-1)  # [N * m]
             stop -= count
-            cos_sin = grid.cos_sin.index_select(0, level).view(n_rows, count, 2)
+            cos_sin = grid.cos_sin.on(codes.device).index_select(0, level).view(n_rows, count, 2)
             cur = (cos_sin * cur).view(n_rows, 2 * count, 1)  # child 2j = cur_j cos, 2j+1 = cur_j sin
         return cur.view(n_rows, self.width)
 

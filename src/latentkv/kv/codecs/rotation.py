@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from latentkv.kv.codecs.base import HOST
+
 DEFAULT_SEED = 0x9E3779B9
 _MASK64 = (1 << 64) - 1
 
@@ -35,7 +37,7 @@ def splitmix64(x: int) -> int:
 def random_signs(n: int, seed: int = DEFAULT_SEED) -> torch.Tensor:
     """The diagonal of D: float64 [n] of +-1, from splitmix64(seed ^ i)."""
     signs = [-1.0 if splitmix64((seed ^ i) & _MASK64) >> 63 else 1.0 for i in range(n)]
-    return torch.tensor(signs, dtype=torch.float64)
+    return torch.tensor(signs, dtype=torch.float64, device=HOST)
 
 
 def is_power_of_two(n: int) -> bool:
@@ -67,17 +69,21 @@ class Rotation:
             )
         self.width = width
         self.seed = seed
-        self._signs = {torch.float64: random_signs(width, seed)}  # [n] per dtype
+        host = random_signs(width, seed)
+        self._signs = {(host.dtype, host.device): host}  # [n] per (dtype, device), each made once
 
-    def signs(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._signs:
-            self._signs[dtype] = self._signs[torch.float64].to(dtype)
-        return self._signs[dtype]
+    def signs(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The diagonal of D [n] in `dtype` on `device` (made on the first call, then reused)."""
+        signs = self._signs.get((dtype, device))
+        if signs is None:
+            host = self._signs[torch.float64, HOST]
+            signs = self._signs[dtype, device] = host.to(device=device, dtype=dtype)
+        return signs
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """R x = H (D x), x [..., n]."""
-        return fwht(x * self.signs(x.dtype))
+        return fwht(x * self.signs(x.dtype, x.device))
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """R^T y = D (H y), y [..., n]."""
-        return fwht(y) * self.signs(y.dtype)
+        return fwht(y) * self.signs(y.dtype, y.device)

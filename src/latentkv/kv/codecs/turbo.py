@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from latentkv.kv.codecs import lloyd
-from latentkv.kv.codecs.base import Codec, EncodedRows
+from latentkv.kv.codecs.base import Codec, EncodedRows, PerDevice
 from latentkv.kv.codecs.packing import pack_uniform, packed_bytes, unpack_uniform
 from latentkv.kv.codecs.rotation import DEFAULT_SEED, Rotation, is_power_of_two
 
@@ -107,8 +107,9 @@ class TurboCodec(Codec):
         self.group_size = group_size
         self.group = check_group_size(self.name, width, group_size)
         self.rotation = Rotation(width, seed)
-        self.levels = lloyd.levels(bits)  # [2^b] float32, ascending
-        self._thresholds = lloyd.thresholds(bits)  # [2^b - 1]
+        self.levels = lloyd.levels(bits)  # [2^b] float32, ascending, on the host
+        self._device_levels = PerDevice(self.levels)
+        self._thresholds = PerDevice(lloyd.thresholds(bits))  # [2^b - 1]
         self.code_bytes = packed_bytes(width * bits)
         self.scale_count = width // self.group
 
@@ -124,10 +125,10 @@ class TurboCodec(Codec):
         y = self.rotation.rotate(unit)  # [N, n]
         if self.group_size is None:
             u = y * math.sqrt(self.width)  # [N, n], ~ N(0, 1)
-            return lloyd.nearest_level(u, self._thresholds), radius[:, None]
+            return lloyd.nearest_level(u, self._thresholds.on(u.device)), radius[:, None]
         groups, radii = group_radii(y, radius, self.group)  # [N, G, g], [N, G]
         u = (groups * math.sqrt(self.group)).view(x.shape[0], self.width)
-        return lloyd.nearest_level(u, self._thresholds), radii
+        return lloyd.nearest_level(u, self._thresholds.on(u.device)), radii
 
     def encode(self, x: torch.Tensor) -> EncodedRows:
         idx, radii = self.quantize(self.check_rows(x))
@@ -140,7 +141,7 @@ class TurboCodec(Codec):
     def rotated_values(self, codes: torch.Tensor) -> torch.Tensor:
         """level[code] float32 [N, n]: the rows in the rotated basis, before radius / sqrt(n)."""
         idx = self.unpack(codes)
-        return self.levels.index_select(0, idx.flatten()).view(idx.shape)
+        return self._device_levels.on(codes.device).index_select(0, idx.flatten()).view(idx.shape)
 
     def rotated_rows(self, enc: EncodedRows) -> torch.Tensor:
         """The decoded rows in the rotated basis, float32 [N, n] (grouped: each group's radius applied)."""

@@ -356,6 +356,27 @@ LKV_VNNI XQ quantize_x(const float* x, int64_t M, int64_t K, int64_t ldx, int64_
   return out;
 }
 
+// Both int4 VNNI paths, after group g of block b: y[i][v] += s * step * sums[i][v] + (z - 8 s) *
+// sum(x), for rows 16 v .. 16 v + 15 of the block and row m0 + i of x.
+template <int MB>
+LKV_VNNI inline void int4_vnni_group(const Int4Args& a, const XQ& xq, int64_t b, int64_t g, int64_t m0,
+                                     const __m512i (&sums)[MB][4], __m512 (&y)[MB][4]) {
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const uint16_t* sz = a.sz + (g * a.Np + b * BLOCK) * 2;
+  for (int v = 0; v < 4; ++v) {
+    const __m512i pair = _mm512_loadu_si512(sz + 32 * v);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, hi16));
+    const __m512 zs = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+    for (int i = 0; i < MB; ++i) {
+      const int64_t at = (m0 + i) * xq.groups + g;
+      const __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[at]));
+      y[i][v] = _mm512_fmadd_ps(zs, _mm512_set1_ps(xq.sum[at]),
+                                _mm512_fmadd_ps(step, _mm512_cvtepi32_ps(sums[i][v]), y[i][v]));
+    }
+  }
+}
+
 // int4: MB rows of x through block b, two columns at a time. One 64-byte load holds columns k and
 // k + 1; a zero-masked byte permutation puts byte j of each (16 rows per permutation) in the two
 // words of dword j, the low nibbles are masked out and the high ones shifted down, and vpdpwssd
@@ -371,7 +392,6 @@ LKV_VNNI void int4_vnni_tile(const Int4Args& a, const XQ& xq, int64_t b, int64_t
   const __m512i pick[2] = {_mm512_load_si512(pick_bytes[0]), _mm512_load_si512(pick_bytes[1])};
   const __mmask64 low_bytes = 0x5555555555555555ull;  // the low byte of every word
   const __m512i nibble = _mm512_set1_epi16(15);
-  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 y[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int v = 0; v < 4; ++v) y[i][v] = _mm512_setzero_ps();
@@ -393,20 +413,7 @@ LKV_VNNI void int4_vnni_tile(const Int4Args& a, const XQ& xq, int64_t b, int64_t
         }
       }
     }
-    // y += s * step * sum(q x16) + (z - 8 s) * sum(x)
-    const uint16_t* sz = a.sz + (g * a.Np + b * BLOCK) * 2;
-    for (int v = 0; v < 4; ++v) {
-      const __m512i pair = _mm512_loadu_si512(sz + 32 * v);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, hi16));
-      const __m512 zs = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
-      for (int i = 0; i < MB; ++i) {
-        const int64_t at = (m0 + i) * xq.groups + g;
-        const __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[at]));
-        y[i][v] = _mm512_fmadd_ps(zs, _mm512_set1_ps(xq.sum[at]),
-                                  _mm512_fmadd_ps(step, _mm512_cvtepi32_ps(acc[i][v]), y[i][v]));
-      }
-    }
+    int4_vnni_group<MB>(a, xq, b, g, m0, acc, y);
   }
   for (int v = 0; v < 4; ++v)
     for (int i = 0; i < MB; ++i) store16(a, m0 + i, b * BLOCK + 16 * v, y[i][v]);
@@ -517,7 +524,6 @@ LKV_VNNI void int4_vnni8_tile(const Int4Args& a, const XQ& xq, int64_t b, int64_
     for (int p = 0; p < 64; ++p) pick_bytes[h][p] = static_cast<uint8_t>(p % 4 * HALF + 16 * h + p / 4);
   const __m512i pick[2] = {_mm512_load_si512(pick_bytes[0]), _mm512_load_si512(pick_bytes[1])};
   const __m512i nibble = _mm512_set1_epi8(15);
-  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 y[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int v = 0; v < 4; ++v) y[i][v] = _mm512_setzero_ps();
@@ -539,21 +545,13 @@ LKV_VNNI void int4_vnni8_tile(const Int4Args& a, const XQ& xq, int64_t b, int64_
         }
       }
     }
-    // y += s * step * sum(q x8) + (z - 8 s) * sum(x)
-    const uint16_t* sz = a.sz + (g * a.Np + b * BLOCK) * 2;
-    for (int v = 0; v < 4; ++v) {
-      const __m512i pair = _mm512_loadu_si512(sz + 32 * v);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, hi16));
-      const __m512 zs = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
-      for (int i = 0; i < MB; ++i) {
-        const int h = v % 2;
-        const __m512i sum = v < 2 ? low[i][h] : _mm512_srai_epi32(_mm512_sub_epi32(whole[i][h], low[i][h]), 4);
-        const int64_t at = (m0 + i) * xq.groups + g;
-        const __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[at]));
-        y[i][v] = _mm512_fmadd_ps(zs, _mm512_set1_ps(xq.sum[at]), _mm512_fmadd_ps(step, _mm512_cvtepi32_ps(sum), y[i][v]));
+    __m512i sums[MB][4];  // rows 16 v ..: low nibbles (v = 0, 1), high = (whole - low) / 16 (v = 2, 3)
+    for (int i = 0; i < MB; ++i)
+      for (int h = 0; h < 2; ++h) {
+        sums[i][h] = low[i][h];
+        sums[i][2 + h] = _mm512_srai_epi32(_mm512_sub_epi32(whole[i][h], low[i][h]), 4);
       }
-    }
+    int4_vnni_group<MB>(a, xq, b, g, m0, sums, y);
   }
   for (int v = 0; v < 4; ++v)
     for (int i = 0; i < MB; ++i) store16(a, m0 + i, b * BLOCK + 16 * v, y[i][v]);
