@@ -8,6 +8,7 @@ weights are exactly what `oracle.build` makes). Nothing here touches the network
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,17 @@ def pytest_configure(config):
     # The tiny models' ops take microseconds: a second thread only adds synchronisation, and on a
     # shared machine a starved worker thread makes each op wait for it (decode ran 50x slower).
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def kernel_device() -> str:
+    """Where a Triton kernel's tensors live in a test: the CPU under triton's interpreter
+    (TRITON_INTERPRET=1, set by the kernel tests' modules), else the GPU."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 compiles the kernels, which needs a CUDA device")
+    return "cuda"
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -19,15 +17,3 @@ def pytest_configure(config):
         from latentkv.attention.triton.interpreter import fix_bf16_dot
 
         fix_bf16_dot()
-
-
-@pytest.fixture(scope="session")
-def kernel_device() -> str:
-    """Where the kernels' tensors live: the CPU under the interpreter, else the GPU."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("TRITON_INTERPRET=0 compiles the kernels, which needs a CUDA device")
-    return "cuda"

@@ -19,14 +19,6 @@ from latentkv.weights.int8 import Int8Linear  # noqa: E402
 TOL = 1e-4
 
 
-def _device() -> str:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    if not torch.cuda.is_available():
-        pytest.skip("TRITON_INTERPRET=0 compiles the kernel, which needs a CUDA device")
-    return "cuda"
-
-
 def _reference(x: torch.Tensor, lin: Int8Linear) -> torch.Tensor:
     return x.double() @ lin.dequantize().double().T
 
@@ -34,10 +26,10 @@ def _reference(x: torch.Tensor, lin: Int8Linear) -> torch.Tensor:
 @pytest.mark.parametrize("group_size", [None, 16, 32])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 @pytest.mark.parametrize("shape", [(70, 100), (33, 64), (128, 200)])
-def test_kernel_matches_dequantized_float64(group_size, rows, shape):
+def test_kernel_matches_dequantized_float64(group_size, rows, shape, kernel_device):
     from latentkv.weights.int8_triton import int8_mm
 
-    dev = _device()
+    dev = kernel_device
     g = torch.Generator().manual_seed(hash((group_size, rows, shape)) % (1 << 31))
     out_f, in_f = shape
     w = torch.randn(out_f, in_f, generator=g) * torch.rand(out_f, 1, generator=g) * 3
@@ -51,12 +43,12 @@ def test_kernel_matches_dequantized_float64(group_size, rows, shape):
     assert err <= TOL * max(1.0, want.abs().max().item()), err
 
 
-def test_kernel_ignores_padded_columns():
+def test_kernel_ignores_padded_columns(kernel_device):
     """Codes stored past in_features (the op's padding) never enter the sum: fill them with
     nonzero codes and the result must not move."""
     from latentkv.weights.int8_triton import int8_mm
 
-    dev = _device()
+    dev = kernel_device
     g = torch.Generator().manual_seed(7)
     lin = Int8Linear.from_float(torch.randn(40, 100, generator=g))
     q = lin.q.clone()
@@ -67,11 +59,14 @@ def test_kernel_ignores_padded_columns():
     assert (got - _reference(x, lin)).abs().max().item() <= TOL * 10
 
 
-def test_empty_rows():
+def test_empty_rows(kernel_device):
     from latentkv.weights.int8_triton import int8_mm
 
     lin = Int8Linear.from_float(torch.randn(8, 32))
-    assert int8_mm(torch.zeros(0, 32), lin.q, lin.scale.float(), 32, None).shape == (0, 8)
+    dev = kernel_device
+    assert int8_mm(
+        torch.zeros(0, 32, device=dev), lin.q.to(dev), lin.scale.float().to(dev), 32, None
+    ).shape == (0, 8)
 
 
 @pytest.mark.parametrize("group_size", [None, 32])

@@ -55,8 +55,12 @@ def _int8_gemv(
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(q_ptr + rn[:, None] * stride_qn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(
+            q_ptr + rn[:, None] * stride_qn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0
+        )
         w = w.to(tl.float32)
         if GROUP > 0:
             s = tl.load(
