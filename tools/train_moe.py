@@ -645,10 +645,51 @@ def load_exported(folder: Path) -> tuple[dict, dict, dict]:
     return cfg, model_state, mtp_state
 
 
+# The tensors of a block that write into the residual stream: zero in a grown model's new layers.
+RESIDUAL_WRITERS = (
+    "self_attn.o_proj.weight",
+    "mlp.down_proj.weight",
+    "mlp.experts.down_proj",
+    "mlp.shared_experts.down_proj.weight",
+)
+
+
+def grow(model, mtp, cfg: dict, source: dict) -> int:
+    """Initialize `model` (and `mtp`) from a trainer checkpoint `source` of a shallower model with
+    the same widths: its layers become the first layers, its embedding, final norm, head and MTP
+    layer are taken as they are, and the new layers' tensors that write into the residual stream
+    (attention output, MLP down projections) start at zero, so the grown model computes exactly
+    what the source computes and the new layers are learned from there. Returns the source's
+    layer count. Used to carry a mechanism a shallow model learns quickly (copying) into a deeper
+    one that sits on a plateau before learning it (docs/stdlib-moe.md)."""
+    src_cfg = source["config"]
+    n_src, n = src_cfg["num_hidden_layers"], cfg["num_hidden_layers"]
+    per_layer = {"num_hidden_layers", "mlp_layer_types", "layer_types", "indexer_types"}
+    differ = sorted(k for k in set(cfg) | set(src_cfg) if k not in per_layer and cfg.get(k) != src_cfg.get(k))
+    if differ or n_src > n:
+        why = f"settings differ: {', '.join(differ)}" if differ else f"it has {n_src} layers, more than {n}"
+        raise SystemExit(f"--grow-from: cannot grow that checkpoint into this model ({why})")
+    own = model.state_dict()
+    for k, v in source["model"].items():
+        if own[k].shape != v.shape:  # same widths, so only a renamed tensor could differ
+            raise SystemExit(f"--grow-from: {k} is {tuple(v.shape)} there, {tuple(own[k].shape)} here")
+        own[k] = v
+    for i in range(n_src, n):
+        for name in RESIDUAL_WRITERS:
+            key = f"model.layers.{i}.{name}"
+            if key in own:
+                own[key] = torch.zeros_like(own[key])
+    model.load_state_dict(own)
+    mtp.load_state_dict(source["mtp"])
+    return n_src
+
+
 def new_state(args, tok) -> dict:
     if args.init_from is None:
         cfg = model_config(tok.get_vocab_size(), args)
         config, model, mtp = tf.build(cfg, args.seed)
+        if args.grow_from is not None:
+            grow(model, mtp, cfg, torch.load(args.grow_from, weights_only=False))
     else:  # continue from an exported model: its config and weights, a fresh optimizer
         cfg, model_state, mtp_state = load_exported(Path(args.init_from))
         config, model, mtp = tf.build(cfg, args.seed)
@@ -954,6 +995,13 @@ def parse(argv: list[str] | None):
         "instead of random weights",
     )
     t.add_argument(
+        "--grow-from",
+        default=None,
+        help="start from a trainer checkpoint (WORK/best.pt, last.pt) of a model with fewer layers "
+        "and the same widths: its layers first, the new layers' output projections zero, so the "
+        "grown model starts computing what it computed (a fresh optimizer)",
+    )
+    t.add_argument(
         "--synthetic-share",
         type=float,
         default=0.0,
@@ -1119,10 +1167,10 @@ OPERATIONAL = {
     "cmd",
     "keep_evals",
 }
-TRAINER_VERSION = 5  # recorded with every recipe change
+TRAINER_VERSION = 6  # recorded with every recipe change
 # 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
 # (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5); 5: --init-from,
-# --lr-schedule, the --synthetic-* copy curriculum, --best-by
+# --lr-schedule, the --synthetic-* copy curriculum, --best-by; 6: --grow-from
 
 
 def apply_changes(state: dict, args, log) -> None:
@@ -1187,8 +1235,12 @@ def main(argv: list[str] | None = None) -> int:
         truncate_jsonl(args.work / "indexer_history.jsonl", state["indexer_step"])
         log(f"resuming {last}: phase {state['phase']}, step {state['step']}")
     else:
+        if args.init_from is not None and args.grow_from is not None:
+            raise SystemExit("--init-from and --grow-from: give one starting point, not both")
+        if args.grow_from is not None and not Path(args.grow_from).is_file():
+            raise SystemExit(f"--grow-from {args.grow_from}: no such checkpoint file")
         state = new_state(args, tok)
-        log(f"new run in {args.work}")
+        log(f"new run in {args.work}" + (f", grown from {args.grow_from}" if args.grow_from else ""))
     patch_for_training()
     windows = Windows(text, tok, args)
     heldout_text = f"\n{EOT}\n".join(heldout)

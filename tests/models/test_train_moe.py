@@ -357,3 +357,46 @@ def test_init_from_loads_an_export(tm, tmp_path):
     save_file(weights, str(tmp_path / "m" / "model.safetensors"))
     with pytest.raises(SystemExit, match="not a model this trainer exported"):
         tm.load_exported(tmp_path / "m")
+
+
+def test_grow_starts_as_the_shallower_model(tm):
+    """--grow-from: a 4-layer model grown from a trained-looking 2-layer checkpoint computes the
+    2-layer model's logits exactly (float32), because the new layers write zeros into the residual
+    stream; and the new layers are there to learn (their inputs random, not zero). A grow that
+    skipped the zeroing would change the logits: checked as the control."""
+    src_cfg = _tiny(tm, layers=2)
+    _, src, src_mtp = _build(tm, src_cfg)
+    source = {"config": src_cfg, "model": src.state_dict(), "mtp": src_mtp.state_dict()}
+    cfg = _tiny(tm, layers=4)
+    _, grown, mtp = _build(tm, cfg)
+    assert tm.grow(grown, mtp, cfg, source) == 2
+    ids = torch.randint(0, 300, (2, 60), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(grown(input_ids=ids).logits, src(input_ids=ids).logits)
+        for k, v in mtp.state_dict().items():
+            assert torch.equal(v, source["mtp"][k])
+        attn = grown.model.layers[3].self_attn
+        assert attn.q_a_proj.weight.abs().sum() > 0 and attn.o_proj.weight.abs().sum() == 0
+        # control: the same grow with the new layers' down projections left random
+        _, other, other_mtp = _build(tm, cfg)
+        keep = tm.RESIDUAL_WRITERS
+        tm.RESIDUAL_WRITERS = ("self_attn.o_proj.weight",)
+        try:
+            tm.grow(other, other_mtp, cfg, source)
+        finally:
+            tm.RESIDUAL_WRITERS = keep
+        assert not torch.equal(other(input_ids=ids).logits, src(input_ids=ids).logits)
+
+
+def test_grow_refuses_another_shape(tm):
+    src_cfg = _tiny(tm, layers=2)
+    _, src, src_mtp = _build(tm, src_cfg)
+    source = {"config": src_cfg, "model": src.state_dict(), "mtp": src_mtp.state_dict()}
+    wider = _tiny(tm, layers=4, hidden=128)
+    _, model, mtp = _build(tm, wider)
+    with pytest.raises(SystemExit, match="hidden_size"):
+        tm.grow(model, mtp, wider, source)
+    shallower = _tiny(tm, layers=1)
+    _, model, mtp = _build(tm, shallower)
+    with pytest.raises(SystemExit, match="2 layers, more than 1"):
+        tm.grow(model, mtp, shallower, source)
