@@ -665,6 +665,8 @@ def grow(model, mtp, cfg: dict, source: dict) -> int:
     src_cfg = source["config"]
     n_src, n = src_cfg["num_hidden_layers"], cfg["num_hidden_layers"]
     per_layer = {"num_hidden_layers", "mlp_layer_types", "layer_types", "indexer_types"}
+    if cfg.get("rope_parameters", {}).get("rope_type", "default") == "default":
+        per_layer.add("max_position_embeddings")  # plain RoPE: a longer context, the same weights
     differ = sorted(k for k in set(cfg) | set(src_cfg) if k not in per_layer and cfg.get(k) != src_cfg.get(k))
     if differ or n_src > n:
         why = f"settings differ: {', '.join(differ)}" if differ else f"it has {n_src} layers, more than {n}"

@@ -400,3 +400,14 @@ def test_grow_refuses_another_shape(tm):
     _, model, mtp = _build(tm, shallower)
     with pytest.raises(SystemExit, match="2 layers, more than 1"):
         tm.grow(model, mtp, shallower, source)
+
+
+def test_grow_into_a_longer_context(tm):
+    """Plain RoPE has no weights that depend on the context length: a model trained on 256-token
+    windows grows into one of 4096 (the copy toy is trained short)."""
+    src_cfg = _tiny(tm, layers=2, context=256)
+    _, src, src_mtp = _build(tm, src_cfg)
+    source = {"config": src_cfg, "model": src.state_dict(), "mtp": src_mtp.state_dict()}
+    cfg = _tiny(tm, layers=3, context=4096)
+    _, grown, mtp = _build(tm, cfg)
+    assert tm.grow(grown, mtp, cfg, source) == 2
