@@ -185,7 +185,7 @@ def synthetic_window(
         top = min(args.synthetic_max_distance, context - length)
         if top < args.synthetic_min_distance:
             break
-        distance = int(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
+        distance = round(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
         length = min(length, distance)
         dst = rng.randrange(distance, context - length + 1)
         if any(dst < d + n and d < dst + length for d, n, _ in copies):
@@ -210,7 +210,7 @@ def periodic_window(
     is predictable. Easier than the scattered layout: the copy is most of the window and its
     distance is the same throughout."""
     top = max(args.synthetic_min_distance, min(args.synthetic_max_distance, context // 2))
-    period = int(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
+    period = round(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
     if base is None:
         seg = [t + (t >= avoid) for t in (rng.randrange(vocab - 1) for _ in range(period))]
     else:

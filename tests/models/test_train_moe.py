@@ -411,3 +411,15 @@ def test_grow_into_a_longer_context(tm):
     cfg = _tiny(tm, layers=3, context=4096)
     _, grown, mtp = _build(tm, cfg)
     assert tm.grow(grown, mtp, cfg, source) == 2
+
+
+def test_periodic_window_has_the_period_asked(tm):
+    """--synthetic-min-distance 64 --synthetic-max-distance 64 means period 64: exp(log(64)) is
+    63.99999..., which int() made 63 (a toy trained on it learned a fixed 63-token offset, not
+    copying)."""
+    args = _synthetic_args(
+        tm, synthetic_layout="periodic", synthetic_min_distance=64, synthetic_max_distance=64
+    )
+    for seed in range(20):
+        ids, mask = tm.synthetic_window(random.Random(seed), 256, 4096, 0, args)
+        assert ids[64:] == ids[:-64] and ids[63:] != ids[:-63] and mask.index(True) == 65
