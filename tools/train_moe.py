@@ -271,6 +271,8 @@ class Windows:
         if n == 0:
             return x, None
         eot, vocab = self.tok.token_to_id(EOT), self.tok.get_vocab_size()
+        if self.args.synthetic_alphabet:  # random tokens from the first N ids (the EOT skipped)
+            vocab = min(vocab, self.args.synthetic_alphabet + 1)
         text = self.args.synthetic_source == "text"
         pairs = [
             synthetic_window(rng, context, vocab, eot, self.args, self.window(rng, context) if text else None)
@@ -1047,6 +1049,13 @@ def parse(argv: list[str] | None):
         "text window (renamed and planted as the text windows are); either way only the copies count",
     )
     t.add_argument(
+        "--synthetic-alphabet",
+        type=int,
+        default=0,
+        help="random synthetic tokens come from this many token ids (default 0: the whole vocabulary); "
+        "a small alphabet shows each token more often a step",
+    )
+    t.add_argument(
         "--synthetic-min-len", type=int, default=16, help="copied segment length, min (default: 16)"
     )
     t.add_argument(
@@ -1172,7 +1181,7 @@ OPERATIONAL = {
 TRAINER_VERSION = 6  # recorded with every recipe change
 # 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
 # (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5); 5: --init-from,
-# --lr-schedule, the --synthetic-* copy curriculum, --best-by; 6: --grow-from
+# --lr-schedule, the --synthetic-* copy curriculum, --best-by; 6: --grow-from, --synthetic-alphabet
 
 
 def apply_changes(state: dict, args, log) -> None:

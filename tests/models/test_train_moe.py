@@ -317,6 +317,11 @@ def test_mixed_batch_and_the_anneal(tm):
     assert x.shape == (4, 64) and m.shape == (2, 64) and m.any()
     assert torch.equal(x[:2], x0[:2]) and torch.equal(x, w.mixed_batch(3, 4, 64, 0.5)[0])
     assert not torch.equal(x, w.mixed_batch(4, 4, 64, 0.5)[0])
+    assert x[2:].max() > 40  # the whole vocabulary of 300 by default
+    args.synthetic_alphabet = 20  # --synthetic-alphabet 20: ids 1-20 (0 is the EOT, skipped)
+    xa, _ = w.mixed_batch(3, 4, 64, 0.5)
+    assert xa[2:].min() >= 1 and xa[2:].max() <= 20 and len(set(xa[2:].flatten().tolist())) > 10
+    args.synthetic_alphabet = 0
 
     args.synthetic_final_share, args.synthetic_anneal_below, args.synthetic_anneal_steps = 0.1, 2.0, 10
     state = {"step": 0}
