@@ -323,7 +323,56 @@ def attention_forward(self, hidden_states, position_embeddings, **_):
     q = torch.cat([q_pass, q_rot], dim=-1)
     k = torch.cat([k_nope, k_rot.to(k_nope.dtype).expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
     o = F.scaled_dot_product_attention(q, k, v.to(q.dtype), is_causal=True, scale=self.scaling)
+    sup = getattr(self, "supervise", None)
+    if sup is not None:  # attention supervision (see `supervised_attention`): one head's pattern
+        h = sup["head"]
+        logits = (q[:, h].float() @ k[:, h].float().transpose(-1, -2)) * self.scaling  # [B, S, S]
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        logp = torch.log_softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        sup["loss"] = attention_target_loss(logp, sup["targets"])
     return self.o_proj(o.transpose(1, 2).reshape(B, S, -1)), None, None
+
+
+def attention_target_loss(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log of the attention mass a head puts on its target keys, logp / targets [B, S, S] (query
+    x key), averaged over the queries that have a target (0 when none has)."""
+    rows = targets.any(-1)
+    if not rows.any():
+        return logp.sum() * 0.0
+    mass = torch.logsumexp(logp.masked_fill(~targets, float("-inf")), dim=-1)  # [B, S]
+    return -mass[rows].mean()
+
+
+def induction_targets(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two heads of an induction circuit, as target keys per query for token windows x [B, S]:
+    (previous token: query i attends to key i-1; induction: query i attends to every key j + 1
+    whose token x[j] is the query's token x[i], j < i, i.e. to what followed the current token
+    last time). Boolean [B, S, S] each; a query with no earlier occurrence has no target."""
+    B, S = x.shape
+    idx = torch.arange(S, device=x.device)
+    prev = (idx[None, :, None] - 1 == idx[None, None, :]).expand(B, S, S)
+    same = x[:, :, None] == x[:, None, :]  # [B, i, j]: x[i] == x[j]
+    earlier = idx[None, :] < idx[:, None]  # j < i
+    after = torch.zeros(B, S, S, dtype=torch.bool, device=x.device)
+    after[:, :, 1:] = (same & earlier)[:, :, :-1]  # key j + 1 for each matching j
+    return prev, after
+
+
+def supervised_attention(model, spec: tuple[int, int] | None, x: torch.Tensor | None):
+    """Arm (x a window batch) or disarm (x None) the supervision of an induction circuit: with spec
+    (A, B), head 0 of layer A is taught to attend to the previous token and head 0 of layer B to
+    the key after the current token's earlier occurrences (`induction_targets`). Returns the armed
+    attention modules, whose forward leaves its loss in `.supervise["loss"]`."""
+    if spec is None:
+        return []
+    mods = [model.model.layers[i].self_attn for i in spec]
+    if x is None:
+        for m in mods:
+            m.supervise = None
+        return []
+    for m, t in zip(mods, induction_targets(x), strict=True):
+        m.supervise = {"head": 0, "targets": t}
+    return mods
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -578,15 +627,23 @@ def train_step(
     per = max(1, args.micro_tokens // x.shape[1])
     n_syn = 0 if mask is None else mask.shape[0]
     n_text = x.shape[0] - n_syn
-    sums = {"loss": 0.0, "mtp_loss": 0.0, "synthetic_loss": 0.0}
+    sums = {"loss": 0.0, "mtp_loss": 0.0, "synthetic_loss": 0.0, "induction_loss": 0.0}
     parts = [(xs, None) for xs in x[:n_text].split(per)] if n_text else []
     if n_syn:
         parts += list(zip(x[n_text:].split(per), mask.split(per), strict=True))
+    spec = supervision_spec(args)
     for xs, ms in parts:
+        armed = supervised_attention(model, spec, xs if ms is not None else None)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             main, extra = forward_losses(model, mtp, xs, ms)
         share = xs.shape[0] / x.shape[0]
-        ((main + args.mtp_weight * extra) * share).backward()
+        sup = sum(m.supervise["loss"] for m in armed) if armed else None
+        supervised_attention(model, spec, None)
+        loss = main + args.mtp_weight * extra
+        if sup is not None:
+            loss = loss + args.induction_weight * sup
+            sums["induction_loss"] += sup.item() * xs.shape[0] / n_syn
+        (loss * share).backward()
         if ms is None:
             sums["loss"] += main.item() * xs.shape[0] / n_text
             sums["mtp_loss"] += extra.item() * xs.shape[0] / n_text
@@ -599,11 +656,20 @@ def train_step(
         "mtp_loss": sums["mtp_loss"] if n_text else None,
         "synthetic_windows": n_syn,
         "synthetic_loss": sums["synthetic_loss"] if n_syn else None,
+        "induction_loss": sums["induction_loss"] if n_syn and spec is not None else None,
         "max_load_ratio": balancer.step(),
         "grad_norm": float(grad_norm),
         "lr": lr,
         "context": x.shape[1],
     }
+
+
+def supervision_spec(args) -> tuple[int, int] | None:
+    """--supervise-induction A,B -> (A, B), or None."""
+    if not getattr(args, "supervise_induction", None):
+        return None
+    a, b = (int(v) for v in str(args.supervise_induction).split(","))
+    return a, b
 
 
 def keep_heap() -> None:
@@ -753,6 +819,8 @@ def pretrain(state: dict, work: Path, windows: Windows, evals: tuple, args, log)
                 if state.get("synthetic_ema") is not None
                 else ""
             )
+            if row.get("induction_loss") is not None:
+                syn += f"  induction heads {row['induction_loss']:.3f}"
             log(
                 f"step {step + 1}/{args.steps} ctx {context}  loss {fmt(row['loss'])}  mtp {fmt(row['mtp_loss'])}"
                 f"{syn}  load max/mean {row['max_load_ratio']:.2f}  {row['seconds']:.1f} s/step"
@@ -1056,6 +1124,15 @@ def parse(argv: list[str] | None):
         "a small alphabet shows each token more often a step",
     )
     t.add_argument(
+        "--supervise-induction",
+        default=None,
+        metavar="A,B",
+        help="on the synthetic windows, also teach head 0 of layer A to attend to the previous token "
+        "and head 0 of layer B to the token after the current token's earlier occurrences (an "
+        "induction circuit), by the attention mass on those keys (default: off)",
+    )
+    t.add_argument("--induction-weight", type=float, default=1.0, help="weight of that loss (default: 1.0)")
+    t.add_argument(
         "--synthetic-min-len", type=int, default=16, help="copied segment length, min (default: 16)"
     )
     t.add_argument(
@@ -1181,7 +1258,8 @@ OPERATIONAL = {
 TRAINER_VERSION = 6  # recorded with every recipe change
 # 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
 # (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5); 5: --init-from,
-# --lr-schedule, the --synthetic-* copy curriculum, --best-by; 6: --grow-from, --synthetic-alphabet
+# --lr-schedule, the --synthetic-* copy curriculum, --best-by; 6: --grow-from, --synthetic-alphabet,
+# --supervise-induction, --induction-weight
 
 
 def apply_changes(state: dict, args, log) -> None:
