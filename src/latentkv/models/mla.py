@@ -91,8 +91,8 @@ class MLA:
 
     def _rows(self, kv_in: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
         """W_DKV x [S, Lkv+R] -> cache rows [c | r] [S, Lkv+R]."""
-        c = self.w.kv_a_norm(kv_in[:, : self.Lkv])
-        return torch.cat([c, rope.rotate(kv_in[:, self.Lkv :], self.interleaved)], dim=-1)
+        c, r = kv_in.split((self.Lkv, self.R), dim=-1)
+        return torch.cat([self.w.kv_a_norm(c), rope.rotate(r, self.interleaved)], dim=-1)
 
     def _decode_query(self, q_resid: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
         """New tokens' queries through the absorbed matrix: q_resid [S, q_lora] -> [H, S, Lkv+R],

@@ -231,7 +231,8 @@ class Int8Linear(Linear):
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] as the native kernels take it: float32 with unit column stride."""
-    x = x.float()
+    if x.dtype != torch.float32:
+        x = x.float()
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
