@@ -90,7 +90,7 @@ class PackedExperts:
     ) -> torch.Tensor:
         """x [N, D] (N <= max_rows), idx / weights [N, k] -> sum_j weights[:, j] * expert_idx[:, j](x)."""
         x = _rows(x)
-        w = weights.float()
+        w = weights if weights.dtype == torch.float32 else weights.float()
         if self._kind is int8.Int8Linear:
             return torch.ops.latentkv.moe_int8(x, idx, w, *self._tensors, by_id, self._kernel.isa)
         gu, gu_sz, dn, dn_sz = self._tensors
