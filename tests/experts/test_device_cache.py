@@ -19,8 +19,6 @@ from latentkv.experts.device_cache import DeviceCache, HostExperts
 from latentkv.experts.extent import CODECS, expert_layout
 from latentkv.experts.streamed import ExpertStreamer, StreamConfig
 from latentkv.models.moe import MoE
-from latentkv.models.registry import resolve
-from latentkv.models.weights import load_model
 from latentkv.streaming.convert import write_store
 from latentkv.weights.base import make_linear
 
@@ -38,21 +36,6 @@ class Resident(LocalStore):
 
     def get(self, ids, first=True):
         return {e: self._experts[e] for e in ids}
-
-
-@pytest.fixture(scope="module")
-def layer():
-    """builtin:fixture's first MoE layer, its router picking 4 of 8 experts (more per pass)."""
-    model = load_model(resolve("builtin:fixture"), device=CPU)
-    mlp = next(b.mlp for b in model.blocks if isinstance(b.mlp, MoE))
-    stacked = mlp.experts.stacked
-    experts = {
-        e: Expert(make_linear(stacked.gate_up[e], "f32"), make_linear(stacked.down[e], "f32"))
-        for e in range(stacked.gate_up.shape[0])
-    }
-    router = copy.copy(mlp.router)
-    router.top_k = 4
-    return router, mlp.shared, experts
 
 
 def _front(kind: str, experts, slots: int, tmp_path, policy: str = "lru"):
@@ -216,6 +199,41 @@ def test_on_cuda_host_experts_are_page_locked_and_copies_ordered_by_events(layer
     assert torch.allclose(got.cpu(), want, rtol=1e-4, atol=1e-5)
     slot = cache.cache.values()[0][1]
     assert slot.buffer.is_cuda and slot.ready is not None and slot.free_after is not None
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="torch has no CUDA here: converting int4 codes to the CUDA op's layout in a slot needs a CUDA device",
+)
+def test_on_cuda_int4_experts_are_converted_in_their_slots():
+    """int4 experts copied as the host holds them (its CPU layout) are rewritten in the slot in the
+    CUDA op's layout: the same weight read back, products within the int4 op's tolerance, and the
+    codes still a view of the slot (one copy on the device)."""
+    cuda = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    D, I = 256, 128
+    experts = {
+        e: Expert(
+            make_linear(torch.randn(2 * I, D, generator=g), "int4"),
+            make_linear(torch.randn(D, I, generator=g), "int4"),
+        )
+        for e in range(4)
+    }
+    cache = DeviceCache(cuda, 2)
+    store = cache.over(LAYER, Resident(experts), resident=True)
+    x = torch.randn(3, D, generator=g)
+    jobs = [Job(e, None) for e in (3, 0, 2)]
+    got = dict(store.run(x.to(cuda), jobs))
+    for e, y in got.items():
+        want = experts[e](x).double()
+        assert float((y.double().cpu() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    for _key, slot in cache.cache.values():
+        lin = slot.expert.gate_up
+        assert lin.packed.is_cuda and lin.packed.dtype == torch.int32
+        start = slot.buffer.data_ptr()
+        assert start <= lin.packed.data_ptr() < start + slot.buffer.numel()
+    (_layer, e), slot = cache.cache.values()[0]
+    assert torch.equal(slot.expert.down.dequantize().cpu(), experts[e].down.dequantize())
 
 
 def _router_on(router, device):

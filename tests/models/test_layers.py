@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from latentkv.config import ModelConfig
@@ -196,6 +197,39 @@ def test_rotation_at_an_offset_against_float64(S, interleaved, offset):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("S", [1, 4])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("width, offset", [(8, 0), (20, 0), (20, 5), (20, 12)])
+def test_rotation_matrix_is_the_spelled_out_matrix_bit_for_bit(S, interleaved, width, offset):
+    """`RotaryTables.matrix` (made in one op per pass from a cached pattern) holds exactly the
+    table's cos / -sin / sin values where the rotation puts them, 1 on the pass-through diagonal
+    and 0 elsewhere; a [S, n, width] input (no views around the product) and a [S, width] one
+    rotate to the bits of the product as it was spelled out before."""
+    half = 4
+    g = torch.Generator().manual_seed(S * 100 + width + offset)
+    cos, sin = torch.randn(S, half, generator=g), torch.randn(S, half, generator=g)
+    want = torch.zeros(S, width, width)
+    for s in range(S):
+        for j in [*range(offset), *range(offset + 2 * half, width)]:
+            want[s, j, j] = 1.0
+        for i in range(half):
+            a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+            a, b, lo, hi = a + offset, b + offset, i + offset, i + half + offset
+            want[s, a, lo], want[s, b, lo] = cos[s, i], -sin[s, i]
+            want[s, b, hi], want[s, a, hi] = cos[s, i], sin[s, i]
+    tables = RotaryTables(cos, sin)
+    got = tables.matrix(interleaved, width, offset)
+    assert torch.equal(got, want) and not torch.equal(want, torch.zeros_like(want))
+    x = torch.randn(S, 3, width, generator=g)
+    three = tables.rotate(x, interleaved, offset)
+    assert torch.equal(three, torch.matmul(x.reshape(S, -1, width), want).view(x.shape))
+    flat = x[:, 0].contiguous()
+    assert torch.equal(
+        tables.rotate(flat, interleaved, offset),
+        torch.matmul(flat.reshape(S, -1, width), want).view(S, width),
+    )
+
+
 def test_rotation_at_an_offset_refuses_what_it_cannot_do():
     angle = torch.zeros(layers.MATMUL_ROPE_MAX_POSITIONS + 1, 4)
     with pytest.raises(ValueError, match="offset"):
@@ -220,6 +254,21 @@ def test_rotation_keeps_relative_position_dot_products(interleaved):
     base = (rot(q, 5) * rot(k, 2)).sum()
     shifted = (rot(q, 105) * rot(k, 102)).sum()
     assert base.item() == pytest.approx(shifted.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("D", [8, 32, 256, 6144])
+def test_rms_norm_of_one_row_is_the_concat_form_bit_for_bit(D):
+    """Decode's one-row RMSNorm ([x, -x] made by one multiply) gives the bytes of the [x, -x]
+    concat that more rows take, over fresh random rows of several scales."""
+    g = torch.Generator().manual_seed(D)
+    w = torch.randn(D, generator=g)
+    norm = RMSNorm(w, 1e-5)
+    for _ in range(20):
+        x = torch.randn(1, D, generator=g) * 10 ** float(torch.randn(1, generator=g))
+        spelled = F.layer_norm(torch.cat([x, -x], dim=-1), (2 * D,), torch.cat([w, w]), None, 1e-5)[:, :D]
+        got = norm(x)
+        assert got.shape == (1, D) and torch.equal(got, spelled)
+        assert torch.equal(norm(torch.cat([x, x]))[1:], spelled)  # two rows: the concat form itself
 
 
 def test_rms_norm_against_float64():

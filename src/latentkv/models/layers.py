@@ -20,14 +20,22 @@ class RMSNorm:
     mean(x^2)), keeping the first half: one fused kernel plus a concat, where the spelled-out
     form is seven dispatched ops. On small models decode is bound by per-op overhead, so this
     matters; the result agrees with the textbook formula to float32 rounding (tested).
+    One row (decode) makes [x, -x] in one op, x [1, D] times [1, -1] as [2, 1, D]: the same
+    2D values in the same order, so the same bits as the concat.
     """
 
     def __init__(self, weight: torch.Tensor, eps: float):
         self.weight = weight  # [D]
         self.eps = eps
         self._doubled = torch.cat([weight, weight])  # [2D], the LayerNorm's scale
+        d = weight.shape[0]
+        self._pair = (2, 1, d)  # one row's [x, -x] as the LayerNorm sees it
+        self._pair_scale = self._doubled.view(self._pair)
+        self._signs = torch.tensor([1.0, -1.0], device=weight.device).view(2, 1, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x.shape) == 2 and x.shape[0] == 1:  # [1, D] * [2, 1, 1] -> [2, 1, D]: x, -x
+            return F.layer_norm(x * self._signs, self._pair, self._pair_scale, None, self.eps)[0]
         d = x.shape[-1]
         both = torch.cat([x, x.neg()], dim=-1)  # [..., 2D]
         return F.layer_norm(both, (2 * d,), self._doubled, None, self.eps)[..., :d]
@@ -146,6 +154,10 @@ class RotaryTables:
         width = x.shape[-1]
         if self.S <= MATMUL_ROPE_MAX_POSITIONS:
             m = self.matrix(interleaved, width, offset)  # [S, width, width]
+            if len(x.shape) == 3:  # [S, n, width] already: the same product without two views
+                return torch.matmul(x, m)
+            if self.S == 1 and len(x.shape) == 2:  # [1, width] x [1, width, width]: matmul expands x
+                return torch.matmul(x, m).view(x.shape)
             shape = x.shape
             return torch.matmul(x.reshape(self.S, -1, width), m).view(shape)
         if offset:
@@ -169,11 +181,11 @@ class RotaryTables:
         if key not in self._mats:
             if self._values is None:  # out[i] = a c - b s ; out[i + h] = b c + a s
                 self._values = torch.cat([self.cos, -self.sin, self.cos, self.sin], dim=1)  # [S, 4 half]
-            rotated, passed = _rotation_pattern(interleaved, self.half, width, offset, self.cos.device)
-            m = torch.zeros(self.S, width * width, device=self.cos.device)
-            m.index_copy_(1, rotated, self._values)
-            if passed.numel():
-                m.index_fill_(1, passed, 1.0)
+            rotated, base = _rotation_pattern(interleaved, self.half, width, offset, self.cos.device)
+            if self.S > 1:
+                base = base.expand(self.S, -1)
+            # base holds the pass-through ones; out-of-place index_copy: one op per matrix
+            m = base.index_copy(1, rotated, self._values)
             self._mats[key] = m.view(self.S, width, width)
         return self._mats[key]
 
@@ -186,11 +198,15 @@ _PATTERNS: dict[tuple[bool, int, int, int, torch.device], tuple[torch.Tensor, to
 def _rotation_pattern(
     interleaved: bool, half: int, width: int, offset: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat [width * width] indices of a rotation matrix's entries: the rotated ones in the order
-    cos | -sin | cos | sin (as `RotaryTables.matrix` fills them), then the pass-through ones."""
+    """(flat [width * width] indices of a rotation matrix's rotated entries, in the order
+    cos | -sin | cos | sin as `RotaryTables.matrix` fills them; the matrix before they are filled,
+    [1, width * width]: 1 at the pass-through entries, 0 elsewhere)."""
     key = (interleaved, half, width, offset, device)
     if key not in _PATTERNS:
-        _PATTERNS[key] = _build_rotation_pattern(*key)
+        rotated, passed = _build_rotation_pattern(*key)
+        base = torch.zeros(1, width * width, device=device)
+        base[0, passed] = 1.0
+        _PATTERNS[key] = rotated, base
     return _PATTERNS[key]
 
 
