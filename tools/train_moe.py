@@ -330,6 +330,12 @@ def attention_forward(self, hidden_states, position_embeddings, **_):
         causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
         logp = torch.log_softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
         sup["loss"] = attention_target_loss(logp, sup["targets"])
+        if sup.get("identity") is not None:  # the head's write must name the token it attends to
+            emb, target = sup["identity"]
+            v = self.v_head_dim
+            write = o[:, h].float() @ self.o_proj.weight[:, h * v : (h + 1) * v].float().T  # [B, S, D]
+            logits = write @ emb.detach().float().T  # read with the (fixed) input embedding
+            sup["identity_loss"] = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
     return self.o_proj(o.transpose(1, 2).reshape(B, S, -1)), None, None
 
 
@@ -358,7 +364,7 @@ def induction_targets(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return prev, after
 
 
-def supervised_attention(model, spec: tuple[int, int] | None, x: torch.Tensor | None):
+def supervised_attention(model, spec: tuple[int, int] | None, x: torch.Tensor | None, identity: bool = False):
     """Arm (x a window batch) or disarm (x None) the supervision of an induction circuit: with spec
     (A, B), head 0 of layer A is taught to attend to the previous token and head 0 of layer B to
     the key after the current token's earlier occurrences (`induction_targets`). Returns the armed
@@ -372,6 +378,10 @@ def supervised_attention(model, spec: tuple[int, int] | None, x: torch.Tensor | 
         return []
     for m, t in zip(mods, induction_targets(x), strict=True):
         m.supervise = {"head": 0, "targets": t}
+    if identity:  # the previous-token head's write, read with the input embedding, names x[i-1]
+        before = torch.full_like(x, -100)
+        before[:, 1:] = x[:, :-1]
+        mods[0].supervise["identity"] = (model.model.embed_tokens.weight, before)
     return mods
 
 
@@ -627,22 +637,28 @@ def train_step(
     per = max(1, args.micro_tokens // x.shape[1])
     n_syn = 0 if mask is None else mask.shape[0]
     n_text = x.shape[0] - n_syn
-    sums = {"loss": 0.0, "mtp_loss": 0.0, "synthetic_loss": 0.0, "induction_loss": 0.0}
+    sums = {"loss": 0.0, "mtp_loss": 0.0, "synthetic_loss": 0.0, "induction_loss": 0.0, "identity_loss": 0.0}
     parts = [(xs, None) for xs in x[:n_text].split(per)] if n_text else []
     if n_syn:
         parts += list(zip(x[n_text:].split(per), mask.split(per), strict=True))
     spec = supervision_spec(args)
     for xs, ms in parts:
-        armed = supervised_attention(model, spec, xs if ms is not None else None)
+        armed = supervised_attention(
+            model, spec, xs if ms is not None else None, identity=args.induction_identity > 0
+        )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             main, extra = forward_losses(model, mtp, xs, ms)
         share = xs.shape[0] / x.shape[0]
         sup = sum(m.supervise["loss"] for m in armed) if armed else None
+        ident = armed[0].supervise.get("identity_loss") if armed else None
         supervised_attention(model, spec, None)
         loss = main + args.mtp_weight * extra
         if sup is not None:
             loss = loss + args.induction_weight * sup
             sums["induction_loss"] += sup.item() * xs.shape[0] / n_syn
+        if ident is not None:
+            loss = loss + args.induction_identity * ident
+            sums["identity_loss"] += ident.item() * xs.shape[0] / n_syn
         (loss * share).backward()
         if ms is None:
             sums["loss"] += main.item() * xs.shape[0] / n_text
@@ -657,6 +673,9 @@ def train_step(
         "synthetic_windows": n_syn,
         "synthetic_loss": sums["synthetic_loss"] if n_syn else None,
         "induction_loss": sums["induction_loss"] if n_syn and spec is not None else None,
+        "identity_loss": sums["identity_loss"]
+        if n_syn and spec is not None and args.induction_identity
+        else None,
         "max_load_ratio": balancer.step(),
         "grad_norm": float(grad_norm),
         "lr": lr,
@@ -821,6 +840,8 @@ def pretrain(state: dict, work: Path, windows: Windows, evals: tuple, args, log)
             )
             if row.get("induction_loss") is not None:
                 syn += f"  induction heads {row['induction_loss']:.3f}"
+            if row.get("identity_loss") is not None:
+                syn += f" (identity {row['identity_loss']:.3f})"
             log(
                 f"step {step + 1}/{args.steps} ctx {context}  loss {fmt(row['loss'])}  mtp {fmt(row['mtp_loss'])}"
                 f"{syn}  load max/mean {row['max_load_ratio']:.2f}  {row['seconds']:.1f} s/step"
@@ -1133,6 +1154,15 @@ def parse(argv: list[str] | None):
     )
     t.add_argument("--induction-weight", type=float, default=1.0, help="weight of that loss (default: 1.0)")
     t.add_argument(
+        "--induction-identity",
+        type=float,
+        default=0.0,
+        help="with --supervise-induction: also train the previous-token head's write into the "
+        "residual stream to name the previous token (cross-entropy of the write read against the "
+        "input embedding), with this weight (default 0: off), so the induction head has a clean "
+        "key to match",
+    )
+    t.add_argument(
         "--synthetic-min-len", type=int, default=16, help="copied segment length, min (default: 16)"
     )
     t.add_argument(
@@ -1259,7 +1289,7 @@ TRAINER_VERSION = 6  # recorded with every recipe change
 # 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
 # (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5); 5: --init-from,
 # --lr-schedule, the --synthetic-* copy curriculum, --best-by; 6: --grow-from, --synthetic-alphabet,
-# --supervise-induction, --induction-weight
+# --supervise-induction, --induction-weight, --induction-identity
 
 
 def apply_changes(state: dict, args, log) -> None:

@@ -480,3 +480,31 @@ def test_attention_supervision_measures_the_head(tm):
     finally:
         tm.supervised_attention(model, (0, 1), None)
         tm.unpatch(orig)
+
+
+def test_identity_supervision_reads_the_previous_token(tm):
+    """--induction-identity: the previous-token head's write into the residual stream, read with
+    the input embedding, is trained to name the previous token; the embedding itself gets no
+    gradient from it, and the loss falls when the layer is trained on it."""
+    cfg = _tiny(tm, layers=2)
+    _, model, _ = _build(tm, cfg)
+    x = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(4))
+    orig = tm.patch_for_training()
+    try:
+        mm = model.model
+        opt = torch.optim.Adam(mm.layers[0].parameters(), lr=3e-3)
+        first = None
+        for _ in range(40):
+            opt.zero_grad()
+            armed = tm.supervised_attention(model, (0, 1), x, identity=True)
+            h = mm.embed_tokens(x).detach()
+            tm.run_stack(mm.layers[:1], h, mm.rotary_emb(h, torch.arange(48)[None]))
+            loss = armed[0].supervise["identity_loss"] + armed[0].supervise["loss"]
+            first = loss.item() if first is None else first
+            loss.backward()
+            assert mm.embed_tokens.weight.grad is None
+            opt.step()
+            tm.supervised_attention(model, (0, 1), None)
+        assert loss.item() < 0.6 * first
+    finally:
+        tm.unpatch(orig)
