@@ -37,13 +37,24 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
         ["chat", "builtin:tiny"],
         ["serve", "builtin:tiny", "--port", "0"],
         ["bench", "decode", "builtin:tiny", "--context", "8", "--decode-tokens", "2"],
+        ["bench", "speculative", "--model", "random:tiny"],
         ["bench", "batch", "builtin:tiny"],
         ["bench", "resume", "builtin:tiny"],
         ["eval", "ppl", "builtin:tiny"],
     ],
-    ids=["generate", "chat", "serve", "bench-decode", "bench-batch", "bench-resume", "eval-ppl"],
+    ids=[
+        "generate",
+        "chat",
+        "serve",
+        "bench-decode",
+        "bench-speculative",
+        "bench-batch",
+        "bench-resume",
+        "eval-ppl",
+    ],
 )
-def test_cuda_without_cuda_is_one_line_and_exit_2(capsys, monkeypatch, no_cuda, argv):
+def test_cuda_without_cuda_is_one_line_and_exit_2(capsys, monkeypatch, no_cuda, tmp_path, argv):
+    monkeypatch.setenv("LATENTKV_CACHE", str(tmp_path))  # where bench speculative would write random:tiny
     if argv[0] == "serve":  # past the check the server would start and wait for requests
         import uvicorn
 
@@ -53,6 +64,7 @@ def test_cuda_without_cuda_is_one_line_and_exit_2(capsys, monkeypatch, no_cuda, 
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "--device cuda:" in lines[0] and "use --device cpu" in lines[0], err
     assert "Traceback" not in err and "loaded" not in err  # refused before any weight is read
+    assert not (tmp_path / "bench").exists()  # nor a random model written
 
 
 def test_an_unknown_device_is_argparses_refusal(capsys):
@@ -116,6 +128,8 @@ def test_cuda_with_streamed_experts_needs_a_vram_plan(monkeypatch):
         ["generate", "builtin:tiny", *PROMPT, "--vram-gb", "4"],
         ["generate", "builtin:tiny", *PROMPT, "--vram-gb", "4", "--device", "auto"],
         ["bench", "decode", "builtin:tiny", "--context", "8", "--vram-gb", "4"],
+        ["bench", "speculative", "--model", "builtin:fixture", "--vram-gb", "4"],
+        ["bench", "speculative", "--model", "builtin:fixture", "--vram-gb", "4", "--device", "auto"],
     ],
 )
 def test_vram_gb_without_a_gpu_is_one_line_and_exit_2(capsys, no_cuda, argv):
@@ -124,9 +138,26 @@ def test_vram_gb_without_a_gpu_is_one_line_and_exit_2(capsys, no_cuda, argv):
     assert code == 2 and len(lines) == 1 and "--vram-gb plans a GPU's memory" in lines[0], err
 
 
-def test_vram_gb_must_be_a_positive_budget(capsys):
-    code, _out, err = _run(capsys, "generate", "builtin:tiny", *PROMPT, "--vram-gb", "-1")
+@pytest.mark.parametrize(
+    "argv", [["generate", "builtin:tiny", *PROMPT], ["bench", "speculative", "--model", "builtin:fixture"]]
+)
+def test_vram_gb_must_be_a_positive_budget(capsys, argv):
+    code, _out, err = _run(capsys, *argv, "--vram-gb", "-1")
     assert code == 2 and "--vram-gb" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("streamed", [["--ram-gb", "4"], ["--expert-share", "0.5"]])
+def test_bench_speculative_streamed_on_cuda_needs_a_vram_plan(capsys, monkeypatch, tmp_path, streamed):
+    """bench speculative refuses as generate does: experts from disk on a GPU need --vram-gb (CUDA
+    patched in, refused before a model is built)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LATENTKV_CACHE", str(tmp_path))
+    code, _out, err = _run(
+        capsys, "bench", "speculative", "--model", "random:tiny", "--device", "cuda", *streamed
+    )
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "add --vram-gb V" in lines[0], err
+    assert not (tmp_path / "bench").exists()
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,6 @@ from latentkv.experts.device_cache import DeviceCache, HostExperts
 from latentkv.experts.extent import CODECS, expert_layout
 from latentkv.experts.streamed import ExpertStreamer, StreamConfig
 from latentkv.models.moe import MoE
-from latentkv.models.registry import resolve
-from latentkv.models.weights import load_model
 from latentkv.streaming.convert import write_store
 from latentkv.weights.base import make_linear
 
@@ -38,21 +36,6 @@ class Resident(LocalStore):
 
     def get(self, ids, first=True):
         return {e: self._experts[e] for e in ids}
-
-
-@pytest.fixture(scope="module")
-def layer():
-    """builtin:fixture's first MoE layer, its router picking 4 of 8 experts (more per pass)."""
-    model = load_model(resolve("builtin:fixture"), device=CPU)
-    mlp = next(b.mlp for b in model.blocks if isinstance(b.mlp, MoE))
-    stacked = mlp.experts.stacked
-    experts = {
-        e: Expert(make_linear(stacked.gate_up[e], "f32"), make_linear(stacked.down[e], "f32"))
-        for e in range(stacked.gate_up.shape[0])
-    }
-    router = copy.copy(mlp.router)
-    router.top_k = 4
-    return router, mlp.shared, experts
 
 
 def _front(kind: str, experts, slots: int, tmp_path, policy: str = "lru"):

@@ -71,7 +71,7 @@ def test_experts_move_from_vram_to_pinned_to_disk_at_the_boundaries(fixture_mode
     assert pinned.disk_bytes_per_token == 0 and pinned.fits
 
     disk = plan(fixture_model, fixed + every - 1, HOST_BASE + every - 1)
-    host = HOST_BASE + (k + 4) * extent  # read buffers: k in flight + SPARE_BUFFERS (4)
+    host = HOST_BASE + (k + 4 + 4) * extent  # read buffers: k in flight + SPARE_BUFFERS (4); 4 staging
     assert disk.expert_home == "disk" and disk.host_bytes == host
     assert disk.pinned_experts == (HOST_BASE + every - 1 - host) // extent
     on_host = (disk.vram_experts + disk.pinned_experts) / probe.experts_total

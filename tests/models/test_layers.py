@@ -196,6 +196,39 @@ def test_rotation_at_an_offset_against_float64(S, interleaved, offset):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("S", [1, 4])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("width, offset", [(8, 0), (20, 0), (20, 5), (20, 12)])
+def test_rotation_matrix_is_the_spelled_out_matrix_bit_for_bit(S, interleaved, width, offset):
+    """`RotaryTables.matrix` (made in one op per pass from a cached pattern) holds exactly the
+    table's cos / -sin / sin values where the rotation puts them, 1 on the pass-through diagonal
+    and 0 elsewhere; a [S, n, width] input (no views around the product) and a [S, width] one
+    rotate to the bits of the product as it was spelled out before."""
+    half = 4
+    g = torch.Generator().manual_seed(S * 100 + width + offset)
+    cos, sin = torch.randn(S, half, generator=g), torch.randn(S, half, generator=g)
+    want = torch.zeros(S, width, width)
+    for s in range(S):
+        for j in [*range(offset), *range(offset + 2 * half, width)]:
+            want[s, j, j] = 1.0
+        for i in range(half):
+            a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+            a, b, lo, hi = a + offset, b + offset, i + offset, i + half + offset
+            want[s, a, lo], want[s, b, lo] = cos[s, i], -sin[s, i]
+            want[s, b, hi], want[s, a, hi] = cos[s, i], sin[s, i]
+    tables = RotaryTables(cos, sin)
+    got = tables.matrix(interleaved, width, offset)
+    assert torch.equal(got, want) and not torch.equal(want, torch.zeros_like(want))
+    x = torch.randn(S, 3, width, generator=g)
+    three = tables.rotate(x, interleaved, offset)
+    assert torch.equal(three, torch.matmul(x.reshape(S, -1, width), want).view(x.shape))
+    flat = x[:, 0].contiguous()
+    assert torch.equal(
+        tables.rotate(flat, interleaved, offset),
+        torch.matmul(flat.reshape(S, -1, width), want).view(S, width),
+    )
+
+
 def test_rotation_at_an_offset_refuses_what_it_cannot_do():
     angle = torch.zeros(layers.MATMUL_ROPE_MAX_POSITIONS + 1, 4)
     with pytest.raises(ValueError, match="offset"):

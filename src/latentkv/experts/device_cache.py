@@ -15,7 +15,10 @@ A pass of one layer (`arrivals(ids)`, at most `at_once` experts, so each has a s
     misses    asked of the host store together (every disk read started), each copied into a
               slot: evicting by policy, never an expert of this pass (protected until it ends);
               on CUDA on the copy stream, after the compute that last read the slot (an event
-              recorded when its pass ended), `non_blocking` from page-locked memory
+              recorded when its pass ended), `non_blocking` from page-locked memory; an expert in
+              pageable memory (the disk store's read buffers) is first copied into one of a small
+              ring of page-locked staging buffers, which is refilled only once the copy out of it
+              is done (its event), so the copy to the device still overlaps compute
     handed    every miss's copy is issued before the first miss is handed over (with experts
               resident on the host, before the first hit too); on CUDA the compute stream waits on
               a copy's event, the host thread never does
@@ -27,7 +30,9 @@ pass only (`not_kept`).
 (disk reads start; the copies wait for the pass).
 
 Nothing here picks a device: it is passed in. With device=cpu the same logic runs over CPU
-slots with synchronous copies (how the tests run it).
+slots with synchronous copies (how the tests run it). The CUDA calls (streams, events, page
+locking) are all in `CudaOps`; the tests stand a CPU fake in for it that runs each copy only when
+an event after it is waited for, so an ordering mistake shows as wrong weights.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from latentkv.experts.extent import expert_from_views, expert_layout, flat_view
 from latentkv.experts.store_file import ExtentLayout
 
 PAGE = 4096
+STAGING_BUFFERS = 4  # page-locked buffers pageable experts are staged through (per device cache)
 
 
 @dataclass
@@ -58,6 +64,8 @@ class DeviceCacheStats:
     copies: int = 0  # host -> device copies, all kinds
     bytes_copied: int = 0
     not_kept: int = 0  # copied into a buffer for one pass only (no slot could be freed)
+    staged: int = 0  # copies from pageable memory, through a page-locked staging buffer
+    staging_waits: int = 0  # of those, how often the host waited for a staging buffer's last copy
 
     @property
     def hit_rate(self) -> float:
@@ -79,26 +87,22 @@ class _Slot:
     prefetched: bool = False  # copied ahead, not yet asked for
 
 
-class _Copier:
-    """Where copies and their ordering happen: on CUDA a side stream and events; on any other
-    device in line (nothing to order)."""
+class CudaOps:
+    """The CUDA calls of the copies: a side stream for them, events to order them, page-locked
+    host memory. Events answer `query()` (done?) and `synchronize()` (wait for it)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stream = torch.cuda.Stream(device)
 
-    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], buffer: torch.Tensor, after) -> object:
-        """dst[i] <- src[i], after event `after`; the event of the copies' end (None off CUDA)."""
-        if not self.cuda:
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s)
-            return None
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], buffer: torch.Tensor, after):
+        """dst[i] <- src[i] (every src page-locked: asynchronous) on the copy stream after event
+        `after`; the event of their end."""
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
             for d, s in zip(dst, src, strict=True):
-                d.copy_(s, non_blocking=s.is_pinned())
+                d.copy_(s, non_blocking=True)
             buffer.record_stream(self.stream)  # freed while a copy runs: not reused before its end
             done = torch.cuda.Event()
             done.record(self.stream)
@@ -106,16 +110,111 @@ class _Copier:
 
     def wait(self, event) -> None:
         """The compute stream waits for `event` (the host does not)."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        torch.cuda.current_stream(self.device).wait_event(event)
 
     def mark(self):
-        """An event after the compute issued so far (None off CUDA)."""
-        if not self.cuda:
-            return None
+        """An event after the compute issued so far."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def locked(self, nbytes: int) -> torch.Tensor:
+        """A page-locked host buffer of exactly `nbytes` (unlocked when it is collected)."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        page_lock(buffer, buffer)
+        return buffer
+
+    @staticmethod
+    def is_locked(t: torch.Tensor) -> bool:
+        return t.is_pinned()
+
+
+def page_lock(owner: object, buffer: torch.Tensor) -> None:
+    """Page-lock `buffer` in place (cudaHostRegister: no rounding up, unlike torch's pinned
+    allocator), unlocked when `owner` is collected (at the latest at exit, where an error is moot)."""
+    if not buffer.numel():
+        return
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    weakref.finalize(owner, cudart.cudaHostUnregister, buffer.data_ptr())
+
+
+class StagingRing:
+    """Page-locked host buffers that experts in pageable memory pass through on their way to the
+    device, used in turn. A buffer is handed out again only once the copy out of it is done: its
+    event is synchronized first (the host waits only when every buffer's copy is still running).
+    The buffers are made on first use, of the first expert's bytes rounded up to a page (all of a
+    model's experts share one layout); a larger expert remakes the buffer it is given."""
+
+    def __init__(self, count: int, alloc, stats: DeviceCacheStats):
+        if count < 1:
+            raise ValueError(f"a staging ring needs at least one buffer, got {count}")
+        self.alloc = alloc  # nbytes -> a page-locked uint8 host tensor
+        self.buffers: list[torch.Tensor | None] = [None] * count
+        self.pending: list[object | None] = [None] * count  # the event of each buffer's last copy
+        self.next = 0
+        self.stats = stats
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """(the buffer's index, a buffer of at least `nbytes` whose last copy is done)."""
+        i = self.next
+        self.next = (i + 1) % len(self.buffers)
+        event, self.pending[i] = self.pending[i], None
+        if event is not None:
+            if not event.query():
+                self.stats.staging_waits += 1
+            event.synchronize()
+        buffer = self.buffers[i]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self.buffers[i] = self.alloc(-(-nbytes // PAGE) * PAGE)
+        return i, buffer
+
+    def give(self, i: int, event) -> None:
+        """Buffer `i` is being copied out of until `event`."""
+        self.pending[i] = event
+
+
+class _Copier:
+    """Where copies and their ordering happen: through `ops` (CudaOps on CUDA, a fake in tests)
+    with a side stream and events; with no ops (any other device) in line, nothing to order."""
+
+    def __init__(
+        self, device: torch.device, stats: DeviceCacheStats, ops=None, staging: int = STAGING_BUFFERS
+    ):
+        self.device = device
+        self.ops = CudaOps(device) if ops is None and device.type == "cuda" else ops
+        self.ring = StagingRing(staging, self.ops.locked, stats) if self.ops is not None else None
+        self.stats = stats
+
+    def copy(self, buffer: torch.Tensor, layout: ExtentLayout, raws: list[torch.Tensor], after) -> object:
+        """The expert's tensors `raws` into `buffer` in `layout`, after event `after`; the event
+        of the copies' end (None without ops)."""
+        names = [t.name for t in layout.tensors]
+        dst = [flat_view(buffer, layout, name) for name in names]
+        if self.ops is None:
+            for d, s in zip(dst, raws, strict=True):
+                d.copy_(s)
+            return None
+        if all(self.ops.is_locked(s) for s in raws):
+            return self.ops.copy(dst, raws, buffer, after)
+        # pageable (the disk store's read buffers): into a page-locked buffer on the host, then
+        # one asynchronous copy of it
+        i, staging = self.ring.take(layout.length)
+        for name, raw in zip(names, raws, strict=True):
+            flat_view(staging, layout, name).copy_(raw)
+        done = self.ops.copy([buffer], [staging[: layout.length]], buffer, after)
+        self.ring.give(i, done)
+        self.stats.staged += 1
+        return done
+
+    def wait(self, event) -> None:
+        """The compute stream waits for `event` (the host does not)."""
+        if event is not None:
+            self.ops.wait(event)
+
+    def mark(self):
+        """An event after the compute issued so far (None without ops)."""
+        return None if self.ops is None else self.ops.mark()
 
 
 class HostExperts(LocalStore):
@@ -151,11 +250,8 @@ def hold(store: LocalStore, pin: bool) -> HostExperts:
             flat_view(buffer, layout, name, base).copy_(raw)
         held.append(expert_from_views(layout, lambda n, b=base, lay=layout: flat_view(buffer, lay, n, b)))
     host = HostExperts(held, buffer)
-    if pin and buffer.numel():
-        cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
-        # unlocked before the buffer is freed (at the latest at exit, where an error is moot)
-        weakref.finalize(host, cudart.cudaHostUnregister, buffer.data_ptr())
+    if pin:
+        page_lock(host, buffer)
     return host
 
 
@@ -167,8 +263,16 @@ class DeviceCache:
     predicts = True  # prefetch hints are worth the router's second run: copies (or reads) start early
 
     def __init__(
-        self, device: torch.device, slots: int, policy: str = "lru", prefetch_max: int | None = None
+        self,
+        device: torch.device,
+        slots: int,
+        policy: str = "lru",
+        prefetch_max: int | None = None,
+        ops=None,
+        staging: int = STAGING_BUFFERS,
     ):
+        """`ops`: the copies' stream/event calls (default: CudaOps on CUDA, none elsewhere; tests
+        pass a fake); `staging`: page-locked buffers for experts in pageable memory."""
         if slots < 1:
             raise ValueError(f"a device expert cache needs at least one slot, got {slots}")
         self.device = torch.device(device)
@@ -176,7 +280,7 @@ class DeviceCache:
         self.prefetch_max = slots if prefetch_max is None else prefetch_max
         self.cache = ExpertCache(slots, policy, on_evict=self._evicted)
         self.stats = DeviceCacheStats()
-        self._copier = _Copier(self.device)
+        self._copier = _Copier(self.device, self.stats, ops, staging)
         self._free: list[_Slot] = []  # evicted slots whose buffers the next copies reuse
         self._first_layer: int | None = None  # a pass starts at it (the least-stale clock)
 
@@ -186,7 +290,7 @@ class DeviceCache:
         if self._first_layer is None or layer < self._first_layer:
             self._first_layer = layer
         if resident:
-            store = hold(store, pin=self._copier.cuda)
+            store = hold(store, pin=self.device.type == "cuda")
         return DeviceExperts(self, layer, store, resident)
 
     # --- a pass -----------------------------------------------------------------------------
@@ -230,8 +334,7 @@ class DeviceCache:
                 return None
             self.stats.not_kept += 1
         slot.buffer, after = self._buffer(layout)
-        views = [flat_view(slot.buffer, layout, t.name) for t in layout.tensors]
-        slot.ready = self._copier.copy(views, raws, slot.buffer, after)
+        slot.ready = self._copier.copy(slot.buffer, layout, raws, after)
         self.stats.copies += 1
         self.stats.bytes_copied += layout.length
         return slot

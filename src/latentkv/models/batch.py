@@ -165,6 +165,7 @@ class _PerSequence:
         backend: AttentionBackend,
     ):
         self.caches, self.parts, self.ropes, self.backend = caches, parts, ropes, backend
+        self._positions: list[torch.Tensor | None] = [None] * len(caches)  # each segment's, made once
 
     def attend(
         self,
@@ -195,7 +196,11 @@ class _PerSequence:
             if indexer is not None:
                 cached = cache.append_index_keys(layer, keys_b)
                 selected[b] = indexer.select(h_b, q_b, self.ropes[b], cached, cache.length)
-            context.append(attn.context(query_b, reader, cache.length, selected[b], self.backend))
+            if self._positions[b] is None:  # every layer reads the same positions
+                n = query_b.shape[1]
+                self._positions[b] = torch.arange(cache.length, cache.length + n, device=query.device)
+            positions = self._positions[b]
+            context.append(attn.context(query_b, reader, cache.length, selected[b], self.backend, positions))
         return (context[0] if len(context) == 1 else torch.cat(context, dim=1)), selected
 
 

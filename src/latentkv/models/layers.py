@@ -146,6 +146,8 @@ class RotaryTables:
         width = x.shape[-1]
         if self.S <= MATMUL_ROPE_MAX_POSITIONS:
             m = self.matrix(interleaved, width, offset)  # [S, width, width]
+            if len(x.shape) == 3:  # [S, n, width] already: the same product without two views
+                return torch.matmul(x, m)
             shape = x.shape
             return torch.matmul(x.reshape(self.S, -1, width), m).view(shape)
         if offset:
@@ -169,11 +171,11 @@ class RotaryTables:
         if key not in self._mats:
             if self._values is None:  # out[i] = a c - b s ; out[i + h] = b c + a s
                 self._values = torch.cat([self.cos, -self.sin, self.cos, self.sin], dim=1)  # [S, 4 half]
-            rotated, passed = _rotation_pattern(interleaved, self.half, width, offset, self.cos.device)
-            m = torch.zeros(self.S, width * width, device=self.cos.device)
-            m.index_copy_(1, rotated, self._values)
-            if passed.numel():
-                m.index_fill_(1, passed, 1.0)
+            rotated, base = _rotation_pattern(interleaved, self.half, width, offset, self.cos.device)
+            if self.S > 1:
+                base = base.expand(self.S, -1)
+            # base holds the pass-through ones; out-of-place index_copy: one op per matrix
+            m = base.index_copy(1, rotated, self._values)
             self._mats[key] = m.view(self.S, width, width)
         return self._mats[key]
 
@@ -186,11 +188,15 @@ _PATTERNS: dict[tuple[bool, int, int, int, torch.device], tuple[torch.Tensor, to
 def _rotation_pattern(
     interleaved: bool, half: int, width: int, offset: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat [width * width] indices of a rotation matrix's entries: the rotated ones in the order
-    cos | -sin | cos | sin (as `RotaryTables.matrix` fills them), then the pass-through ones."""
+    """(flat [width * width] indices of a rotation matrix's rotated entries, in the order
+    cos | -sin | cos | sin as `RotaryTables.matrix` fills them; the matrix before they are filled,
+    [1, width * width]: 1 at the pass-through entries, 0 elsewhere)."""
     key = (interleaved, half, width, offset, device)
     if key not in _PATTERNS:
-        _PATTERNS[key] = _build_rotation_pattern(*key)
+        rotated, passed = _build_rotation_pattern(*key)
+        base = torch.zeros(1, width * width, device=device)
+        base[0, passed] = 1.0
+        _PATTERNS[key] = rotated, base
     return _PATTERNS[key]
 
 

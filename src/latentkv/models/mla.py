@@ -91,8 +91,8 @@ class MLA:
 
     def _rows(self, kv_in: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
         """W_DKV x [S, Lkv+R] -> cache rows [c | r] [S, Lkv+R]."""
-        c = self.w.kv_a_norm(kv_in[:, : self.Lkv])
-        return torch.cat([c, rope.rotate(kv_in[:, self.Lkv :], self.interleaved)], dim=-1)
+        c, r = kv_in.split((self.Lkv, self.R), dim=-1)
+        return torch.cat([self.w.kv_a_norm(c), rope.rotate(r, self.interleaved)], dim=-1)
 
     def _decode_query(self, q_resid: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
         """New tokens' queries through the absorbed matrix: q_resid [S, q_lora] -> [H, S, Lkv+R],
@@ -109,6 +109,7 @@ class MLA:
         start: int,
         selected: torch.Tensor | None = None,
         backend: AttentionBackend = REFERENCE,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of S queries [H, S, Lkv+R] at positions start..start+S-1 over T cached rows
         -> the latent context [H, S, Lkv] (`output` projects it).
@@ -116,21 +117,26 @@ class MLA:
         `rows` reads the cache in whatever tier it is stored (see `latentkv.kv.cache`), through
         `backend` (`latentkv.attention`; the torch reference unless told otherwise).
         `selected` (DSA): for decode (S == 1) the [k] token indices to attend to; for S > 1 a
-        boolean [S, T] mask of allowed tokens (causality is applied here in both cases)."""
+        boolean [S, T] mask of allowed tokens (causality is applied here in both cases).
+        `positions`: start..start+S-1 as a tensor, when the caller made it once for every layer."""
         H, S, _ = query.shape
         device = query.device
         if S == 1:  # decode: one tile, no mask (DSA's choice is a row selection)
             if selected is not None:
                 rows = rows.select(selected)
-            return backend.attend(query, rows, None, torch.arange(start, start + 1, device=device))
+            if positions is None:
+                positions = torch.arange(start, start + 1, device=device)
+            return backend.attend(query, rows, None, positions)
         T = len(rows)
         tile = max(1, SCORE_BLOCK_ELEMENTS // max(1, H * T))
         parts = []
         for s0 in range(0, S, tile):
             s1 = min(S, s0 + tile)
             allowed = _allowed(start + s0, s1 - s0, T, selected, s0, device)  # [s, T]
-            positions = torch.arange(start + s0, start + s1, device=device)  # a recent window reads these
-            parts.append(backend.attend(query[:, s0:s1], rows, allowed, positions))  # [H, s, Lkv]
+            at = (  # a recent window reads these
+                torch.arange(start + s0, start + s1, device=device) if positions is None else positions[s0:s1]
+            )
+            parts.append(backend.attend(query[:, s0:s1], rows, allowed, at))  # [H, s, Lkv]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def output(

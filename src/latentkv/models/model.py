@@ -154,7 +154,9 @@ class Model:
         """The one forward pass: every block over the batch's tokens, then each segment's last
         row (every row when `last_only` is False) through the final norm and lm_head. With
         `hidden`, also every row's lm_head input h [N, D] (the final norm's output)."""
-        x = self.embed.index_select(0, batch.tokens).float()  # [N, D]; activations stay float32
+        x = self.embed.index_select(0, batch.tokens)  # [N, D]; activations stay float32
+        if x.dtype != torch.float32:
+            x = x.float()
         selected = None
         for i, block in enumerate(self.blocks):
             x, selected = block(x, batch, i, selected)

@@ -195,7 +195,9 @@ class MoE:
         units. idx / weights [B, k]."""
         gate_up, down, mix_base = self._every
         B = x.shape[0]
-        mix = mix_base.expand(B, -1).scatter(1, idx, weights.to(mix_base.dtype))  # [B, U]
+        if weights.dtype != mix_base.dtype:
+            weights = weights.to(mix_base.dtype)
+        mix = (mix_base if B == 1 else mix_base.expand(B, -1)).scatter(1, idx, weights)  # [B, U]
         gate, up = gate_up(x).view(B, mix.shape[1], -1).chunk(2, dim=-1)  # [B, U, I] each
         act = F.silu(gate) * up * mix.unsqueeze(-1)  # [B, U, I]
         return down.add_to(residual, act.view(B, -1))  # [B, D]

@@ -10,13 +10,15 @@
     host R = HOST_BASE              the interpreter, torch, the CUDA driver's host side
            + pinned experts         every expert in page-locked RAM when they all fit: copies to the
                                     GPU then run at the bus's speed, overlapped with compute
-           or host expert cache     else as many as fit (pinned), the rest read from the disk store
+           or host expert cache     else as many as fit, the rest read from the disk store
               + read buffers        (k + SPARE_BUFFERS) extents for reads in flight
+              + staging             STAGING_BUFFERS page-locked extents the reads are copied
+                                    through on their way to the GPU (so those copies overlap)
 
 Where the routed experts live follows: `vram` (all resident on the GPU), `pinned` (all in host
-RAM, the hottest cached in VRAM) or `disk` (streamed: disk -> pinned host cache -> VRAM). Bytes
-per token assume routing spread evenly over the experts (the CPU planner's convention) and that
-the VRAM cache and the host cache hold different experts.
+RAM, the hottest cached in VRAM) or `disk` (streamed: disk -> host cache -> page-locked staging
+buffer -> VRAM). Bytes per token assume routing spread evenly over the experts (the CPU planner's
+convention) and that the VRAM cache and the host cache hold different experts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from latentkv.config import CacheConfig, ModelConfig
+from latentkv.experts.device_cache import STAGING_BUFFERS
 from latentkv.experts.reader import SPARE_BUFFERS
 from latentkv.kv.cache import SHAPES_ONLY, CacheLayout, resolve_tier
 from latentkv.streaming.planner import (
@@ -59,7 +62,7 @@ class GpuPlan:
     staging_bytes: int  # VRAM slots for experts copied in for a pass (0 when all are resident)
     vram_expert_bytes: int
     vram_experts: int
-    host_bytes: int  # HOST_BASE + the read buffers (disk only)
+    host_bytes: int  # HOST_BASE + the read and staging buffers (disk only)
     pinned_expert_bytes: int  # page-locked host RAM holding experts
     pinned_experts: int
     expert_home: str  # "vram", "pinned" or "disk"
@@ -124,11 +127,11 @@ def make_gpu_plan(
         if HOST_BASE + all_experts <= ram_bytes:  # every expert pinned in host RAM
             home, pinned, host = "pinned", total, HOST_BASE
         else:
-            host = HOST_BASE + (k + SPARE_BUFFERS) * extent
+            host = HOST_BASE + (k + SPARE_BUFFERS + STAGING_BUFFERS) * extent
             home, pinned = "disk", max(0, ram_bytes - host) // extent if extent else 0
             if host > ram_bytes:
                 problems.append(
-                    f"the host needs {host / GIB:.2f} GiB (runtime and read buffers), more than the "
+                    f"the host needs {host / GIB:.2f} GiB (runtime, read and staging buffers), more than the "
                     f"{ram_bytes / GIB:.2f} GiB budget"
                 )
     cold = k * moe_layers * extent  # every expert of a token read, nothing cached
@@ -172,7 +175,8 @@ def format_gpu_plan(p: GpuPlan) -> str:
     homes = {
         "vram": "every expert resident in VRAM: nothing crosses the bus after loading",
         "pinned": "every expert in pinned host RAM, the hottest cached in VRAM; copies overlap compute",
-        "disk": "experts streamed from the disk store into a pinned host cache, then into VRAM",
+        "disk": "experts streamed from the disk store into a host cache, then through page-locked staging "
+        "buffers into VRAM; copies overlap compute",
     }
     lines = [
         f"VRAM budget     {gib(p.vram_bytes)}   (--vram-gb)",

@@ -230,13 +230,14 @@ class Int4Linear(Linear):
         return self._bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        flat = len(x.shape) == 2  # [M, in] already: no reshape around the product
+        x2 = x if flat else x.reshape(-1, self.in_features)  # [M, in]
         y = self._product(x2, self.scale_zeros)
         if self.scale_zeros_lo is not None and self.zero_t is not None:  # float32 scales
             y = y + self._product(x2, self.scale_zeros_lo) + self._zeros(x2)
         if self._bias is not None:
             y = y + self._bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def _product(self, x: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> float32 [M, out] with the codes and one set of scales and zeros."""

@@ -156,7 +156,8 @@ class Int8Linear(Linear):
         return self._bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        flat = len(x.shape) == 2  # [M, in] already: no reshape and view around the product
+        x2 = x if flat else x.reshape(-1, self.in_features)  # [M, in]
         if self.q.is_cuda and x2.shape[0] <= KERNEL_MAX_ROWS:
             from latentkv.weights import int8_triton
 
@@ -173,7 +174,7 @@ class Int8Linear(Linear):
             y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale).float()
         if self._bias is not None:
             y = y + self._bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if flat else y.view(*x.shape[:-1], self.out_features)
 
     def add_to(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         fused = self._kernel is not None and self._bias is None and residual is not None
@@ -231,7 +232,8 @@ class Int8Linear(Linear):
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] as the native kernels take it: float32 with unit column stride."""
-    x = x.float()
+    if x.dtype != torch.float32:
+        x = x.float()
     return x if x.stride(-1) == 1 else x.contiguous()
 
 

@@ -18,6 +18,7 @@ import torch
 
 from latentkv.weights import int4, int8
 from latentkv.weights.base import Linear
+from latentkv.weights.int8 import _rows
 
 Fused = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -37,11 +38,6 @@ def fused_swiglu(gate_up: Linear, down: Linear, rows: int) -> Fused | None:
     if kind is int4.Int4Linear and rows <= int4.KERNEL_MAX_ROWS and gate_up.group_size == down.group_size:
         return lambda x, residual: kernel.expert_int4(_rows(x), gate_up, down, residual)
     return None
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x = x.float()
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class PackedExperts:
@@ -94,7 +90,7 @@ class PackedExperts:
     ) -> torch.Tensor:
         """x [N, D] (N <= max_rows), idx / weights [N, k] -> sum_j weights[:, j] * expert_idx[:, j](x)."""
         x = _rows(x)
-        w = weights.float()
+        w = weights if weights.dtype == torch.float32 else weights.float()
         if self._kind is int8.Int8Linear:
             return torch.ops.latentkv.moe_int8(x, idx, w, *self._tensors, by_id, self._kernel.isa)
         gu, gu_sz, dn, dn_sz = self._tensors

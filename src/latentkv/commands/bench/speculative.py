@@ -7,7 +7,7 @@ import gc
 from pathlib import Path
 
 from latentkv.commands.bench import common
-from latentkv.commands.common import add_streaming_arguments
+from latentkv.commands.common import add_device_argument, add_streaming_arguments, add_vram_argument
 from latentkv.errors import UserError
 
 RANDOM_MODELS = ("random:tiny", "random:slice")
@@ -28,7 +28,8 @@ def add(sub) -> None:
         "random:tiny and random:slice are builtin:tiny's and the GLM-5-width slice's shapes with random "
         "weights and a random MTP layer (the low-acceptance case), built once under the cache directory. "
         "With --ram-gb the experts (the MTP layer's too) stream from disk within that budget and each row "
-        "adds the expert cache's hit rates and MiB read per token.",
+        "adds the expert cache's hit rates and MiB read per token. With --device cuda the models run on the "
+        "GPU (f32 weights), and --vram-gb plans its memory as in `latentkv generate`.",
     )
     d.add_argument(
         "--model",
@@ -48,7 +49,9 @@ def add(sub) -> None:
     d.add_argument(
         "--repeats", type=int, default=1, help="keep the fastest of this many runs per row (default: 1)"
     )
+    add_device_argument(d)
     add_streaming_arguments(d)
+    add_vram_argument(d)
     d.add_argument(
         "--expert-share",
         type=float,
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> dict:
         cache = CacheConfig(tiers[0])
     except ConfigError as exc:
         raise UserError(str(exc)) from None
+    _check_device(args)
     common.set_threads(args.threads)
     rows: list[dict] = []
     for name in [m.strip() for m in args.model.split(",") if m.strip()]:
@@ -95,12 +99,30 @@ def run(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": cache.kv_cache_dtype,
         "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens,
+        "device": args.device,
         "ram_gb": args.ram_gb,
+        "vram_gb": args.vram_gb,
         "expert_share": args.expert_share,
         "expert_cache_policy": args.expert_cache_policy if args.ram_gb or args.expert_share else None,
         "notes": notes,
         "rows": rows,
     }
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    """--device and --vram-gb refused as `load` would refuse them (one line, exit 2), before any
+    model is resolved or a random one written to disk."""
+    from latentkv.config import ConfigError, EngineConfig
+    from latentkv.runtime import check_device
+
+    streamed = args.expert_share is not None or args.ram_gb is not None
+    try:  # --expert-share becomes a --ram-gb per model; any budget stands for it here
+        engine = EngineConfig(
+            device=args.device, vram_gb=args.vram_gb, ram_gb=args.ram_gb or (1.0 if streamed else None)
+        )
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    check_device(engine)
 
 
 def _model_rows(args, name: str, cache, drafts: list[int], concurrency: list[int]) -> list[dict]:
@@ -126,7 +148,13 @@ def _load(args, directory: Path, cache, draft_tokens: int, sequences: int):
         raise UserError(f"{directory}: --prompt-tokens + --decode-tokens exceed the model's context")
     try:
         ram_gb = _ram_gb(args, directory, cache, length, sequences, draft_tokens)
-        engine = EngineConfig(cache=cache, ram_gb=ram_gb, expert_policy=args.expert_cache_policy)
+        engine = EngineConfig(
+            cache=cache,
+            ram_gb=ram_gb,
+            vram_gb=args.vram_gb,
+            expert_policy=args.expert_cache_policy,
+            device=args.device,
+        )
     except ConfigError as exc:
         raise UserError(str(exc)) from None
     check_tier(ModelConfig.from_hf(directory), cache)
