@@ -288,7 +288,7 @@ def _stream_plan(spec: LoadSpec) -> Plan:
 def _gpu_plan(spec: LoadSpec) -> GpuPlan:
     """--vram-gb (and --ram-gb, default: a share of available memory) split for `spec`, by the
     planner `latentkv plan --vram-gb` prints; refused in one line when it does not fit, or when
-    the experts' format cannot be copied into VRAM as it is held on the host."""
+    the experts' format cannot be converted for the GPU in its VRAM slots."""
     from latentkv.streaming.gpu_plan import make_gpu_plan
     from latentkv.streaming.planner import GIB
 
@@ -297,11 +297,14 @@ def _gpu_plan(spec: LoadSpec) -> GpuPlan:
     flag = f"--vram-gb {engine.vram_gb:g}"
     plan = _fitted(spec, flag, make_gpu_plan, int(engine.vram_gb * GIB), ram)
     if plan.expert_home != "vram" and spec.device.type == "cuda" and spec.expert_format == "int4":
-        raise UserError(
-            f"{flag}: int4 experts cannot be cached in VRAM yet (the host holds them in the CPU op's "
-            "packed layout, the GPU's op reads another); use --expert-dtype bf16 or int8, or a budget "
-            "where every expert fits in VRAM"
-        )
+        from latentkv.weights.int4 import layout
+
+        if layout() is None:  # the host would hold portable nibbles: a second copy on the device
+            raise UserError(
+                f"{flag}: int4 experts cannot be cached in VRAM on this CPU (torch's int4 op packs them "
+                "in a layout latentkv cannot convert in place on the GPU); use --expert-dtype bf16 or "
+                "int8, or a budget where every expert fits in VRAM"
+            )
     return plan
 
 

@@ -201,6 +201,41 @@ def test_on_cuda_host_experts_are_page_locked_and_copies_ordered_by_events(layer
     assert slot.buffer.is_cuda and slot.ready is not None and slot.free_after is not None
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="torch has no CUDA here: converting int4 codes to the CUDA op's layout in a slot needs a CUDA device",
+)
+def test_on_cuda_int4_experts_are_converted_in_their_slots():
+    """int4 experts copied as the host holds them (its CPU layout) are rewritten in the slot in the
+    CUDA op's layout: the same weight read back, products within the int4 op's tolerance, and the
+    codes still a view of the slot (one copy on the device)."""
+    cuda = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    D, I = 256, 128
+    experts = {
+        e: Expert(
+            make_linear(torch.randn(2 * I, D, generator=g), "int4"),
+            make_linear(torch.randn(D, I, generator=g), "int4"),
+        )
+        for e in range(4)
+    }
+    cache = DeviceCache(cuda, 2)
+    store = cache.over(LAYER, Resident(experts), resident=True)
+    x = torch.randn(3, D, generator=g)
+    jobs = [Job(e, None) for e in (3, 0, 2)]
+    got = dict(store.run(x.to(cuda), jobs))
+    for e, y in got.items():
+        want = experts[e](x).double()
+        assert float((y.double().cpu() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    for _key, slot in cache.cache.values():
+        lin = slot.expert.gate_up
+        assert lin.packed.is_cuda and lin.packed.dtype == torch.int32
+        start = slot.buffer.data_ptr()
+        assert start <= lin.packed.data_ptr() < start + slot.buffer.numel()
+    (_layer, e), slot = cache.cache.values()[0]
+    assert torch.equal(slot.expert.down.dequantize().cpu(), experts[e].down.dequantize())
+
+
 def _router_on(router, device):
     from latentkv.models.moe import Router, RouterWeights
 

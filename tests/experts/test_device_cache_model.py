@@ -17,6 +17,7 @@ from latentkv.experts.device_cache import DeviceExperts
 from latentkv.models.moe import MoE
 from latentkv.runtime import build, device_cache_line, device_slots, load, resolve_load
 from latentkv.streaming.gpu_plan import make_gpu_plan
+from latentkv.weights import int4
 
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 2]
 
@@ -84,7 +85,8 @@ def test_device_slots_follow_the_plan():
 def test_resolve_load_plans_the_gpu_and_refuses_in_one_line(monkeypatch):
     """With --device cuda (torch's probe patched: resolve_load allocates nothing) --vram-gb is
     planned by the GPU planner: everything fits -> vram; a budget under the CUDA context does not
-    fit; int4 experts that would be cached in VRAM are refused."""
+    fit; int4 experts cached in VRAM (converted in their slots) are planned, and refused only where
+    this CPU's int4 layout is not understood (the host would hold portable nibbles)."""
     from latentkv.errors import UserError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -96,7 +98,9 @@ def test_resolve_load_plans_the_gpu_and_refuses_in_one_line(monkeypatch):
     tight = (whole.dense_bytes + whole.kv_bytes + whole.activation_bytes + whole.staging_bytes) / 2**30
     tight += 4 * 3 * whole.expert_extent_bytes / 2**30  # staging (none in the vram plan) and a few more
     engine = EngineConfig(device="cuda", vram_gb=tight, weight_dtype="f32", expert_dtype="int4")
-    with pytest.raises(UserError, match="int4 experts cannot be cached in VRAM yet"):
+    assert resolve_load("builtin:fixture", engine, max_model_len=64).gpu_plan.expert_home == "pinned"
+    monkeypatch.setattr(int4, "layout", lambda: None)
+    with pytest.raises(UserError, match="int4 experts cannot be cached in VRAM on this CPU"):
         resolve_load("builtin:fixture", engine, max_model_len=64)
     pinned = resolve_load("builtin:fixture", dataclasses.replace(engine, expert_dtype=None), max_model_len=64)
     plan = pinned.gpu_plan

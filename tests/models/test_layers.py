@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from latentkv.config import ModelConfig
@@ -253,6 +254,21 @@ def test_rotation_keeps_relative_position_dot_products(interleaved):
     base = (rot(q, 5) * rot(k, 2)).sum()
     shifted = (rot(q, 105) * rot(k, 102)).sum()
     assert base.item() == pytest.approx(shifted.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("D", [8, 32, 256, 6144])
+def test_rms_norm_of_one_row_is_the_concat_form_bit_for_bit(D):
+    """Decode's one-row RMSNorm ([x, -x] made by one multiply) gives the bytes of the [x, -x]
+    concat that more rows take, over fresh random rows of several scales."""
+    g = torch.Generator().manual_seed(D)
+    w = torch.randn(D, generator=g)
+    norm = RMSNorm(w, 1e-5)
+    for _ in range(20):
+        x = torch.randn(1, D, generator=g) * 10 ** float(torch.randn(1, generator=g))
+        spelled = F.layer_norm(torch.cat([x, -x], dim=-1), (2 * D,), torch.cat([w, w]), None, 1e-5)[:, :D]
+        got = norm(x)
+        assert got.shape == (1, D) and torch.equal(got, spelled)
+        assert torch.equal(norm(torch.cat([x, x]))[1:], spelled)  # two rows: the concat form itself
 
 
 def test_rms_norm_against_float64():

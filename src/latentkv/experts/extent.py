@@ -4,8 +4,10 @@ An extent holds an expert's two Linear objects, gate_up [2I, D] and down [D, I],
 format's raw tensors: `weight` (f32, bf16), `q` + `scale` (int8), and for int4 `packed` +
 `scale_zeros` in the packed layout of the writing process (`int4.layout()`: latentkv's kernel's,
 or the CPU's int4 op's), which the params name (a process with that layout uses the bytes as
-read, so a read expert needs no packing; another repacks them), or the portable `nibbles` +
-`scale` + `zero` where the writer's layout was not understood.
+read, so a read expert needs no packing; another repacks them; bytes copied onto a CUDA device,
+a VRAM expert slot, are rewritten there in place in the CUDA op's layout, so rebuilding an
+expert over a slot is done once per copy), or the portable `nibbles` + `scale` + `zero` where
+the writer's layout was not understood.
 The layout's meta records each Linear's format and parameters, so the reader rebuilds exactly
 the objects the converter wrote: plain and int8 tensors are views of the read buffer (no copy).
 
@@ -109,7 +111,11 @@ def _int4_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> 
     if "packed" not in t:
         return cls(t["nibbles"], t["scale"], t["zero"], params["in_features"], t.get("bias"))
     out_f = params["out_features"]
-    _stored, native = _int4_layout(json.dumps(params["layout"], sort_keys=True))
+    stored, native = _int4_layout(json.dumps(params["layout"], sort_keys=True))
+    if t["packed"].is_cuda:  # copied to a GPU as the host holds it (a VRAM slot): converted there
+        return cls.converted_on_cuda(
+            t["packed"], stored, t["scale_zeros"], params["in_features"], out_f, t.get("bias")
+        )
     if native and t["packed"].shape[0] == -(-out_f // int4.row_multiple()) * int4.row_multiple():
         return cls.from_packed(t["packed"], t["scale_zeros"], params["in_features"], out_f, t.get("bias"))
     # written by a process that packs differently (another CPU's op, or the other of op and kernel)

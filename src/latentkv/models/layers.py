@@ -20,14 +20,22 @@ class RMSNorm:
     mean(x^2)), keeping the first half: one fused kernel plus a concat, where the spelled-out
     form is seven dispatched ops. On small models decode is bound by per-op overhead, so this
     matters; the result agrees with the textbook formula to float32 rounding (tested).
+    One row (decode) makes [x, -x] in one op, x [1, D] times [1, -1] as [2, 1, D]: the same
+    2D values in the same order, so the same bits as the concat.
     """
 
     def __init__(self, weight: torch.Tensor, eps: float):
         self.weight = weight  # [D]
         self.eps = eps
         self._doubled = torch.cat([weight, weight])  # [2D], the LayerNorm's scale
+        d = weight.shape[0]
+        self._pair = (2, 1, d)  # one row's [x, -x] as the LayerNorm sees it
+        self._pair_scale = self._doubled.view(self._pair)
+        self._signs = torch.tensor([1.0, -1.0], device=weight.device).view(2, 1, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x.shape) == 2 and x.shape[0] == 1:  # [1, D] * [2, 1, 1] -> [2, 1, D]: x, -x
+            return F.layer_norm(x * self._signs, self._pair, self._pair_scale, None, self.eps)[0]
         d = x.shape[-1]
         both = torch.cat([x, x.neg()], dim=-1)  # [..., 2D]
         return F.layer_norm(both, (2 * d,), self._doubled, None, self.eps)[..., :d]
@@ -148,6 +156,8 @@ class RotaryTables:
             m = self.matrix(interleaved, width, offset)  # [S, width, width]
             if len(x.shape) == 3:  # [S, n, width] already: the same product without two views
                 return torch.matmul(x, m)
+            if self.S == 1 and len(x.shape) == 2:  # [1, width] x [1, width, width]: matmul expands x
+                return torch.matmul(x, m).view(x.shape)
             shape = x.shape
             return torch.matmul(x.reshape(self.S, -1, width), m).view(shape)
         if offset:

@@ -200,6 +200,28 @@ class Int4Linear(Linear):
         return self
 
     @classmethod
+    def converted_on_cuda(
+        cls,
+        packed: torch.Tensor,
+        stored: Layout,
+        scale_zeros: torch.Tensor,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> Int4Linear:
+        """A weight whose bytes were copied as the host holds them (`packed` uint8 [out_padded,
+        in_padded / 2] in the CPU layout `stored`; `scale_zeros`, which both ops read alike) onto
+        a CUDA device: the codes are rewritten there, in place, in the CUDA op's layout
+        (`to_cuda_layout`), so the device holds one copy. The bytes are no longer `stored`'s."""
+        out_padded, half = packed.shape
+        if out_padded != _padded(out_features, row_multiple()) or out_padded % stored[0]:
+            raise ValueError(f"int4 packed weight {tuple(packed.shape)} does not fit {out_features} rows")
+        self = cls.__new__(cls)
+        codes = to_cuda_layout(packed, stored)
+        self._adopt(codes, scale_zeros, in_features, out_features, bias, shape=(out_padded, 2 * half))
+        return self
+
+    @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **params) -> Int4Linear:
         return cls.from_state(cls.quantize_state(w, **params), w.shape[1], bias)
 
@@ -418,10 +440,25 @@ def unpack_with(packed: torch.Tensor, layout: Layout) -> torch.Tensor:
     pairs = packed.reshape(n // block, 2 * half_k, block // 2).transpose(1, 2)
     pairs = pairs.reshape(n // block, block // 2, half_k, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
-    rows = torch.empty(n // block, block, half_k, dtype=torch.uint8)
+    rows = torch.empty(n // block, block, half_k, dtype=torch.uint8, device=packed.device)
     rows[:, low, :] = (even & 0x0F) | (odd << 4)
     rows[:, high, :] = (even >> 4) | (odd & 0xF0)
     return rows.view(n, half_k)
+
+
+def to_cuda_layout(packed: torch.Tensor, stored: Layout, convert=pack_cuda) -> torch.Tensor:
+    """Codes packed in a CPU layout (`stored`; uint8 [N, K / 2], on the device) rewritten in
+    place in the layout `convert` makes of portable nibbles (the CUDA op's: int32, N K / 8 of
+    them, the same bytes); -> that int32 view of `packed`'s memory. The portable nibbles and the
+    converted codes are temporaries on the device, one weight each."""
+    converted = convert(unpack_with(packed, stored))
+    if converted.numel() * converted.element_size() != packed.numel():
+        raise ValueError(
+            f"int4 codes {tuple(packed.shape)} convert to {tuple(converted.shape)}: not in place"
+        )
+    target = packed.view(-1).view(converted.dtype).view(converted.shape)
+    target.copy_(converted)
+    return target
 
 
 def portable(
