@@ -325,6 +325,7 @@ def _fitted(spec: LoadSpec, flag: str, make, *budgets: int | None):
         spec.max_num_seqs,
         store_dir=default_store_dir(spec.directory, spec.expert_format),
         draft_tokens=spec.draft_tokens,
+        expert_dtype=spec.expert_format,
     )
     if not plan.fits:
         raise UserError(f"{flag}: {plan.problems[0]} (see `latentkv plan`)")
