@@ -28,10 +28,12 @@ section still runs; a section that would overrun the time budget is skipped and 
   the CPU, on every oracle model and builtin:fixture: greedy tokens and teacher-forced argmax
   equal, logits within 1e-4 (the fixture: 1e-3, as its own test).
 - decode: builtin:slice decode tok/s with bf16 and int4 weights, on the device and on the CPU.
-- experts: builtin:slice decode (bf16) through the runtime with a --vram-gb budget that holds a
-  quarter of the routed experts: the rest in page-locked host RAM behind the VRAM expert cache
-  (experts/device_cache.py); tok/s, the cache's counters, and whether the greedy tokens equal
-  the all-resident model's on the device.
+- experts: builtin:slice decode (bf16, then int4 weights) through the runtime with a --vram-gb
+  budget that holds a quarter of the routed experts behind the VRAM expert cache
+  (experts/device_cache.py), the rest in page-locked host RAM (home pinned) or streamed from the
+  disk store through the page-locked staging ring (home disk; int4 codes converted to the CUDA
+  op's layout in their slots); tok/s, the cache's counters (staged copies, staging waits), and
+  whether the greedy tokens equal the all-resident model's in the same format on the device.
 
 --dry-run runs every section on the CPU at small shapes (the kernels under triton's
 interpreter, builtin:tiny instead of builtin:slice), so the script is exercised by the test
@@ -494,78 +496,118 @@ def decode_speed(device, shapes: Shapes) -> list[dict]:
     return rows
 
 
+EXPERT_CASES = {"bf16": ("pinned", "disk"), "int4": ("pinned", "disk")}  # weights -> the experts' homes
+
+
 def _quarter_budget(spec) -> int:
     """VRAM bytes for `spec`'s model: the dense weights, KV, activations and staging, plus a quarter
     of the routed experts (so the plan's home is `pinned`)."""
     from latentkv.streaming.gpu_plan import make_gpu_plan
 
-    def plan(vram: int):
-        return make_gpu_plan(
-            spec.model_cfg, spec.directory, vram, None, "bf16", max_model_len=spec.max_model_len
-        )
-
-    whole = plan(1 << 50)
+    whole = make_gpu_plan(
+        spec.model_cfg, spec.directory, 1 << 50, None, spec.weight_format, max_model_len=spec.max_model_len
+    )
     fixed = whole.dense_bytes + whole.kv_bytes + whole.activation_bytes
     staging = (2 * whole.top_k) * whole.expert_extent_bytes
     return fixed + staging + whole.expert_bytes // 4
 
 
-def experts_cached(device, shapes: Shapes) -> list[dict]:
-    """Decode through the VRAM expert cache (`--vram-gb` at a quarter of the experts) vs resident."""
+def _cached_spec(base, home: str, device):
+    """`base` with a GPU plan holding a quarter of the experts in VRAM. pinned: on CUDA through
+    resolve_load's --vram-gb (the user's path); in the dry run the same plan handed to the CPU
+    build. disk: that plan with its home set to the disk and a host cache of a quarter of the
+    experts (a model this small has fewer experts than the planner's read and staging buffers, so
+    no --ram-gb plans it), built the same way."""
     import dataclasses
 
-    import torch
-
     from latentkv.config import EngineConfig
-    from latentkv.runtime import build, load, resolve_load
+    from latentkv.runtime import resolve_load
     from latentkv.streaming.gpu_plan import make_gpu_plan
 
-    length = shapes.decode_context + shapes.decode_tokens + 8
-    base = resolve_load(shapes.decode_model, EngineConfig(weight_dtype="bf16", device=device.type), length)
     vram = _quarter_budget(base)
-    if device.type == "cuda":  # the user's path: --device cuda --vram-gb V
-        spec = resolve_load(
-            shapes.decode_model,
-            EngineConfig(weight_dtype="bf16", device="cuda", vram_gb=vram / 2**30),
-            length,
+    if device.type == "cuda":
+        engine = EngineConfig(weight_dtype=base.weight_format, device="cuda", vram_gb=vram / 2**30)
+        spec = resolve_load(base.model_arg, engine, base.max_model_len)
+    else:
+        plan = make_gpu_plan(
+            base.model_cfg, base.directory, vram, None, base.weight_format, max_model_len=base.max_model_len
         )
-    else:  # the dry run: the same plan handed to the CPU build (--vram-gb needs a GPU)
-        plan = make_gpu_plan(base.model_cfg, base.directory, vram, None, "bf16", max_model_len=length)
         spec = dataclasses.replace(base, gpu_plan=plan)
+    if home == "disk":
+        plan = spec.gpu_plan
+        quarter = max(1, plan.experts_total // 4)
+        plan = dataclasses.replace(
+            plan,
+            expert_home="disk",
+            pinned_experts=quarter,
+            pinned_expert_bytes=quarter * plan.expert_extent_bytes,
+        )
+        spec = dataclasses.replace(spec, gpu_plan=plan)
+    return spec, vram
+
+
+def _greedy_row(loaded, device, shapes: Shapes) -> dict:
+    """Greedy decode of `decode_tokens` after a `decode_context` prompt: tokens and tok/s."""
+    import torch
+
+    model = loaded.model
+    cache = model.make_cache()
+    vocab = model.cfg.vocab_size
+    prompt = torch.arange(shapes.decode_context, device=device) % (vocab - 2) + 2
+    token = model.forward(prompt, cache)[-1].argmax().reshape(1)
+    tokens = [int(token)]
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(shapes.decode_tokens):
+        token = model.forward(token, cache)[-1].argmax().reshape(1)
+        tokens.append(int(token))
+    _sync(device)
+    seconds = time.perf_counter() - start
+    return {"tok_per_s": round(shapes.decode_tokens / seconds, 2), "greedy": tokens}
+
+
+def experts_cached(device, shapes: Shapes) -> list[dict]:
+    """Decode through the VRAM expert cache (a quarter of the experts in VRAM, the rest in
+    page-locked host RAM or streamed from the disk store through the staging ring), bf16 and int4
+    weights, each beside the all-resident model in the same format."""
+    from latentkv.config import EngineConfig
+    from latentkv.runtime import build, load, resolve_load
+
+    length = shapes.decode_context + shapes.decode_tokens + 8
     rows = []
-    for label, loaded in (("resident", lambda: load(shapes.decode_model, base.engine, True, length)),
-                          ("vram-cache", lambda: build(spec, quiet=True))):  # fmt: skip
-        loaded = loaded()
-        model = loaded.model
-        cache = model.make_cache()
-        vocab = model.cfg.vocab_size
-        prompt = torch.arange(shapes.decode_context, device=device) % (vocab - 2) + 2
-        token = model.forward(prompt, cache)[-1].argmax().reshape(1)
-        tokens = [int(token)]
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(shapes.decode_tokens):
-            token = model.forward(token, cache)[-1].argmax().reshape(1)
-            tokens.append(int(token))
-        _sync(device)
-        seconds = time.perf_counter() - start
-        row = {
-            "model": shapes.decode_model,
-            "experts": label,
-            "device": str(device),
-            "vram_gib": round(vram / 2**30, 3),
-            "context": shapes.decode_context,
-            "tokens": shapes.decode_tokens,
-            "tok_per_s": round(shapes.decode_tokens / seconds, 2),
-            "greedy": tokens,
-        }
-        if loaded.device_cache is not None:
-            row["plan_home"] = spec.gpu_plan.expert_home
-            row["cache"] = loaded.device_cache.snapshot()
-        rows.append(row)
-        loaded.close()
-        del loaded, model, cache
-    rows[1]["same_tokens_as_resident"] = rows[1]["greedy"] == rows[0]["greedy"]
+    for weights, homes in EXPERT_CASES.items():
+        base = resolve_load(
+            shapes.decode_model, EngineConfig(weight_dtype=weights, device=device.type), length
+        )
+        resident = None
+        for home in ("resident", *homes):
+            if home == "resident":
+                loaded, vram = load(shapes.decode_model, base.engine, True, length), None
+            else:
+                spec, vram = _cached_spec(base, home, device)
+                loaded = build(spec, quiet=True)
+            try:
+                row = {
+                    "model": shapes.decode_model,
+                    "weights": weights,
+                    "experts": home if home == "resident" else "vram-cache",
+                    "device": str(device),
+                    "vram_gib": None if vram is None else round(vram / 2**30, 3),
+                    "context": shapes.decode_context,
+                    "tokens": shapes.decode_tokens,
+                    **_greedy_row(loaded, device, shapes),
+                }
+                if loaded.device_cache is not None:
+                    row["plan_home"] = spec.gpu_plan.expert_home
+                    row["cache"] = loaded.device_cache.snapshot()
+                    row["same_tokens_as_resident"] = row["greedy"] == resident["greedy"]
+                    row["ok"] = row["same_tokens_as_resident"]
+                else:
+                    resident = row
+            finally:
+                loaded.close()
+            rows.append(row)
+            del loaded
     return rows
 
 
@@ -621,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     run("experts", lambda: experts_cached(device, shapes))
     results["ok"] = all(
         row.get("ok", True)
-        for key in ("codecs", "kernels", "weights", "oracle")
+        for key in ("codecs", "kernels", "weights", "oracle", "experts")
         for row in (results.get(key, {}).get("result") or [])
     ) and not any("error" in v for v in results.values() if isinstance(v, dict))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -185,7 +185,7 @@ def synthetic_window(
         top = min(args.synthetic_max_distance, context - length)
         if top < args.synthetic_min_distance:
             break
-        distance = int(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
+        distance = round(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
         length = min(length, distance)
         dst = rng.randrange(distance, context - length + 1)
         if any(dst < d + n and d < dst + length for d, n, _ in copies):
@@ -210,7 +210,7 @@ def periodic_window(
     is predictable. Easier than the scattered layout: the copy is most of the window and its
     distance is the same throughout."""
     top = max(args.synthetic_min_distance, min(args.synthetic_max_distance, context // 2))
-    period = int(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
+    period = round(math.exp(rng.uniform(math.log(args.synthetic_min_distance), math.log(top))))
     if base is None:
         seg = [t + (t >= avoid) for t in (rng.randrange(vocab - 1) for _ in range(period))]
     else:
@@ -271,6 +271,8 @@ class Windows:
         if n == 0:
             return x, None
         eot, vocab = self.tok.token_to_id(EOT), self.tok.get_vocab_size()
+        if self.args.synthetic_alphabet:  # random tokens from the first N ids (the EOT skipped)
+            vocab = min(vocab, self.args.synthetic_alphabet + 1)
         text = self.args.synthetic_source == "text"
         pairs = [
             synthetic_window(rng, context, vocab, eot, self.args, self.window(rng, context) if text else None)
@@ -321,7 +323,56 @@ def attention_forward(self, hidden_states, position_embeddings, **_):
     q = torch.cat([q_pass, q_rot], dim=-1)
     k = torch.cat([k_nope, k_rot.to(k_nope.dtype).expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
     o = F.scaled_dot_product_attention(q, k, v.to(q.dtype), is_causal=True, scale=self.scaling)
+    sup = getattr(self, "supervise", None)
+    if sup is not None:  # attention supervision (see `supervised_attention`): one head's pattern
+        h = sup["head"]
+        logits = (q[:, h].float() @ k[:, h].float().transpose(-1, -2)) * self.scaling  # [B, S, S]
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        logp = torch.log_softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        sup["loss"] = attention_target_loss(logp, sup["targets"])
     return self.o_proj(o.transpose(1, 2).reshape(B, S, -1)), None, None
+
+
+def attention_target_loss(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log of the attention mass a head puts on its target keys, logp / targets [B, S, S] (query
+    x key), averaged over the queries that have a target (0 when none has)."""
+    rows = targets.any(-1)
+    if not rows.any():
+        return logp.sum() * 0.0
+    mass = torch.logsumexp(logp.masked_fill(~targets, float("-inf")), dim=-1)  # [B, S]
+    return -mass[rows].mean()
+
+
+def induction_targets(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two heads of an induction circuit, as target keys per query for token windows x [B, S]:
+    (previous token: query i attends to key i-1; induction: query i attends to every key j + 1
+    whose token x[j] is the query's token x[i], j < i, i.e. to what followed the current token
+    last time). Boolean [B, S, S] each; a query with no earlier occurrence has no target."""
+    B, S = x.shape
+    idx = torch.arange(S, device=x.device)
+    prev = (idx[None, :, None] - 1 == idx[None, None, :]).expand(B, S, S)
+    same = x[:, :, None] == x[:, None, :]  # [B, i, j]: x[i] == x[j]
+    earlier = idx[None, :] < idx[:, None]  # j < i
+    after = torch.zeros(B, S, S, dtype=torch.bool, device=x.device)
+    after[:, :, 1:] = (same & earlier)[:, :, :-1]  # key j + 1 for each matching j
+    return prev, after
+
+
+def supervised_attention(model, spec: tuple[int, int] | None, x: torch.Tensor | None):
+    """Arm (x a window batch) or disarm (x None) the supervision of an induction circuit: with spec
+    (A, B), head 0 of layer A is taught to attend to the previous token and head 0 of layer B to
+    the key after the current token's earlier occurrences (`induction_targets`). Returns the armed
+    attention modules, whose forward leaves its loss in `.supervise["loss"]`."""
+    if spec is None:
+        return []
+    mods = [model.model.layers[i].self_attn for i in spec]
+    if x is None:
+        for m in mods:
+            m.supervise = None
+        return []
+    for m, t in zip(mods, induction_targets(x), strict=True):
+        m.supervise = {"head": 0, "targets": t}
+    return mods
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -576,15 +627,23 @@ def train_step(
     per = max(1, args.micro_tokens // x.shape[1])
     n_syn = 0 if mask is None else mask.shape[0]
     n_text = x.shape[0] - n_syn
-    sums = {"loss": 0.0, "mtp_loss": 0.0, "synthetic_loss": 0.0}
+    sums = {"loss": 0.0, "mtp_loss": 0.0, "synthetic_loss": 0.0, "induction_loss": 0.0}
     parts = [(xs, None) for xs in x[:n_text].split(per)] if n_text else []
     if n_syn:
         parts += list(zip(x[n_text:].split(per), mask.split(per), strict=True))
+    spec = supervision_spec(args)
     for xs, ms in parts:
+        armed = supervised_attention(model, spec, xs if ms is not None else None)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             main, extra = forward_losses(model, mtp, xs, ms)
         share = xs.shape[0] / x.shape[0]
-        ((main + args.mtp_weight * extra) * share).backward()
+        sup = sum(m.supervise["loss"] for m in armed) if armed else None
+        supervised_attention(model, spec, None)
+        loss = main + args.mtp_weight * extra
+        if sup is not None:
+            loss = loss + args.induction_weight * sup
+            sums["induction_loss"] += sup.item() * xs.shape[0] / n_syn
+        (loss * share).backward()
         if ms is None:
             sums["loss"] += main.item() * xs.shape[0] / n_text
             sums["mtp_loss"] += extra.item() * xs.shape[0] / n_text
@@ -597,11 +656,20 @@ def train_step(
         "mtp_loss": sums["mtp_loss"] if n_text else None,
         "synthetic_windows": n_syn,
         "synthetic_loss": sums["synthetic_loss"] if n_syn else None,
+        "induction_loss": sums["induction_loss"] if n_syn and spec is not None else None,
         "max_load_ratio": balancer.step(),
         "grad_norm": float(grad_norm),
         "lr": lr,
         "context": x.shape[1],
     }
+
+
+def supervision_spec(args) -> tuple[int, int] | None:
+    """--supervise-induction A,B -> (A, B), or None."""
+    if not getattr(args, "supervise_induction", None):
+        return None
+    a, b = (int(v) for v in str(args.supervise_induction).split(","))
+    return a, b
 
 
 def keep_heap() -> None:
@@ -645,10 +713,53 @@ def load_exported(folder: Path) -> tuple[dict, dict, dict]:
     return cfg, model_state, mtp_state
 
 
+# The tensors of a block that write into the residual stream: zero in a grown model's new layers.
+RESIDUAL_WRITERS = (
+    "self_attn.o_proj.weight",
+    "mlp.down_proj.weight",
+    "mlp.experts.down_proj",
+    "mlp.shared_experts.down_proj.weight",
+)
+
+
+def grow(model, mtp, cfg: dict, source: dict) -> int:
+    """Initialize `model` (and `mtp`) from a trainer checkpoint `source` of a shallower model with
+    the same widths: its layers become the first layers, its embedding, final norm, head and MTP
+    layer are taken as they are, and the new layers' tensors that write into the residual stream
+    (attention output, MLP down projections) start at zero, so the grown model computes exactly
+    what the source computes and the new layers are learned from there. Returns the source's
+    layer count. Used to carry a mechanism a shallow model learns quickly (copying) into a deeper
+    one that sits on a plateau before learning it (docs/stdlib-moe.md)."""
+    src_cfg = source["config"]
+    n_src, n = src_cfg["num_hidden_layers"], cfg["num_hidden_layers"]
+    per_layer = {"num_hidden_layers", "mlp_layer_types", "layer_types", "indexer_types"}
+    if cfg.get("rope_parameters", {}).get("rope_type", "default") == "default":
+        per_layer.add("max_position_embeddings")  # plain RoPE: a longer context, the same weights
+    differ = sorted(k for k in set(cfg) | set(src_cfg) if k not in per_layer and cfg.get(k) != src_cfg.get(k))
+    if differ or n_src > n:
+        why = f"settings differ: {', '.join(differ)}" if differ else f"it has {n_src} layers, more than {n}"
+        raise SystemExit(f"--grow-from: cannot grow that checkpoint into this model ({why})")
+    own = model.state_dict()
+    for k, v in source["model"].items():
+        if own[k].shape != v.shape:  # same widths, so only a renamed tensor could differ
+            raise SystemExit(f"--grow-from: {k} is {tuple(v.shape)} there, {tuple(own[k].shape)} here")
+        own[k] = v
+    for i in range(n_src, n):
+        for name in RESIDUAL_WRITERS:
+            key = f"model.layers.{i}.{name}"
+            if key in own:
+                own[key] = torch.zeros_like(own[key])
+    model.load_state_dict(own)
+    mtp.load_state_dict(source["mtp"])
+    return n_src
+
+
 def new_state(args, tok) -> dict:
     if args.init_from is None:
         cfg = model_config(tok.get_vocab_size(), args)
         config, model, mtp = tf.build(cfg, args.seed)
+        if args.grow_from is not None:
+            grow(model, mtp, cfg, torch.load(args.grow_from, weights_only=False))
     else:  # continue from an exported model: its config and weights, a fresh optimizer
         cfg, model_state, mtp_state = load_exported(Path(args.init_from))
         config, model, mtp = tf.build(cfg, args.seed)
@@ -708,6 +819,8 @@ def pretrain(state: dict, work: Path, windows: Windows, evals: tuple, args, log)
                 if state.get("synthetic_ema") is not None
                 else ""
             )
+            if row.get("induction_loss") is not None:
+                syn += f"  induction heads {row['induction_loss']:.3f}"
             log(
                 f"step {step + 1}/{args.steps} ctx {context}  loss {fmt(row['loss'])}  mtp {fmt(row['mtp_loss'])}"
                 f"{syn}  load max/mean {row['max_load_ratio']:.2f}  {row['seconds']:.1f} s/step"
@@ -954,6 +1067,13 @@ def parse(argv: list[str] | None):
         "instead of random weights",
     )
     t.add_argument(
+        "--grow-from",
+        default=None,
+        help="start from a trainer checkpoint (WORK/best.pt, last.pt) of a model with fewer layers "
+        "and the same widths: its layers first, the new layers' output projections zero, so the "
+        "grown model starts computing what it computed (a fresh optimizer)",
+    )
+    t.add_argument(
         "--synthetic-share",
         type=float,
         default=0.0,
@@ -996,6 +1116,22 @@ def parse(argv: list[str] | None):
         help="what the synthetic windows copy: uniformly random tokens (default), or a training "
         "text window (renamed and planted as the text windows are); either way only the copies count",
     )
+    t.add_argument(
+        "--synthetic-alphabet",
+        type=int,
+        default=0,
+        help="random synthetic tokens come from this many token ids (default 0: the whole vocabulary); "
+        "a small alphabet shows each token more often a step",
+    )
+    t.add_argument(
+        "--supervise-induction",
+        default=None,
+        metavar="A,B",
+        help="on the synthetic windows, also teach head 0 of layer A to attend to the previous token "
+        "and head 0 of layer B to the token after the current token's earlier occurrences (an "
+        "induction circuit), by the attention mass on those keys (default: off)",
+    )
+    t.add_argument("--induction-weight", type=float, default=1.0, help="weight of that loss (default: 1.0)")
     t.add_argument(
         "--synthetic-min-len", type=int, default=16, help="copied segment length, min (default: 16)"
     )
@@ -1119,10 +1255,11 @@ OPERATIONAL = {
     "cmd",
     "keep_evals",
 }
-TRAINER_VERSION = 5  # recorded with every recipe change
+TRAINER_VERSION = 6  # recorded with every recipe change
 # 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
 # (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5); 5: --init-from,
-# --lr-schedule, the --synthetic-* copy curriculum, --best-by
+# --lr-schedule, the --synthetic-* copy curriculum, --best-by; 6: --grow-from, --synthetic-alphabet,
+# --supervise-induction, --induction-weight
 
 
 def apply_changes(state: dict, args, log) -> None:
@@ -1187,8 +1324,12 @@ def main(argv: list[str] | None = None) -> int:
         truncate_jsonl(args.work / "indexer_history.jsonl", state["indexer_step"])
         log(f"resuming {last}: phase {state['phase']}, step {state['step']}")
     else:
+        if args.init_from is not None and args.grow_from is not None:
+            raise SystemExit("--init-from and --grow-from: give one starting point, not both")
+        if args.grow_from is not None and not Path(args.grow_from).is_file():
+            raise SystemExit(f"--grow-from {args.grow_from}: no such checkpoint file")
         state = new_state(args, tok)
-        log(f"new run in {args.work}")
+        log(f"new run in {args.work}" + (f", grown from {args.grow_from}" if args.grow_from else ""))
     patch_for_training()
     windows = Windows(text, tok, args)
     heldout_text = f"\n{EOT}\n".join(heldout)

@@ -317,6 +317,11 @@ def test_mixed_batch_and_the_anneal(tm):
     assert x.shape == (4, 64) and m.shape == (2, 64) and m.any()
     assert torch.equal(x[:2], x0[:2]) and torch.equal(x, w.mixed_batch(3, 4, 64, 0.5)[0])
     assert not torch.equal(x, w.mixed_batch(4, 4, 64, 0.5)[0])
+    assert x[2:].max() > 40  # the whole vocabulary of 300 by default
+    args.synthetic_alphabet = 20  # --synthetic-alphabet 20: ids 1-20 (0 is the EOT, skipped)
+    xa, _ = w.mixed_batch(3, 4, 64, 0.5)
+    assert xa[2:].min() >= 1 and xa[2:].max() <= 20 and len(set(xa[2:].flatten().tolist())) > 10
+    args.synthetic_alphabet = 0
 
     args.synthetic_final_share, args.synthetic_anneal_below, args.synthetic_anneal_steps = 0.1, 2.0, 10
     state = {"step": 0}
@@ -357,3 +362,121 @@ def test_init_from_loads_an_export(tm, tmp_path):
     save_file(weights, str(tmp_path / "m" / "model.safetensors"))
     with pytest.raises(SystemExit, match="not a model this trainer exported"):
         tm.load_exported(tmp_path / "m")
+
+
+def test_grow_starts_as_the_shallower_model(tm):
+    """--grow-from: a 4-layer model grown from a trained-looking 2-layer checkpoint computes the
+    2-layer model's logits exactly (float32), because the new layers write zeros into the residual
+    stream; and the new layers are there to learn (their inputs random, not zero). A grow that
+    skipped the zeroing would change the logits: checked as the control."""
+    src_cfg = _tiny(tm, layers=2)
+    _, src, src_mtp = _build(tm, src_cfg)
+    source = {"config": src_cfg, "model": src.state_dict(), "mtp": src_mtp.state_dict()}
+    cfg = _tiny(tm, layers=4)
+    _, grown, mtp = _build(tm, cfg)
+    assert tm.grow(grown, mtp, cfg, source) == 2
+    ids = torch.randint(0, 300, (2, 60), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(grown(input_ids=ids).logits, src(input_ids=ids).logits)
+        for k, v in mtp.state_dict().items():
+            assert torch.equal(v, source["mtp"][k])
+        attn = grown.model.layers[3].self_attn
+        assert attn.q_a_proj.weight.abs().sum() > 0 and attn.o_proj.weight.abs().sum() == 0
+        # control: the same grow with the new layers' down projections left random
+        _, other, other_mtp = _build(tm, cfg)
+        keep = tm.RESIDUAL_WRITERS
+        tm.RESIDUAL_WRITERS = ("self_attn.o_proj.weight",)
+        try:
+            tm.grow(other, other_mtp, cfg, source)
+        finally:
+            tm.RESIDUAL_WRITERS = keep
+        assert not torch.equal(other(input_ids=ids).logits, src(input_ids=ids).logits)
+
+
+def test_grow_refuses_another_shape(tm):
+    src_cfg = _tiny(tm, layers=2)
+    _, src, src_mtp = _build(tm, src_cfg)
+    source = {"config": src_cfg, "model": src.state_dict(), "mtp": src_mtp.state_dict()}
+    wider = _tiny(tm, layers=4, hidden=128)
+    _, model, mtp = _build(tm, wider)
+    with pytest.raises(SystemExit, match="hidden_size"):
+        tm.grow(model, mtp, wider, source)
+    shallower = _tiny(tm, layers=1)
+    _, model, mtp = _build(tm, shallower)
+    with pytest.raises(SystemExit, match="2 layers, more than 1"):
+        tm.grow(model, mtp, shallower, source)
+
+
+def test_grow_into_a_longer_context(tm):
+    """Plain RoPE has no weights that depend on the context length: a model trained on 256-token
+    windows grows into one of 4096 (the copy toy is trained short)."""
+    src_cfg = _tiny(tm, layers=2, context=256)
+    _, src, src_mtp = _build(tm, src_cfg)
+    source = {"config": src_cfg, "model": src.state_dict(), "mtp": src_mtp.state_dict()}
+    cfg = _tiny(tm, layers=3, context=4096)
+    _, grown, mtp = _build(tm, cfg)
+    assert tm.grow(grown, mtp, cfg, source) == 2
+
+
+def test_periodic_window_has_the_period_asked(tm):
+    """--synthetic-min-distance 64 --synthetic-max-distance 64 means period 64: exp(log(64)) is
+    63.99999..., which int() made 63 (a toy trained on it learned a fixed 63-token offset, not
+    copying)."""
+    args = _synthetic_args(
+        tm, synthetic_layout="periodic", synthetic_min_distance=64, synthetic_max_distance=64
+    )
+    for seed in range(20):
+        ids, mask = tm.synthetic_window(random.Random(seed), 256, 4096, 0, args)
+        assert ids[64:] == ids[:-64] and ids[63:] != ids[:-63] and mask.index(True) == 65
+
+
+def test_induction_targets(tm):
+    """Previous-token keys are i-1; induction keys are j+1 for every earlier j holding the query's
+    token, checked against a loop on random windows of a small alphabet (many repeats)."""
+    x = torch.randint(0, 5, (3, 40), generator=torch.Generator().manual_seed(2))
+    prev, ind = tm.induction_targets(x)
+    for b in range(3):
+        for i in range(40):
+            want_prev = {i - 1} if i else set()
+            want_ind = {j + 1 for j in range(i) if x[b, j] == x[b, i]}
+            assert set(prev[b, i].nonzero().flatten().tolist()) == want_prev
+            assert set(ind[b, i].nonzero().flatten().tolist()) == want_ind
+
+
+def test_attention_supervision_measures_the_head(tm):
+    """The supervised head's loss is -log of its attention mass on the targets, computed from the
+    patched forward's own q and k: compared with attention weights recomputed from transformers'
+    eager attention for that head (float32), and it falls when that head is trained on it alone."""
+    cfg = _tiny(tm, layers=2)
+    _, model, _ = _build(tm, cfg)
+    x = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(3))
+    x[:, 24:] = x[:, :24]  # a repeat: every query of the second half has an induction target
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        ref = model(input_ids=x, output_attentions=True).attentions  # [B, H, S, S] per layer
+    prev, ind = tm.induction_targets(x)
+    want = [-(a[:, 0] * t).sum(-1)[t.any(-1)].log().mean() for a, t in zip(ref, (prev, ind), strict=True)]
+    orig = tm.patch_for_training()
+    try:
+        armed = tm.supervised_attention(model, (0, 1), x)
+        mm = model.model
+        h = mm.embed_tokens(x)
+        with torch.no_grad():
+            tm.run_stack(mm.layers, h, mm.rotary_emb(h, torch.arange(48)[None]))
+        got = [m.supervise["loss"] for m in armed]
+        for g, w in zip(got, want, strict=True):
+            assert abs(g.item() - w.item()) < 1e-4
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        first = None
+        for _ in range(30):
+            opt.zero_grad()
+            h = mm.embed_tokens(x)
+            tm.run_stack(mm.layers[:1], h, mm.rotary_emb(h, torch.arange(48)[None]))
+            loss = armed[0].supervise["loss"]
+            first = loss.item() if first is None else first
+            loss.backward()
+            opt.step()
+        assert loss.item() < 0.5 * first
+    finally:
+        tm.supervised_attention(model, (0, 1), None)
+        tm.unpatch(orig)
