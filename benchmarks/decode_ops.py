@@ -11,6 +11,9 @@ counts STEPS greedy decode steps two ways:
                    that made the call (the innermost frame under src/latentkv)
     aten ops       operators dispatched to kernels (a TorchDispatchMode): what costs dispatch,
                    including the ops a composite call (F.linear, chunk, ...) decomposes into
+    profiler       every operator event torch.profiler records, nested ones included (what
+                   docs/weights.md counted earlier); the only count for --compile, whose graph
+                   the two modes above would re-trace
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/decode_ops.py
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/decode_ops.py --models builtin:fixture \
@@ -32,7 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SRC = str(Path(__file__).resolve().parent.parent / "src" / "latentkv")
+SRC = ""  # the imported latentkv's folder (main sets it): calls are attributed to files under it
 
 
 class PythonCalls(TorchFunctionMode):
@@ -65,32 +68,41 @@ def _caller() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(SRC):
+        if SRC and path.startswith(SRC):
             module = path[len(SRC) + 1 :].removesuffix(".py").replace("/", ".")
             return f"{module}:{frame.f_code.co_qualname}"
         frame = frame.f_back
     return "(outside latentkv)"
 
 
-def count_steps(model, tier_name: str, steps: int, prompt: int = 32, warm: int = 4) -> dict:
-    """Python calls and aten ops per decode step, averaged over `steps` greedy steps."""
+def count_steps(
+    model, tier_name: str, steps: int, prompt: int = 32, warm: int = 4, compiled: bool = False
+) -> dict:
+    """Python calls, aten ops and profiler events per decode step, averaged over `steps` greedy
+    steps (profiler events only for a compiled step)."""
     cache = model.make_cache(model.tier(tier_name))
     g = torch.Generator().manual_seed(0)
     logits = model.forward(torch.randint(2, model.cfg.vocab_size, (prompt,), generator=g), cache)
     token = logits[-1].argmax().view(1)
     for _ in range(warm):
         token = model.forward(token, cache)[-1].argmax().view(1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            token = model.forward(token, cache)[-1].argmax().view(1)
+    events = Counter(e.name for e in prof.events())
+    counted = {"profiler_events": sum(events.values()) / steps}
+    if compiled:
+        return {**counted, "profiler_events_by_name": {k: v / steps for k, v in events.most_common()}}
     calls, ops = PythonCalls(), AtenOps()
     with calls, ops:
         for _ in range(steps):
-            logits = model.forward(token, cache)
-            token = logits[-1].argmax().view(1)
-    per = steps
+            token = model.forward(token, cache)[-1].argmax().view(1)
     return {
-        "python_calls": sum(calls.calls.values()) / per,
-        "aten_ops": sum(ops.ops.values()) / per,
-        "python_calls_by_source": {k: v / per for k, v in calls.calls.most_common()},
-        "aten_ops_by_name": {k: v / per for k, v in ops.ops.most_common()},
+        "python_calls": sum(calls.calls.values()) / steps,
+        "aten_ops": sum(ops.ops.values()) / steps,
+        **counted,
+        "python_calls_by_source": {k: v / steps for k, v in calls.calls.most_common()},
+        "aten_ops_by_name": {k: v / steps for k, v in ops.ops.most_common()},
     }
 
 
@@ -106,30 +118,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results/decode-ops.json")
     args = p.parse_args(argv)
 
+    import latentkv
     from latentkv import version
     from latentkv.config import EngineConfig
     from latentkv.runtime import load
 
+    global SRC
+    SRC = str(Path(latentkv.__file__).resolve().parent)
     torch.set_num_threads(1)
     rows = []
     for name in args.models.split(","):
         for fmt in args.weight_dtype.split(","):
             engine = EngineConfig(weight_dtype=fmt, threads=1, compile=args.compile)
             model = load(name, engine, quiet=True).model
-            counted = count_steps(model, args.kv_cache_dtype, args.steps, args.prompt)
+            counted = count_steps(model, args.kv_cache_dtype, args.steps, args.prompt, compiled=args.compile)
             rows.append(
                 {"model": name, "weight_dtype": fmt, "kv_cache_dtype": args.kv_cache_dtype, **counted}
             )
             print(f"{name} {fmt} done", file=sys.stderr)
 
-    print("| model | weights | KV | python calls / step | aten ops / step |")
-    print("|---|---|---|---:|---:|")
+    step = "compiled decode step" if args.compile else "eager decode step"
+    print(
+        f"| model | weights | KV | python calls / step | aten ops / step | profiler events / step ({step}) |"
+    )
+    print("|---|---|---|---:|---:|---:|")
     for r in rows:
+        calls, ops = (f"{r[k]:.0f}" if k in r else "n/a" for k in ("python_calls", "aten_ops"))
         print(
-            f"| {r['model']} | {r['weight_dtype']} | {r['kv_cache_dtype']} | "
-            f"{r['python_calls']:.0f} | {r['aten_ops']:.0f} |"
+            f"| {r['model']} | {r['weight_dtype']} | {r['kv_cache_dtype']} | {calls} | {ops} | "
+            f"{r['profiler_events']:.0f} |"
         )
-    for r in rows if args.top else []:
+    for r in rows if args.top and not args.compile else []:
         print(f"\n{r['model']} {r['weight_dtype']}: top sources of Python calls per step")
         for source, n in list(r["python_calls_by_source"].items())[: args.top]:
             print(f"  {n:7.1f}  {source}")

@@ -3,7 +3,9 @@
 # check of a refactor that other processes' load cannot disturb, unlike tok/s on a shared machine.
 #
 #   bash benchmarks/icount_commits.sh BASE HEAD [STEPS]     # e.g. main tier 16
+#   MODELS="builtin:fixture f32 int8;builtin:fixture f32 int4" bash benchmarks/icount_commits.sh ...
 #
+# MODELS: ';'-separated "MODEL TIERS [WEIGHT_DTYPE]" (default: tiny and the fixture, f32 weights).
 # Each commit is checked out into its own worktree and run with this checkout's venv (its own
 # src/ first on PYTHONPATH), on one thread. Per model one process runs every KV tier: load,
 # prefill 32 tokens, 4 warm-up decode steps, then STEPS decode steps counted. Callgrind starts
@@ -17,7 +19,7 @@ py=${PYTHON:-$root/.venv/bin/python}
 [ -x "$py" ] || py=/work/main/.venv/bin/python
 out=$root/benchmarks/results
 mkdir -p "$out"
-models=("builtin:tiny f32,q4s,tq4" "builtin:fixture f32,q4s")
+IFS=';' read -r -a models <<<"${MODELS:-builtin:tiny f32,q4s,tq4;builtin:fixture f32,q4s}"
 work=$(mktemp -d)
 declare -A tree
 for rev in "$base" "$head"; do
@@ -43,8 +45,8 @@ import ctypes, sys, torch
 from latentkv.config import CacheConfig, EngineConfig
 from latentkv.runtime import load
 toggle = ctypes.CDLL(sys.argv[1])
-name, tiers, steps = sys.argv[2], sys.argv[3].split(","), int(sys.argv[4])
-model = load(name, EngineConfig(threads=1), quiet=True).model
+name, tiers, steps, weights = sys.argv[2], sys.argv[3].split(","), int(sys.argv[4]), sys.argv[5]
+model = load(name, EngineConfig(threads=1, weight_dtype=weights), quiet=True).model
 for tier in tiers:
     cfg = CacheConfig(tier)
     cache = model.make_cache(model.tier(cfg) if hasattr(model, "tier") else cfg)
@@ -61,17 +63,18 @@ for tier in tiers:
 
 rows=()
 for m in "${models[@]}"; do
-  read -r model tiers <<<"$m"
+  read -r model tiers weights <<<"$m"
+  weights=${weights:-f32}
   for sha in "$a" "$b"; do
-    dir=$work/cg-$sha-${model#builtin:}
+    dir=$work/cg-$sha-${model#builtin:}-$weights
     mkdir -p "$dir"
     (cd "${tree[$sha]}" && PYTHONPATH="${tree[$sha]}/src" OMP_NUM_THREADS=1 valgrind --tool=callgrind \
       --instr-atstart=no --callgrind-out-file="$dir/cg.%p" "$py" -c "$driver" "$work/toggle.so" \
-      "$model" "$tiers" "$steps" >/dev/null 2>"$dir/valgrind.log") || { cat "$dir/valgrind.log" >&2; exit 1; }
+      "$model" "$tiers" "$steps" "$weights" >/dev/null 2>"$dir/valgrind.log") || { cat "$dir/valgrind.log" >&2; exit 1; }
     for f in "$dir"/cg.*.*; do  # one dump per tier: its trigger names the tier
       tier=$(sed -n 's/^desc: Trigger: Client Request: //p' "$f")
       total=$(awk '/^totals:/ {print $2}' "$f")
-      [ -n "$tier" ] && [ -n "$total" ] && rows+=("$sha $model $tier $total")
+      [ -n "$tier" ] && [ -n "$total" ] && rows+=("$sha $model/$weights $tier $total")
     done
     echo "$sha $model done" >&2
   done

@@ -173,14 +173,21 @@ def run(cmd: list[str]) -> str:
 
 
 def llama_bench(llama: Path, model_gguf: Path, args: argparse.Namespace) -> tuple[dict, dict]:
-    """One llama-bench run (-r 1, flash attention on): ({"pp512": [tok/s], "tg@D": [tok/s]} from
-    its own per-repetition samples, what it says about its build and the CPU)."""
+    """One llama-bench run (-r 1, flash attention on): its samples and what it says about itself
+    (parse_llama_bench)."""
     cmd = [str(tool(llama, "llama-bench")), "-m", str(model_gguf), "-t", str(args.threads), "-fa", "1"]
     cmd += ["-p", str(args.prefill), "-n", str(args.gen), "-d", ",".join(map(str, args.depths))]  # -p 0: none
     cmd += ["-r", "1", "-o", "json"]
+    return parse_llama_bench(json.loads(run(cmd)))
+
+
+def parse_llama_bench(rows: list[dict]) -> tuple[dict, dict]:
+    """llama-bench's JSON rows -> ({"pp512": [tok/s], "tg@D": [tok/s]} from its own
+    per-repetition samples (`samples_ts`; `avg_ts` where a build has none), what it says about
+    its build and the CPU). Prefill counts at depth 0 only (llama-bench also runs it at every -d)."""
     out: dict[str, list[float]] = {}
     about = {}
-    for r in json.loads(run(cmd)):
+    for r in rows:
         depth = r.get("n_depth", 0)
         samples = [float(v) for v in r.get("samples_ts") or [r["avg_ts"]]]
         if r["n_prompt"] and not r["n_gen"] and depth == 0:
@@ -194,21 +201,27 @@ def llama_bench(llama: Path, model_gguf: Path, args: argparse.Namespace) -> tupl
 
 
 def latentkv_bench(model: Path, dtype: str, args: argparse.Namespace) -> dict:
-    """{kv tier: {"pp512": [tok/s], "tg@D": [tok/s]}} from one fresh `latentkv bench decode
-    --repeats 1` (one sample per number)."""
+    """One fresh `latentkv bench decode --repeats 1`: its samples (parse_latentkv_bench)."""
     contexts = sorted({max(d, 1) for d in args.depths} | ({args.prefill} if args.prefill else set()))
     cmd = [sys.executable, "-m", "latentkv", "bench", "decode", str(model), "--weight-dtype", dtype]
     cmd += ["--threads", str(args.threads), "--kv-cache-dtype", ",".join(args.kv)]
     cmd += ["--context", ",".join(map(str, contexts)), "--decode-tokens", str(args.gen)]
     cmd += ["--repeats", "1", "--json"] + (["--compile"] if args.compile else [])
+    return parse_latentkv_bench(json.loads(run(cmd))["rows"], args.depths, args.prefill, args.compile)
+
+
+def parse_latentkv_bench(rows: list[dict], depths: list[int], prefill: int, compiled: bool) -> dict:
+    """`bench decode --json` rows -> {kv tier: {"pp512": [tok/s], "tg@D": [tok/s]}}, one sample
+    per number: depth D is the row of context max(D, 1), prefill the row of context `prefill`;
+    rows of the other engine (eager or compiled) and speculative rows are not ours."""
     out: dict[str, dict[str, list[float]]] = {}
-    for r in json.loads(run(cmd))["rows"]:
-        if r["engine"] != ("latentkv+compile" if args.compile else "latentkv") or r.get("speculative"):
+    for r in rows:
+        if r["engine"] != ("latentkv+compile" if compiled else "latentkv") or r.get("speculative"):
             continue
         tier = out.setdefault(r["kv_cache_dtype"], {})
-        if args.prefill and r["context"] == args.prefill:
-            tier.setdefault(f"pp{args.prefill}", []).append(r["prefill_tps"])
-        for d in args.depths:
+        if prefill and r["context"] == prefill:
+            tier.setdefault(f"pp{prefill}", []).append(r["prefill_tps"])
+        for d in depths:
             if r["context"] == max(d, 1):
                 tier.setdefault(f"tg@{d}", []).append(r["decode_tps"])
     return out
@@ -807,6 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     settings |= {"kv": {"llama.cpp": "f16", "latentkv": args.kv}, "flash_attn": 1, "compile": args.compile}
     settings |= {"statistic": "median of the rounds' samples, with min and max", "goals": args.goals}
     run_ = {"started": started, "depths": args.depths, "pairs": [list(p) for p in args.pairs]}
+    run_["command"] = " ".join(["python", "benchmarks/vs_llamacpp.py", *argv])  # as typed, to rerun it
     about = run_context(about)
     run_ |= {"rounds": args.repetitions, "prefill": args.prefill, "bytes": args.bytes}
     run_["latentkv_commit"] = about["latentkv_commit"]  # pieces may span commits: each says its own

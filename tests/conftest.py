@@ -166,3 +166,26 @@ def decode_kernels(request):
         if native.kernels() is None:
             pytest.skip(f"latentkv's kernels are not built here: {native.unavailable()}")
     return request.param
+
+
+def fixture_moe(top_k: int):
+    """builtin:fixture's first MoE layer as (the layer, its router picking `top_k` experts, its
+    experts one by one as f32 Linears): what the expert-store tests route through."""
+    import copy
+
+    from latentkv.experts.base import Expert
+    from latentkv.models.moe import MoE
+    from latentkv.models.registry import resolve
+    from latentkv.models.weights import load_model
+    from latentkv.weights.base import make_linear
+
+    model = load_model(resolve("builtin:fixture"), device=torch.device("cpu"))
+    mlp = next(b.mlp for b in model.blocks if isinstance(b.mlp, MoE))
+    stacked = mlp.experts.stacked
+    experts = {
+        e: Expert(make_linear(stacked.gate_up[e], "f32"), make_linear(stacked.down[e], "f32"))
+        for e in range(stacked.gate_up.shape[0])
+    }
+    router = copy.copy(mlp.router)
+    router.top_k = top_k
+    return mlp, router, experts

@@ -296,10 +296,11 @@ def _gpu_plan(spec: LoadSpec) -> GpuPlan:
     ram = None if engine.ram_gb is None else int(engine.ram_gb * GIB)
     flag = f"--vram-gb {engine.vram_gb:g}"
     plan = _fitted(spec, flag, make_gpu_plan, int(engine.vram_gb * GIB), ram)
-    if plan.expert_home != "vram" and spec.device.type == "cuda" and spec.expert_format == "int4":
-        from latentkv.weights.int4 import layout
+    if plan.expert_home != "vram" and spec.device.type == "cuda":
+        from latentkv.weights.int4 import Int4Linear, layout
 
-        if layout() is None:  # the host would hold portable nibbles: a second copy on the device
+        # the host would hold int4 experts as portable nibbles: a second copy on the device
+        if spec.expert_format == Int4Linear.format and layout() is None:
             raise UserError(
                 f"{flag}: int4 experts cannot be cached in VRAM on this CPU (torch's int4 op packs them "
                 "in a layout latentkv cannot convert in place on the GPU); use --expert-dtype bf16 or "
@@ -324,6 +325,7 @@ def _fitted(spec: LoadSpec, flag: str, make, *budgets: int | None):
         spec.max_num_seqs,
         store_dir=default_store_dir(spec.directory, spec.expert_format),
         draft_tokens=spec.draft_tokens,
+        expert_dtype=spec.expert_format,
     )
     if not plan.fits:
         raise UserError(f"{flag}: {plan.problems[0]} (see `latentkv plan`)")

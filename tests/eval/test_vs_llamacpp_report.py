@@ -182,3 +182,65 @@ def test_appended_runs_share_one_table(vs):
     table = vs.speed_table(merged["results"], ["bf16"]).splitlines()
     assert [line.split("|")[3].strip() for line in table[2:]] == ["pp512", "tg@0", "tg@4096"]
     assert "cpu" in vs.combine(first, _payload(vs, 0, {"tg@0": [1.0]}, cpu="EPYC"))
+
+
+def test_llama_bench_rows_give_its_own_samples(vs):
+    """llama-bench's JSON: every repetition's tok/s (samples_ts, avg_ts where a build has none);
+    prefill at depth 0 only (llama-bench also runs -p at every -d); its build and CPU kept."""
+    base = {"build_commit": "abc", "build_number": 7, "cpu_info": "Xeon", "type_k": "f16", "flash_attn": 1}
+    rows = [
+        {**base, "n_prompt": 512, "n_gen": 0, "n_depth": 0, "samples_ts": [100.0, 110.0], "avg_ts": 105.0},
+        {**base, "n_prompt": 512, "n_gen": 0, "n_depth": 4096, "samples_ts": [50.0], "avg_ts": 50.0},
+        {**base, "n_prompt": 0, "n_gen": 64, "n_depth": 0, "samples_ts": [20.0, 21.0], "avg_ts": 20.5},
+        {**base, "n_prompt": 0, "n_gen": 64, "n_depth": 4096, "avg_ts": 15.0},
+    ]
+    samples, about = vs.parse_llama_bench(rows)
+    assert samples == {"pp512": [100.0, 110.0], "tg@0": [20.0, 21.0], "tg@4096": [15.0]}
+    assert about == base
+
+
+def test_latentkv_rows_are_matched_to_depths_and_prefill(vs):
+    """bench decode's rows: depth 0 is context 1, prefill the context of --prefill; the other
+    engine's rows and speculative rows are left out."""
+
+    def row(ctx, tier="bf16", engine="latentkv", **extra):
+        return {"engine": engine, "kv_cache_dtype": tier, "context": ctx, "prefill_tps": ctx * 1.0,
+                "decode_tps": 1000.0 / ctx, **extra}  # fmt: skip
+
+    rows = [
+        row(1), row(512), row(4096), row(4096, tier="q8s"), row(1, engine="latentkv+compile"),
+        row(1, speculative={"tokens_per_verify": 2.0}), row(1, engine="transformers"),
+    ]  # fmt: skip
+    out = vs.parse_latentkv_bench(rows, [0, 4096], 512, compiled=False)
+    assert out == {
+        "bf16": {"tg@0": [1000.0], "pp512": [512.0], "tg@4096": [1000.0 / 4096]},
+        "q8s": {"tg@4096": [1000.0 / 4096]},
+    }
+    assert vs.parse_latentkv_bench(rows, [0], 0, compiled=True) == {"bf16": {"tg@0": [1000.0]}}
+
+
+def test_results_json_says_where_and_how_it_was_run(vs, tmp_path, monkeypatch):
+    """main's JSON (both engines stubbed): the CPU model and flags, the threads, both engines'
+    versions, the statistic and the exact command of the run."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cell = vs.stat([10.0, 11.0, 12.0])
+    result = {
+        "gguf": "bf16",
+        "weights": "bf16",
+        "llama.cpp": {"tg@0": cell},
+        "latentkv": {"bf16": {"tg@0": cell}},
+    }
+    monkeypatch.setattr(vs, "resolve", lambda model: tmp_path)
+    monkeypatch.setattr(vs, "gguf", lambda *a: tmp_path / "m.gguf")
+    monkeypatch.setattr(vs, "run_pairs", lambda *a, **k: ([result], [], {"build_commit": "abc"}))
+    out = tmp_path / "out.json"
+    argv = ["builtin:slice", "--pairs", "bf16:bf16", "--depths", "0", "--out", str(out)]
+    assert vs.main(argv) == 0
+    payload = json.loads(out.read_text())
+    machine = payload["machine"]
+    assert machine["cpu"] and isinstance(machine["cpu_flags"], list) and payload["threads"] == 2
+    assert machine["llama.cpp"]["build_commit"] == "abc" and "version" in machine["llama.cpp"]
+    assert "latentkv_commit" in machine and payload["statistic"].startswith("median")
+    assert payload["runs"][0]["command"] == "python benchmarks/vs_llamacpp.py " + " ".join(argv)
+    assert payload["bars"] == ["bf16 vs bf16 tg@0: met (1.00x at KV bf16, goal 1.0x; bf16 1.00x)"]

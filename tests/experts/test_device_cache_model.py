@@ -94,17 +94,23 @@ def test_resolve_load_plans_the_gpu_and_refuses_in_one_line(monkeypatch):
     assert spec.gpu_plan is not None and spec.gpu_plan.expert_home == "vram" and spec.plan is None
     with pytest.raises(UserError, match=r"--vram-gb 0\.5: dense weights, .* \(see `latentkv plan`\)"):
         resolve_load("builtin:fixture", EngineConfig(device="cuda", vram_gb=0.5), max_model_len=64)
-    whole = spec.gpu_plan
-    tight = (whole.dense_bytes + whole.kv_bytes + whole.activation_bytes + whole.staging_bytes) / 2**30
-    tight += 4 * 3 * whole.expert_extent_bytes / 2**30  # staging (none in the vram plan) and a few more
-    engine = EngineConfig(device="cuda", vram_gb=tight, weight_dtype="f32", expert_dtype="int4")
-    assert resolve_load("builtin:fixture", engine, max_model_len=64).gpu_plan.expert_home == "pinned"
+
+    def tight(engine: EngineConfig) -> EngineConfig:
+        """`engine` at a budget for its dense part, KV, activations and 12 experts of its format."""
+        whole = resolve_load("builtin:fixture", engine, max_model_len=64).gpu_plan
+        assert whole.expert_home == "vram"
+        fixed = whole.dense_bytes + whole.kv_bytes + whole.activation_bytes
+        return dataclasses.replace(engine, vram_gb=(fixed + 4 * 3 * whole.expert_extent_bytes) / 2**30)
+
+    f32 = tight(EngineConfig(device="cuda", vram_gb=64.0, weight_dtype="f32"))
+    plan = resolve_load("builtin:fixture", f32, max_model_len=64).gpu_plan
+    assert plan.expert_home == "pinned" and device_slots(plan) == plan.vram_experts + 4  # + staging: 2k
+    engine = tight(dataclasses.replace(f32, vram_gb=64.0, expert_dtype="int4"))
+    in4 = resolve_load("builtin:fixture", engine, max_model_len=64).gpu_plan
+    assert in4.expert_home == "pinned" and in4.expert_extent_bytes < plan.expert_extent_bytes  # sized as int4
     monkeypatch.setattr(int4, "layout", lambda: None)
     with pytest.raises(UserError, match="int4 experts cannot be cached in VRAM on this CPU"):
         resolve_load("builtin:fixture", engine, max_model_len=64)
-    pinned = resolve_load("builtin:fixture", dataclasses.replace(engine, expert_dtype=None), max_model_len=64)
-    plan = pinned.gpu_plan
-    assert plan.expert_home == "pinned" and device_slots(plan) == plan.vram_experts + 4  # + staging: 2k
 
 
 def test_the_server_scheduler_reports_the_device_cache_on_metrics(tmp_path):

@@ -105,3 +105,14 @@ def test_bad_vram_flags_exit_2(capsys, flags, message):
     assert main(["plan", "builtin:fixture", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_experts_are_sized_in_their_own_format(fixture_model):
+    """--expert-dtype int4 beside bf16 dense weights: the experts are planned at int4's bytes (as
+    the CPU planner does), the dense part at bf16's."""
+    cfg, d = fixture_model
+    mixed = plan(fixture_model, 64 * GIB, 8 * GIB, expert_dtype="int4")
+    bf16 = plan(fixture_model, 64 * GIB, 8 * GIB)
+    cpu = make_plan(cfg, d, 8 * GIB, "bf16", CacheConfig("fp8"), 1024, expert_dtype="int4")
+    assert mixed.expert_extent_bytes == cpu.expert_extent_bytes < bf16.expert_extent_bytes
+    assert mixed.dense_bytes == bf16.dense_bytes

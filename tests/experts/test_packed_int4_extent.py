@@ -120,3 +120,29 @@ def test_portable_pieces_from_either_form(packed, monkeypatch):
     want = lin.nibbles()
     for got, ref in zip((nibbles, scale, zero), want, strict=True):
         assert torch.equal(got, ref)
+
+
+def test_float32_scales_survive_the_extent():
+    """An int4 weight with float32 scales and zeros (GGUF's Q4 blocks) keeps them through an
+    expert's raw tensors: rebuilt over a flat buffer it is the same weight. (In the packed form
+    only the bfloat16 scale_zeros travelled: the zeros were lost, an error of ~1.)"""
+    from latentkv.experts.extent import expert_from_views, expert_layout, flat_view
+    from latentkv.weights.int4 import quantize_int4
+
+    g = torch.Generator().manual_seed(3)
+
+    def wide(out_f: int, in_f: int) -> Int4Linear:
+        q, scale, zero = quantize_int4(torch.randn(out_f, in_f, generator=g), 32)
+        return Int4Linear(pack_nibbles(q), scale.float() * 1.0001, zero.float() + 1e-3, in_f)
+
+    expert = Expert(wide(128, 64), wide(64, 64))
+    layout, raws = expert_layout(expert)
+    buffer = torch.empty(layout.length, dtype=torch.uint8)
+    for t, raw in zip(layout.tensors, raws, strict=True):
+        flat_view(buffer, layout, t.name).copy_(raw)
+    back = expert_from_views(layout, lambda name: flat_view(buffer, layout, name))
+    x = torch.randn(3, 64, generator=g)
+    for part in ("gate_up", "down"):
+        want, got = getattr(expert, part), getattr(back, part)
+        assert torch.equal(got.dequantize(), want.dequantize())
+        assert torch.equal(got(x), want(x))

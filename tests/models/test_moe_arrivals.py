@@ -4,16 +4,14 @@ the in-order computation whatever the arrival order, on every path that asks the
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
+from tests.conftest import fixture_moe
 
 from latentkv.experts.base import LocalStore
 from latentkv.models.moe import MoE
-from latentkv.models.registry import resolve
-from latentkv.models.weights import load_model
 
 
 class Store(LocalStore):
@@ -38,18 +36,8 @@ class Store(LocalStore):
 
 @pytest.fixture(scope="module")
 def moe_layer():
-    model = load_model(resolve("builtin:fixture"), device="cpu")
-    mlp = next(b.mlp for b in model.blocks if isinstance(b.mlp, MoE))
-    stacked = mlp.experts.stacked
-    from latentkv.experts.base import Expert
-    from latentkv.weights.base import make_linear
-
-    experts = {
-        e: Expert(make_linear(stacked.gate_up[e], "f32"), make_linear(stacked.down[e], "f32"))
-        for e in range(stacked.gate_up.shape[0])
-    }
-    router = copy.copy(mlp.router)
-    router.top_k = 6  # with 2 the sum of two terms from zero is the same in either order
+    # top-6: with 2 the sum of two terms from zero is the same in either order
+    mlp, router, experts = fixture_moe(top_k=6)
     return MoE(router, mlp.experts, mlp.shared), experts
 
 

@@ -166,6 +166,7 @@ def _gpu(args, cfg, model_dir: Path, rams, cache, draft_tokens: int) -> int:
         args.max_model_len,
         args.max_num_seqs,
         draft_tokens=draft_tokens,
+        expert_dtype=args.expert_dtype,
     )
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_gpu_plan(plan))
     return 0 if plan.fits else 1

@@ -93,9 +93,10 @@ def _int8_from_raw(fmt: str, params: dict, tensors: dict[str, torch.Tensor]) -> 
 def _int4_to_raw(lin: Linear) -> tuple[dict, dict[str, torch.Tensor]]:
     # The Linear's packed layout, named in params so that a process with another layout repacks
     # it when read (and one with this layout uses the bytes as they are); where the layout is
-    # not understood, the portable nibbles.
+    # not understood, or the scales are float32 (kept apart from scale_zeros), the portable
+    # nibbles with those scales and zeros.
     layout = lin.layout
-    if layout is None or lin._out_padded % layout[0]:
+    if layout is None or lin._out_padded % layout[0] or lin.zero_t is not None:
         nibbles, scale, zero = lin.nibbles()
         return {"in_features": lin.in_features}, _with_bias(
             lin, {"nibbles": nibbles, "scale": scale, "zero": zero}

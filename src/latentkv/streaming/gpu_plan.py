@@ -91,7 +91,10 @@ def make_gpu_plan(
     max_num_seqs: int = 1,
     store_dir: Path | None = None,
     draft_tokens: int = 0,
+    expert_dtype: str | None = None,
 ) -> GpuPlan:
+    """`expert_dtype`: the routed experts' format (default: `weight_dtype`), which sizes them
+    unless `store_dir` holds their converted store."""
     cache = cache or CacheConfig()
     source = "--ram-gb"
     if ram_bytes is None:
@@ -108,7 +111,7 @@ def make_gpu_plan(
     )
     moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types) + int(has_mtp_experts)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    extent, _ = expert_extent_bytes(cfg, model_dir, weight_dtype, store_dir)
+    extent, _ = expert_extent_bytes(cfg, model_dir, expert_dtype or weight_dtype, store_dir)
     total = moe_layers * E
     all_experts = total * extent
     fixed = dense + kv + act
