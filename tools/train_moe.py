@@ -683,11 +683,20 @@ def train_step(
     }
 
 
-def supervision_spec(args) -> tuple[int, int] | None:
-    """--supervise-induction A,B -> (A, B), or None."""
-    if not getattr(args, "supervise_induction", None):
+def supervision_spec(args, layers: int | None = None) -> tuple[int, int] | None:
+    """--supervise-induction A,B -> (A, B), or None; with `layers`, A < B < layers is checked.
+    A malformed value is one clear line (SystemExit), before any training."""
+    if not args.supervise_induction:
         return None
-    a, b = (int(v) for v in str(args.supervise_induction).split(","))
+    parts = str(args.supervise_induction).split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise SystemExit(f"--supervise-induction {args.supervise_induction}: expected two layer numbers A,B")
+    a, b = (int(p) for p in parts)
+    if layers is not None and not a < b < layers:
+        raise SystemExit(
+            f"--supervise-induction {a},{b}: the previous-token layer must come before the induction "
+            f"layer, both below the model's {layers} layers"
+        )
     return a, b
 
 
@@ -1360,6 +1369,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--grow-from {args.grow_from}: no such checkpoint file")
         state = new_state(args, tok)
         log(f"new run in {args.work}" + (f", grown from {args.grow_from}" if args.grow_from else ""))
+    supervision_spec(args, state["config"]["num_hidden_layers"])  # a bad value stops here
     patch_for_training()
     windows = Windows(text, tok, args)
     heldout_text = f"\n{EOT}\n".join(heldout)

@@ -508,3 +508,12 @@ def test_identity_supervision_reads_the_previous_token(tm):
         assert loss.item() < 0.6 * first
     finally:
         tm.unpatch(orig)
+
+
+def test_supervision_spec_refuses_bad_values(tm):
+    ns = types.SimpleNamespace
+    assert tm.supervision_spec(ns(supervise_induction=None)) is None
+    assert tm.supervision_spec(ns(supervise_induction="0,1"), 6) == (0, 1)
+    for bad in ("0", "a,b", "0,1,2", "1,0", "0,6"):
+        with pytest.raises(SystemExit, match="--supervise-induction"):
+            tm.supervision_spec(ns(supervise_induction=bad), 6)

@@ -154,7 +154,7 @@ class RotaryTables:
         width = x.shape[-1]
         if self.S <= MATMUL_ROPE_MAX_POSITIONS:
             m = self.matrix(interleaved, width, offset)  # [S, width, width]
-            if len(x.shape) == 3:  # [S, n, width] already: the same product without two views
+            if len(x.shape) == 3 and x.shape[0] == self.S:  # [S, n, width]: no views needed
                 return torch.matmul(x, m)
             if self.S == 1 and len(x.shape) == 2:  # [1, width] x [1, width, width]: matmul expands x
                 return torch.matmul(x, m).view(x.shape)
