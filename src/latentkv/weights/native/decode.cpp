@@ -356,6 +356,16 @@ LKV_VNNI XQ quantize_x(const float* x, int64_t M, int64_t K, int64_t ldx, int64_
   return out;
 }
 
+// A block's scales and zeros for group g: 256 bytes, one row of [groups][Np][2] (a stride of
+// Np * 4 bytes between groups, which the hardware prefetcher does not follow), fetched SZ_AHEAD
+// groups before they are needed.
+constexpr int64_t SZ_AHEAD = 2;
+constexpr int64_t PACKED_AHEAD = 1024;
+LKV_VNNI inline void prefetch_sz(const Int4Args& a, int64_t b, int64_t g) {
+  const char* p = reinterpret_cast<const char*>(a.sz + (g * a.Np + b * BLOCK) * 2);
+  for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T0);
+}
+
 // Both int4 VNNI paths, after group g of block b: y[i][v] += s * step * sums[i][v] + (z - 8 s) *
 // sum(x), for rows 16 v .. 16 v + 15 of the block and row m0 + i of x.
 template <int MB>
@@ -511,12 +521,17 @@ LKV_VNNI void int8_vnni(const Int8Args& a, const XQ& xq, int64_t n0, int64_t n1)
   for (; n < n1; ++n) int8_vnni_rows<1, X8>(a, xq, n);
 }
 
-// int4: MB rows of x through block b, four columns at a time. Two 64-byte loads hold columns
-// k .. k + 3; permutation h puts byte 16 h + d of each column in the 4 bytes of dword d (rows
-// 16 h + d in the low nibbles, 32 + 16 h + d in the high ones). Rows of sum v: 16 v .. 16 v + 15.
-template <int MB>
+// int4: MB rows of x through NB blocks b .. b + NB - 1 side by side, four columns at a time.
+// Two 64-byte loads hold a block's columns k .. k + 3; permutation h puts byte 16 h + d of each
+// column in the 4 bytes of dword d (rows 16 h + d in the low nibbles, 32 + 16 h + d in the high
+// ones). Rows of sum v: 16 v .. 16 v + 15. Each block's arithmetic is the same whatever NB is;
+// NB = 2 reads two contiguous streams at once, which one core reads faster than one stream (its
+// hardware prefetcher follows each within a 4 KiB page), and the packed bytes are also fetched
+// PACKED_AHEAD bytes ahead in software.
+template <int MB, int NB>
 LKV_VNNI void int4_vnni8_tile(const Int4Args& a, const XQ& xq, int64_t b, int64_t m0) {
-  const uint8_t* __restrict blk = a.packed + b * a.Kp * HALF;
+  const uint8_t* __restrict blk[NB];
+  for (int n = 0; n < NB; ++n) blk[n] = a.packed + (b + n) * a.Kp * HALF;
   const int32_t* __restrict x[MB];  // int8 quads
   for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const int32_t*>(xq.q8.data() + (m0 + i) * xq.Kpad);
   alignas(64) uint8_t pick_bytes[2][64];
@@ -524,47 +539,64 @@ LKV_VNNI void int4_vnni8_tile(const Int4Args& a, const XQ& xq, int64_t b, int64_
     for (int p = 0; p < 64; ++p) pick_bytes[h][p] = static_cast<uint8_t>(p % 4 * HALF + 16 * h + p / 4);
   const __m512i pick[2] = {_mm512_load_si512(pick_bytes[0]), _mm512_load_si512(pick_bytes[1])};
   const __m512i nibble = _mm512_set1_epi8(15);
-  __m512 y[MB][4];
-  for (int i = 0; i < MB; ++i)
-    for (int v = 0; v < 4; ++v) y[i][v] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < a.groups; ++g) {
-    __m512i low[MB][2], whole[MB][2];
+  __m512 y[NB][MB][4];
+  for (int n = 0; n < NB; ++n)
     for (int i = 0; i < MB; ++i)
-      for (int h = 0; h < 2; ++h) low[i][h] = whole[i][h] = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) y[n][i][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    if (g + SZ_AHEAD < a.groups)
+      for (int n = 0; n < NB; ++n) prefetch_sz(a, b + n, g + SZ_AHEAD);
+    __m512i low[NB][MB][2], whole[NB][MB][2];
+    for (int n = 0; n < NB; ++n)
+      for (int i = 0; i < MB; ++i)
+        for (int h = 0; h < 2; ++h) low[n][i][h] = whole[n][i][h] = _mm512_setzero_si512();
     const int64_t k1 = std::min(a.K, (g + 1) * a.G);  // G % 4 == 0: k + 3 stays in the group
     for (int64_t k = g * a.G; k < k1; k += 4) {
-      const __m512i c01 = _mm512_loadu_si512(blk + k * HALF);
-      const __m512i c23 = _mm512_loadu_si512(blk + (k + 2) * HALF);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i bytes = _mm512_permutex2var_epi8(c01, pick[h], c23);
-        const __m512i lo = _mm512_and_si512(bytes, nibble);
-        for (int i = 0; i < MB; ++i) {
-          const __m512i xk = _mm512_set1_epi32(x[i][k / 4]);
-          whole[i][h] = _mm512_dpbusd_epi32(whole[i][h], bytes, xk);
-          low[i][h] = _mm512_dpbusd_epi32(low[i][h], lo, xk);
+      for (int n = 0; n < NB; ++n) {
+        const uint8_t* at = blk[n] + k * HALF;
+        const __m512i c01 = _mm512_loadu_si512(at);
+        const __m512i c23 = _mm512_loadu_si512(at + 2 * HALF);
+        if constexpr (PACKED_AHEAD > 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(at) + PACKED_AHEAD, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(at) + PACKED_AHEAD + 64, _MM_HINT_T0);
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m512i bytes = _mm512_permutex2var_epi8(c01, pick[h], c23);
+          const __m512i lo = _mm512_and_si512(bytes, nibble);
+          for (int i = 0; i < MB; ++i) {
+            const __m512i xk = _mm512_set1_epi32(x[i][k / 4]);
+            whole[n][i][h] = _mm512_dpbusd_epi32(whole[n][i][h], bytes, xk);
+            low[n][i][h] = _mm512_dpbusd_epi32(low[n][i][h], lo, xk);
+          }
         }
       }
     }
-    __m512i sums[MB][4];  // rows 16 v ..: low nibbles (v = 0, 1), high = (whole - low) / 16 (v = 2, 3)
-    for (int i = 0; i < MB; ++i)
-      for (int h = 0; h < 2; ++h) {
-        sums[i][h] = low[i][h];
-        sums[i][2 + h] = _mm512_srai_epi32(_mm512_sub_epi32(whole[i][h], low[i][h]), 4);
-      }
-    int4_vnni_group<MB>(a, xq, b, g, m0, sums, y);
+    for (int n = 0; n < NB; ++n) {
+      __m512i sums[MB][4];  // rows 16 v ..: low nibbles (v = 0, 1), high = (whole - low) / 16 (v = 2, 3)
+      for (int i = 0; i < MB; ++i)
+        for (int h = 0; h < 2; ++h) {
+          sums[i][h] = low[n][i][h];
+          sums[i][2 + h] = _mm512_srai_epi32(_mm512_sub_epi32(whole[n][i][h], low[n][i][h]), 4);
+        }
+      int4_vnni_group<MB>(a, xq, b + n, g, m0, sums, y[n]);
+    }
   }
-  for (int v = 0; v < 4; ++v)
-    for (int i = 0; i < MB; ++i) store16(a, m0 + i, b * BLOCK + 16 * v, y[i][v]);
+  for (int n = 0; n < NB; ++n)
+    for (int v = 0; v < 4; ++v)
+      for (int i = 0; i < MB; ++i) store16(a, m0 + i, (b + n) * BLOCK + 16 * v, y[n][i][v]);
 }
 
 LKV_VNNI void int4_vnni8(const Int4Args& a, const XQ& xq, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
+  int64_t b = b0;
+  if (a.M == 1)  // one row (a sequence's decode): two blocks at a time
+    for (; b + 2 <= b1; b += 2) int4_vnni8_tile<1, 2>(a, xq, b, 0);
+  for (; b < b1; ++b) {
     int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) int4_vnni8_tile<4>(a, xq, b, m);
+    for (; m + 4 <= a.M; m += 4) int4_vnni8_tile<4, 1>(a, xq, b, m);
     switch (a.M - m) {
-      case 3: int4_vnni8_tile<3>(a, xq, b, m); break;
-      case 2: int4_vnni8_tile<2>(a, xq, b, m); break;
-      case 1: int4_vnni8_tile<1>(a, xq, b, m); break;
+      case 3: int4_vnni8_tile<3, 1>(a, xq, b, m); break;
+      case 2: int4_vnni8_tile<2, 1>(a, xq, b, m); break;
+      case 1: int4_vnni8_tile<1, 1>(a, xq, b, m); break;
       default: break;
     }
   }
