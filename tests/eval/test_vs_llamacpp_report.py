@@ -67,6 +67,23 @@ def test_bandwidth_table_uses_the_counted_bytes(vs):
     assert line == "| int4 | tg@0 | 1.000 GB | 0.0 MB | 20.00 | 20.0 | 80% of 25.0 GB/s |"
 
 
+def test_bandwidth_share_uses_one_reference_for_every_format(vs):
+    """Each format's child measures the read bandwidth; the shares all use the fastest median."""
+    results = [
+        {"gguf": g, "weights": w, "llama.cpp": {}, "latentkv": {"bf16": {"tg@0": vs.stat([10.0])}}}
+        for g, w in (("q8_0", "int8"), ("q4_K_M", "int4"))
+    ]
+    traffic = {
+        "int8": {"weight_bytes": {"0": 2 * 10**9}, "kv_bytes": {"0": 0}, "read_gb_s": [19.0, 20.0, 21.0]},
+        "int4": {"weight_bytes": {"0": 10**9}, "kv_bytes": {"0": 0}, "read_gb_s": [26.0, 25.0, 24.0]},
+    }
+    lines = vs.bandwidth_table(results, traffic, "bf16").splitlines()[2:]
+    assert lines == [
+        "| int8 | tg@0 | 2.000 GB | 0.0 MB | 10.00 | 20.0 | 80% of 25.0 GB/s |",
+        "| int4 | tg@0 | 1.000 GB | 0.0 MB | 10.00 | 10.0 | 40% of 25.0 GB/s |",
+    ]
+
+
 def test_depths_are_lowered_to_what_the_model_holds(vs, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
     depths, notes = vs.fit_depths(tmp_path, [0, 512, 4096], 64)
