@@ -361,6 +361,7 @@ LKV_VNNI XQ quantize_x(const float* x, int64_t M, int64_t K, int64_t ldx, int64_
 // groups before they are needed.
 constexpr int64_t SZ_AHEAD = 2;
 constexpr int64_t PACKED_AHEAD = 1024;
+constexpr int64_t ROW_AHEAD = 512;  // int8 VNNI: each weight row's bytes fetched this far ahead
 LKV_VNNI inline void prefetch_sz(const Int4Args& a, int64_t b, int64_t g) {
   const char* p = reinterpret_cast<const char*>(a.sz + (g * a.Np + b * BLOCK) * 2);
   for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T0);
@@ -479,6 +480,8 @@ LKV_VNNI void int8_vnni_tile(const Int8Args& a, const XQ& xq, int64_t n, int64_t
       // past K: weight 0 (biased: 128) times x 0
       const __mmask64 mask = k1 - k >= STEP ? (~__mmask64(0) >> (64 - STEP)) : (__mmask64(1) << (k1 - k)) - 1;
       __m512i w[R];
+      if (k % 64 == 0)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q[r] + k) + ROW_AHEAD, _MM_HINT_T0);
       for (int r = 0; r < R; ++r) {
         if constexpr (X8) w[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, q[r] + k), bias);
         else w[r] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(__mmask32(mask), q[r] + k));
