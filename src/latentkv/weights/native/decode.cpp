@@ -869,6 +869,36 @@ Int4Matrix int4_matrix(const at::Tensor& packed, const at::Tensor& scale_zeros, 
           reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr<at::BFloat16>())};
 }
 
+// Every entry of a stack of matrices (MLA's heads, a layer's experts), each checked as
+// int8_matrix / int4_matrix check one: entry 0 through them, the others at entry 0's layout moved
+// by the stack's stride. No tensor per entry: a select costs ~1 us, 64 heads a layer and 256
+// experts a GLM-5 MoE layer.
+std::vector<Int8Matrix> int8_stack(const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(q.dim() == 3 && scale.dim() == 2 && q.size(0) == scale.size(0) && q.size(0) > 0,
+              "stacked int8 matrices must be q [E, N, ldq] with scale [E, N]");
+  const Int8Matrix first = int8_matrix(q[0], scale[0]);
+  std::vector<Int8Matrix> out(q.size(0), first);
+  for (int64_t e = 1; e < q.size(0); ++e) {
+    out[e].q += e * q.stride(0);
+    out[e].scale += e * scale.stride(0);
+  }
+  return out;
+}
+
+std::vector<Int4Matrix> int4_stack(const at::Tensor& packed, const at::Tensor& scale_zeros, int64_t group_size,
+                                   int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 3 && scale_zeros.dim() == 4 && packed.size(0) == scale_zeros.size(0) &&
+                  packed.size(0) > 0,
+              "stacked int4 matrices must be packed [E, Np, Kp / 2] with scale_zeros [E, groups, Np, 2]");
+  const Int4Matrix first = int4_matrix(packed[0], scale_zeros[0], group_size, out_features);
+  std::vector<Int4Matrix> out(packed.size(0), first);
+  for (int64_t e = 1; e < packed.size(0); ++e) {
+    out[e].packed += e * packed.stride(0);
+    out[e].sz += e * scale_zeros.stride(0);
+  }
+  return out;
+}
+
 void check_x(const at::Tensor& x, int64_t max_k) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) <= max_k && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be float32 [M, K <= ", max_k, "] with unit column stride");
@@ -1052,11 +1082,7 @@ at::Tensor moe_int8(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
                   dn_scale.dim() == 2,
               "stacked experts must be gate_up q [E, 2I, ldq], scale [E, 2I], down q [E, D, ldq], scale [E, D]");
   const int64_t E = gu_q.size(0);
-  std::vector<Int8Matrix> gus, dns;
-  for (int64_t e = 0; e < E; ++e) {
-    gus.push_back(int8_matrix(gu_q[e], gu_scale[e]));
-    dns.push_back(int8_matrix(dn_q[e], dn_scale[e]));
-  }
+  const std::vector<Int8Matrix> gus = int8_stack(gu_q, gu_scale), dns = int8_stack(dn_q, dn_scale);
   TORCH_CHECK(E > 0 && gus[0].N % 2 == 0 && gus[0].N / 2 <= dns[0].ldq, "gate_up and down do not fit");
   check_x(x, gus[0].ldq);
   const int64_t I = gus[0].N / 2, D = dns[0].N, K = x.size(1);
@@ -1076,11 +1102,8 @@ at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
                   gu_sz.dim() == 4 && dn_sz.dim() == 4,
               "stacked experts must be packed [E, Np, Kp / 2] with scale_zeros [E, groups, Np, 2]");
   const int64_t E = gu_packed.size(0);
-  std::vector<Int4Matrix> gus, dns;
-  for (int64_t e = 0; e < E; ++e) {
-    gus.push_back(int4_matrix(gu_packed[e], gu_sz[e], group_size, gu_rows));
-    dns.push_back(int4_matrix(dn_packed[e], dn_sz[e], group_size, dn_rows));
-  }
+  const std::vector<Int4Matrix> gus = int4_stack(gu_packed, gu_sz, group_size, gu_rows),
+                                dns = int4_stack(dn_packed, dn_sz, group_size, dn_rows);
   TORCH_CHECK(E > 0 && gu_rows % 2 == 0 && gu_rows / 2 <= dns[0].Kp, "gate_up and down do not fit");
   check_x(x, gus[0].Kp);
   const int64_t I = gu_rows / 2, D = dn_rows, K = x.size(1);
@@ -1109,8 +1132,7 @@ at::Tensor heads_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   TORCH_CHECK(q.dim() == 3 && scale.dim() == 2 && x.dim() == 3 && x.size(0) == q.size(0),
               "heads: x [H, S, K], q [H, N, ldq], scale [H, N]");
   const int64_t H = q.size(0), S = x.size(1), K = x.size(2);
-  std::vector<Int8Matrix> w;
-  for (int64_t h = 0; h < H; ++h) w.push_back(int8_matrix(q[h], scale[h]));
+  const std::vector<Int8Matrix> w = int8_stack(q, scale);
   const at::Tensor xc = x.contiguous();
   TORCH_CHECK(xc.scalar_type() == at::kFloat && H > 0 && K <= w[0].ldq, "x must be float32 [H, S, K <= ldq]");
   const int64_t N = w[0].N;
@@ -1132,8 +1154,7 @@ at::Tensor heads_int4(const at::Tensor& x, const at::Tensor& packed, const at::T
   TORCH_CHECK(packed.dim() == 3 && scale_zeros.dim() == 4 && x.dim() == 3 && x.size(0) == packed.size(0),
               "heads: x [H, S, K], packed [H, Np, Kp / 2], scale_zeros [H, groups, Np, 2]");
   const int64_t H = packed.size(0), S = x.size(1), K = x.size(2);
-  std::vector<Int4Matrix> w;
-  for (int64_t h = 0; h < H; ++h) w.push_back(int4_matrix(packed[h], scale_zeros[h], group_size, out_features));
+  const std::vector<Int4Matrix> w = int4_stack(packed, scale_zeros, group_size, out_features);
   const at::Tensor xc = x.contiguous();
   TORCH_CHECK(xc.scalar_type() == at::kFloat && H > 0 && K <= w[0].Kp, "x must be float32 [H, S, K <= Kp]");
   const int64_t N = out_features;
