@@ -356,12 +356,14 @@ LKV_VNNI XQ quantize_x(const float* x, int64_t M, int64_t K, int64_t ldx, int64_
   return out;
 }
 
+// Software prefetch distances of the VNNI decode paths (one core brings in a single stream no
+// faster than its line-fill buffers allow; fetched ahead, a stream reads at the core's full rate):
+constexpr int64_t SZ_AHEAD = 2;         // int4: a block's scales and zeros, groups ahead
+constexpr int64_t PACKED_AHEAD = 1024;  // int4: a block's packed bytes, bytes ahead
+constexpr int64_t ROW_AHEAD = 512;      // int8: each weight row's bytes, bytes ahead
+
 // A block's scales and zeros for group g: 256 bytes, one row of [groups][Np][2] (a stride of
-// Np * 4 bytes between groups, which the hardware prefetcher does not follow), fetched SZ_AHEAD
-// groups before they are needed.
-constexpr int64_t SZ_AHEAD = 2;
-constexpr int64_t PACKED_AHEAD = 1024;
-constexpr int64_t ROW_AHEAD = 512;  // int8 VNNI: each weight row's bytes fetched this far ahead
+// Np * 4 bytes between groups, which the hardware prefetcher does not follow).
 LKV_VNNI inline void prefetch_sz(const Int4Args& a, int64_t b, int64_t g) {
   const char* p = reinterpret_cast<const char*>(a.sz + (g * a.Np + b * BLOCK) * 2);
   for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T0);
@@ -480,7 +482,7 @@ LKV_VNNI void int8_vnni_tile(const Int8Args& a, const XQ& xq, int64_t n, int64_t
       // past K: weight 0 (biased: 128) times x 0
       const __mmask64 mask = k1 - k >= STEP ? (~__mmask64(0) >> (64 - STEP)) : (__mmask64(1) << (k1 - k)) - 1;
       __m512i w[R];
-      if (k % 64 == 0)
+      if (k % 64 == 0)  // one cache line per row: every step (int8 x), every other one (int16 x)
         for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q[r] + k) + ROW_AHEAD, _MM_HINT_T0);
       for (int r = 0; r < R; ++r) {
         if constexpr (X8) w[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, q[r] + k), bias);
@@ -559,10 +561,8 @@ LKV_VNNI void int4_vnni8_tile(const Int4Args& a, const XQ& xq, int64_t b, int64_
         const uint8_t* at = blk[n] + k * HALF;
         const __m512i c01 = _mm512_loadu_si512(at);
         const __m512i c23 = _mm512_loadu_si512(at + 2 * HALF);
-        if constexpr (PACKED_AHEAD > 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(at) + PACKED_AHEAD, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(at) + PACKED_AHEAD + 64, _MM_HINT_T0);
-        }
+        _mm_prefetch(reinterpret_cast<const char*>(at) + PACKED_AHEAD, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(at) + PACKED_AHEAD + 64, _MM_HINT_T0);
         for (int h = 0; h < 2; ++h) {
           const __m512i bytes = _mm512_permutex2var_epi8(c01, pick[h], c23);
           const __m512i lo = _mm512_and_si512(bytes, nibble);
@@ -1083,7 +1083,7 @@ at::Tensor moe_int8(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
               "stacked experts must be gate_up q [E, 2I, ldq], scale [E, 2I], down q [E, D, ldq], scale [E, D]");
   const int64_t E = gu_q.size(0);
   const std::vector<Int8Matrix> gus = int8_stack(gu_q, gu_scale), dns = int8_stack(dn_q, dn_scale);
-  TORCH_CHECK(E > 0 && gus[0].N % 2 == 0 && gus[0].N / 2 <= dns[0].ldq, "gate_up and down do not fit");
+  TORCH_CHECK(gus[0].N % 2 == 0 && gus[0].N / 2 <= dns[0].ldq, "gate_up and down do not fit");
   check_x(x, gus[0].ldq);
   const int64_t I = gus[0].N / 2, D = dns[0].N, K = x.size(1);
   return moe(x, idx, w, E, D, by_id, [&](int64_t e, const float* xp, int64_t n, int64_t ldx, float* y) {
@@ -1104,7 +1104,7 @@ at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   const int64_t E = gu_packed.size(0);
   const std::vector<Int4Matrix> gus = int4_stack(gu_packed, gu_sz, group_size, gu_rows),
                                 dns = int4_stack(dn_packed, dn_sz, group_size, dn_rows);
-  TORCH_CHECK(E > 0 && gu_rows % 2 == 0 && gu_rows / 2 <= dns[0].Kp, "gate_up and down do not fit");
+  TORCH_CHECK(gu_rows % 2 == 0 && gu_rows / 2 <= dns[0].Kp, "gate_up and down do not fit");
   check_x(x, gus[0].Kp);
   const int64_t I = gu_rows / 2, D = dn_rows, K = x.size(1);
   return moe(x, idx, w, E, D, by_id, [&](int64_t e, const float* xp, int64_t n, int64_t ldx, float* y) {
@@ -1134,7 +1134,7 @@ at::Tensor heads_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   const int64_t H = q.size(0), S = x.size(1), K = x.size(2);
   const std::vector<Int8Matrix> w = int8_stack(q, scale);
   const at::Tensor xc = x.contiguous();
-  TORCH_CHECK(xc.scalar_type() == at::kFloat && H > 0 && K <= w[0].ldq, "x must be float32 [H, S, K <= ldq]");
+  TORCH_CHECK(xc.scalar_type() == at::kFloat && K <= w[0].ldq, "x must be float32 [H, S, K <= ldq]");
   const int64_t N = w[0].N;
   at::Tensor y = at::empty({H, S, N}, x.options());
   const float* xp = xc.data_ptr<float>();
@@ -1156,7 +1156,7 @@ at::Tensor heads_int4(const at::Tensor& x, const at::Tensor& packed, const at::T
   const int64_t H = packed.size(0), S = x.size(1), K = x.size(2);
   const std::vector<Int4Matrix> w = int4_stack(packed, scale_zeros, group_size, out_features);
   const at::Tensor xc = x.contiguous();
-  TORCH_CHECK(xc.scalar_type() == at::kFloat && H > 0 && K <= w[0].Kp, "x must be float32 [H, S, K <= Kp]");
+  TORCH_CHECK(xc.scalar_type() == at::kFloat && K <= w[0].Kp, "x must be float32 [H, S, K <= Kp]");
   const int64_t N = out_features;
   at::Tensor y = at::empty({H, S, N}, x.options());
   const float* xp = xc.data_ptr<float>();
