@@ -5,6 +5,7 @@ exactly where it stopped, and its data transforms do what they say."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import re
 import types
@@ -517,3 +518,72 @@ def test_supervision_spec_refuses_bad_values(tm):
     for bad in ("0", "a,b", "0,1,2", "1,0", "0,6"):
         with pytest.raises(SystemExit, match="--supervise-induction"):
             tm.supervision_spec(ns(supervise_induction=bad), 6)
+
+
+def test_circuit_phase_trains_only_the_circuit_and_resumes(tm, tmp_path):
+    """--circuit-steps: the circuit phase changes layers A..B-1 and layer B's attention and nothing
+    else, cycles its window lengths, lowers the supervision losses, and a run stopped half way and
+    resumed ends with the same weights as one run straight through."""
+
+    class Tok:
+        def token_to_id(self, s):
+            return 0
+
+        def get_vocab_size(self):
+            return 300
+
+    def run(work: Path, stop_after: int) -> dict:
+        args = tm.parse(
+            ["train", "--work", str(work), "--context", "64", "--short-context", "32", "--layers", "2"]
+            + ["--hidden", "32", "--experts", "4", "--top-k", "2", "--expert-inter", "16"]
+            + ["--dense-inter", "32", "--supervise-induction", "0,1", "--circuit-lr", "1e-2"]
+            + ["--circuit-steps", "40", "--circuit-contexts", "32,64", "--stop-after", str(stop_after)]
+            + ["--quiet-file", str(work / "Q")]
+        )
+        work.mkdir(exist_ok=True)
+        last = work / "last.pt"
+        state = torch.load(last, weights_only=False) if last.exists() else tm.new_state(args, Tok())
+        orig = tm.patch_for_training()
+        try:
+            tm.train_circuit(state, work, Tok(), args, lambda m: None)
+        finally:
+            tm.unpatch(orig)
+        return torch.load(last, weights_only=False)
+
+    start = tm.new_state(
+        tm.parse(
+            ["train", "--work", str(tmp_path), "--context", "64", "--short-context", "32", "--layers", "2"]
+            + [
+                "--hidden",
+                "32",
+                "--experts",
+                "4",
+                "--top-k",
+                "2",
+                "--expert-inter",
+                "16",
+                "--dense-inter",
+                "32",
+            ]
+        ),
+        Tok(),
+    )["model"]
+    straight = run(tmp_path / "a", 100)
+    assert run(tmp_path / "b", 20)["circuit_step"] == 20
+    resumed = run(tmp_path / "b", 100)
+    assert straight["circuit_step"] == resumed["circuit_step"] == 40
+    for k, v in straight["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k
+        if k == "model.embed_tokens.weight":  # one vector added to every row, the rows kept
+            delta = v - start[k]
+            assert delta.abs().max() > 0 and torch.allclose(delta, delta[:1].expand_as(delta), atol=1e-6)
+            continue
+        circuit = ("model.layers.0.", "model.layers.1.self_attn.", "model.layers.1.input_layernorm")
+        trained = k.startswith(circuit) and ".indexer." not in k and "1.self_attn.o_proj" not in k
+        assert torch.equal(v, start[k]) != trained or "e_score_correction_bias" in k, k
+    rows = [json.loads(line) for line in (tmp_path / "a" / "circuit_history.jsonl").read_text().splitlines()]
+    assert [r["context"] for r in rows[:4]] == [32, 64, 32, 64]
+    first, last = rows[:4], rows[-4:]
+    total = lambda rows, key: sum(r[key] for r in rows)  # noqa: E731
+    assert total(last, "previous_token_loss") < 0.8 * total(first, "previous_token_loss")
+    assert total(last, "induction_loss") < total(first, "induction_loss")
