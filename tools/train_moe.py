@@ -32,6 +32,9 @@ distances or one segment repeated), meant to force induction heads early; --init
 from an exported model with a fresh optimizer. docs/stdlib-moe.md records what it did and did not do.
 
 Phases (the checkpoint records which one it is in):
+0. with --circuit-steps, the induction circuit alone (`train_circuit`): the layers of
+   --supervise-induction A,B trained on a truncated forward with the attention-supervision losses
+   only, thousands of cheap steps before the model is asked to use the circuit;
 1. pretraining, bf16 autocast (AMX) with float32 master weights, AdamW, warmup + cosine; a length
    curriculum (1024-token windows first, 4096 later); next token + 0.3 x MTP (token after next);
    the DSA indexer is bypassed (every earlier token attends, as DSA does while the context fits
@@ -330,6 +333,9 @@ def attention_forward(self, hidden_states, position_embeddings, **_):
         causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
         logp = torch.log_softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
         sup["loss"] = attention_target_loss(logp, sup["targets"])
+        if sup.get("keep_write"):  # the head's own write into the residual stream [B, S, D]
+            v = self.v_head_dim
+            sup["write"] = o[:, h] @ self.o_proj.weight[:, h * v : (h + 1) * v].T
         if sup.get("identity") is not None:  # the head's write must name the token it attends to
             emb, target = sup["identity"]
             v = self.v_head_dim
@@ -385,9 +391,10 @@ def supervised_attention(model, spec: tuple[int, int] | None, x: torch.Tensor | 
     return mods
 
 
-def circuit_window(rng: random.Random, context: int, vocab: int, avoid: int) -> list[int]:
+def circuit_window(rng: random.Random, context: int, vocab: int, avoid: int) -> tuple[list[int], list[bool]]:
     """A window for the circuit phase: random tokens in which about half the window is copies of
-    earlier stretches (8-64 tokens, 16 to `context` tokens back, log-uniform)."""
+    earlier stretches (8-64 tokens, 16 to `context` tokens back, log-uniform); (ids, mask), the
+    mask marking the tokens predictable by copying (`synthetic_window`)."""
     spec = argparse.Namespace(
         synthetic_layout="scattered",
         synthetic_min_len=8,
@@ -396,40 +403,53 @@ def circuit_window(rng: random.Random, context: int, vocab: int, avoid: int) -> 
         synthetic_max_distance=context,
         synthetic_copy_frac=0.5,
     )
-    return synthetic_window(rng, context, vocab, avoid, spec)[0]
+    return synthetic_window(rng, context, vocab, avoid, spec)
 
 
 def circuit_forward(
-    model, spec: tuple[int, int], x: torch.Tensor, shift: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(previous-token loss, induction loss) of the circuit (A, B) on windows x [B, S], running only
-    the layers it needs: A..B-1 whole, then B's attention; `shift` [D] is added to every token's
-    embedding (see `train_circuit`)."""
+    model,
+    spec: tuple[int, int],
+    x: torch.Tensor,
+    shift: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(previous-token loss, induction loss, readout loss) of the circuit (A, B) on windows x
+    [B, S], running only the layers it needs: A..B-1 whole, then B's attention; `shift` [D] is
+    added to every token's embedding (see `train_circuit`). With `mask` [B, S] (the copied tokens),
+    the readout loss is the cross-entropy of the induction head's write alone, through the final
+    norm and the output head (the direct path), against each copied token; else None."""
     a, b = spec
     mm = model.model
     h = mm.embed_tokens(x) if shift is None else mm.embed_tokens(x) + shift
     pe = mm.rotary_emb(h, torch.arange(x.shape[1])[None])
     mods = supervised_attention(model, spec, x)
     try:
+        mods[1].supervise["keep_write"] = mask is not None
         for layer in mm.layers[a:b]:
             h = layer(h, attention_mask=None, position_embeddings=pe)
             h = h[0] if isinstance(h, tuple) else h
         layer = mm.layers[b]
         layer.self_attn(layer.input_layernorm(h), position_embeddings=pe)
-        return mods[0].supervise["loss"], mods[1].supervise["loss"]
+        readout = None
+        if mask is not None:
+            logits = model.lm_head(mm.norm(mods[1].supervise["write"][:, :-1]))
+            target = x[:, 1:].masked_fill(~mask[:, 1:], -100)
+            readout = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=-100)
+        return mods[0].supervise["loss"], mods[1].supervise["loss"], readout
     finally:
         supervised_attention(model, spec, None)
 
 
-def circuit_parameters(model, spec: tuple[int, int]) -> list[torch.nn.Parameter]:
+def circuit_parameters(model, spec: tuple[int, int], readout: bool = False) -> list[torch.nn.Parameter]:
     """What the circuit phase trains: layers A..B-1 whole and what layer B's queries and keys are
-    made of (its attention but the output projection, its input norm); everything else, the
-    embeddings included, stays as it is."""
+    made of (its attention but the output projection, its input norm), with `readout` its output
+    projection too; everything else, the embeddings and the output head included, stays as it is."""
     a, b = spec
     layers = model.model.layers
     params = [p for layer in layers[a:b] for p in layer.parameters()]
     attn = layers[b].self_attn
-    keep = [p for n, p in attn.named_parameters() if not n.startswith(("o_proj.", "indexer."))]
+    skip = ("indexer.",) if readout else ("o_proj.", "indexer.")
+    keep = [p for n, p in attn.named_parameters() if not n.startswith(skip)]
     return params + keep + [layers[b].input_layernorm.weight]
 
 
@@ -455,7 +475,8 @@ def train_circuit(state: dict, work: Path, tok, args, log) -> None:
     config, model, mtp = restore(state)
     for p in list(model.parameters()) + list(mtp.parameters()):
         p.requires_grad_(False)
-    params = circuit_parameters(model, spec)
+    readout = args.circuit_readout > 0
+    params = circuit_parameters(model, spec, readout)
     shift = torch.nn.Parameter(state.get("circuit_shift", torch.zeros(config.hidden_size)).clone())
     params.append(shift)
     for p in params:
@@ -482,14 +503,15 @@ def train_circuit(state: dict, work: Path, tok, args, log) -> None:
         step = state.get("circuit_step", 0)
         context = contexts[step % len(contexts)]
         rng = random.Random(f"circuit-{args.seed}-{step}")
-        x = torch.tensor([circuit_window(rng, context, vocab, avoid) for _ in range(max(1, 4096 // context))])
+        windows = [circuit_window(rng, context, vocab, avoid) for _ in range(max(1, 4096 // context))]
+        x, mask = torch.tensor([w[0] for w in windows]), torch.tensor([w[1] for w in windows])
         for group in opt.param_groups:
             group["lr"] = args.circuit_lr * min(1.0, (step + 1) / 20)
         t0, c0 = time.time(), time.process_time()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            prev, ind = circuit_forward(model, spec, x, shift)
+            prev, ind, read = circuit_forward(model, spec, x, shift, mask if readout else None)
         opt.zero_grad(set_to_none=True)
-        (prev + ind).backward()
+        (prev + ind + (args.circuit_readout * read if readout else 0.0)).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 10.0)
         opt.step()
         row = {
@@ -497,6 +519,7 @@ def train_circuit(state: dict, work: Path, tok, args, log) -> None:
             "context": context,
             "previous_token_loss": round(prev.item(), 4),
             "induction_loss": round(ind.item(), 4),
+            "readout_loss": round(read.item(), 4) if readout else None,
             "grad_norm": round(float(grad_norm), 2),
             "seconds": round(time.time() - t0, 3),
             "cpu_seconds": round(time.process_time() - c0, 3),
@@ -508,7 +531,8 @@ def train_circuit(state: dict, work: Path, tok, args, log) -> None:
             log(
                 f"circuit step {step + 1}/{args.circuit_steps} ctx {context}  previous-token "
                 f"{row['previous_token_loss']:.3f}  induction {row['induction_loss']:.3f}  "
-                f"grad {row['grad_norm']:.1f}  {row['seconds']:.2f} s/step"
+                + (f"readout {row['readout_loss']:.3f}  " if readout else "")
+                + f"grad {row['grad_norm']:.1f}  {row['seconds']:.2f} s/step"
             )
         if time.time() - last_save > args.save_minutes * 60:
             save()
@@ -1303,6 +1327,13 @@ def parse(argv: list[str] | None):
     )
     t.add_argument("--circuit-lr", type=float, default=1e-3, help="the circuit phase's learning rate")
     t.add_argument(
+        "--circuit-readout",
+        type=float,
+        default=0.0,
+        help="in the circuit phase, also train layer B's induction head to write the token it copies, "
+        "read through the final norm and the output head, with this weight (default 0: off)",
+    )
+    t.add_argument(
         "--circuit-contexts",
         default="512,512,512,4096",
         help="the circuit phase's window lengths, cycled step by step (4,096 tokens a step: 8 windows "
@@ -1445,7 +1476,7 @@ TRAINER_VERSION = 7  # recorded with every recipe change
 # (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5); 5: --init-from,
 # --lr-schedule, the --synthetic-* copy curriculum, --best-by; 6: --grow-from, --synthetic-alphabet,
 # --supervise-induction, --induction-weight, --induction-identity; 7: the circuit phase
-# (--circuit-steps, --circuit-lr, --circuit-contexts)
+# (--circuit-steps, --circuit-lr, --circuit-contexts, --circuit-readout)
 
 
 def apply_changes(state: dict, args, log) -> None:

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import random
 import re
+import tempfile
 import types
 from pathlib import Path
 
@@ -587,3 +588,39 @@ def test_circuit_phase_trains_only_the_circuit_and_resumes(tm, tmp_path):
     total = lambda rows, key: sum(r[key] for r in rows)  # noqa: E731
     assert total(last, "previous_token_loss") < 0.8 * total(first, "previous_token_loss")
     assert total(last, "induction_loss") < total(first, "induction_loss")
+
+
+def test_circuit_readout_trains_the_heads_write(tm):
+    """--circuit-readout: the induction head's write alone, through the final norm and the output
+    head, is scored against the copied tokens; its loss is recorded, falls when the circuit is
+    trained on it, and it is what lets layer B's output projection move (the head stays fixed)."""
+
+    class Tok:
+        def token_to_id(self, s):
+            return 0
+
+        def get_vocab_size(self):
+            return 300
+
+    args = tm.parse(
+        ["train", "--work", "unused", "--context", "64", "--short-context", "32", "--layers", "2"]
+        + ["--hidden", "32", "--experts", "4", "--top-k", "2", "--expert-inter", "16"]
+        + ["--dense-inter", "32", "--supervise-induction", "0,1", "--circuit-lr", "1e-2"]
+        + ["--circuit-steps", "40", "--circuit-contexts", "64", "--circuit-readout", "1.0"]
+    )
+    state = tm.new_state(args, Tok())
+    start = {k: v.clone() for k, v in state["model"].items()}
+    orig = tm.patch_for_training()
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            args.quiet_file = Path(d) / "Q"
+            tm.train_circuit(state, Path(d), Tok(), args, lambda m: None)
+            rows = [json.loads(line) for line in (Path(d) / "circuit_history.jsonl").read_text().splitlines()]
+    finally:
+        tm.unpatch(orig)
+    assert all(r["readout_loss"] is not None for r in rows)
+    assert sum(r["readout_loss"] for r in rows[-5:]) < sum(r["readout_loss"] for r in rows[:5])
+    key = "model.layers.1.self_attn.o_proj.weight"
+    assert not torch.equal(state["model"][key], start[key])
+    for k in ("lm_head.weight", "model.norm.weight"):
+        assert torch.equal(state["model"][k], start[k]), k
