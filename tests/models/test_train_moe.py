@@ -521,54 +521,41 @@ def test_supervision_spec_refuses_bad_values(tm):
             tm.supervision_spec(ns(supervise_induction=bad), 6)
 
 
+# A 2-layer model the circuit tests train in seconds, and a tokenizer with nothing but a size.
+_CIRCUIT_TINY = {"context": 64, "short-context": 32, "layers": 2, "hidden": 32, "experts": 4, "top-k": 2}
+_CIRCUIT_TINY |= {"expert-inter": 16, "dense-inter": 32, "supervise-induction": "0,1", "circuit-lr": 1e-2}
+CIRCUIT_TINY = [f"--{k}={v}" for k, v in _CIRCUIT_TINY.items()]
+
+
+class SizeOnlyTok:
+    def token_to_id(self, s):
+        return 0
+
+    def get_vocab_size(self):
+        return 300
+
+
 def test_circuit_phase_trains_only_the_circuit_and_resumes(tm, tmp_path):
     """--circuit-steps: the circuit phase changes layers A..B-1 and layer B's attention and nothing
     else, cycles its window lengths, lowers the supervision losses, and a run stopped half way and
     resumed ends with the same weights as one run straight through."""
 
-    class Tok:
-        def token_to_id(self, s):
-            return 0
-
-        def get_vocab_size(self):
-            return 300
-
     def run(work: Path, stop_after: int) -> dict:
         args = tm.parse(
-            ["train", "--work", str(work), "--context", "64", "--short-context", "32", "--layers", "2"]
-            + ["--hidden", "32", "--experts", "4", "--top-k", "2", "--expert-inter", "16"]
-            + ["--dense-inter", "32", "--supervise-induction", "0,1", "--circuit-lr", "1e-2"]
-            + ["--circuit-steps", "40", "--circuit-contexts", "32,64", "--stop-after", str(stop_after)]
-            + ["--quiet-file", str(work / "Q")]
+            ["train", "--work", str(work), *CIRCUIT_TINY, "--circuit-steps", "40", "--circuit-contexts"]
+            + ["32,64", "--stop-after", str(stop_after), "--quiet-file", str(work / "Q")]
         )
         work.mkdir(exist_ok=True)
         last = work / "last.pt"
-        state = torch.load(last, weights_only=False) if last.exists() else tm.new_state(args, Tok())
+        state = torch.load(last, weights_only=False) if last.exists() else tm.new_state(args, SizeOnlyTok())
         orig = tm.patch_for_training()
         try:
-            tm.train_circuit(state, work, Tok(), args, lambda m: None)
+            tm.train_circuit(state, work, SizeOnlyTok(), args, lambda m: None)
         finally:
             tm.unpatch(orig)
         return torch.load(last, weights_only=False)
 
-    start = tm.new_state(
-        tm.parse(
-            ["train", "--work", str(tmp_path), "--context", "64", "--short-context", "32", "--layers", "2"]
-            + [
-                "--hidden",
-                "32",
-                "--experts",
-                "4",
-                "--top-k",
-                "2",
-                "--expert-inter",
-                "16",
-                "--dense-inter",
-                "32",
-            ]
-        ),
-        Tok(),
-    )["model"]
+    start = tm.new_state(tm.parse(["train", "--work", str(tmp_path), *CIRCUIT_TINY]), SizeOnlyTok())["model"]
     straight = run(tmp_path / "a", 100)
     assert run(tmp_path / "b", 20)["circuit_step"] == 20
     resumed = run(tmp_path / "b", 100)
@@ -595,26 +582,17 @@ def test_circuit_readout_trains_the_heads_write(tm):
     head, is scored against the copied tokens; its loss is recorded, falls when the circuit is
     trained on it, and it is what lets layer B's output projection move (the head stays fixed)."""
 
-    class Tok:
-        def token_to_id(self, s):
-            return 0
-
-        def get_vocab_size(self):
-            return 300
-
     args = tm.parse(
-        ["train", "--work", "unused", "--context", "64", "--short-context", "32", "--layers", "2"]
-        + ["--hidden", "32", "--experts", "4", "--top-k", "2", "--expert-inter", "16"]
-        + ["--dense-inter", "32", "--supervise-induction", "0,1", "--circuit-lr", "1e-2"]
-        + ["--circuit-steps", "40", "--circuit-contexts", "64", "--circuit-readout", "1.0"]
+        ["train", "--work", "unused", *CIRCUIT_TINY, "--circuit-steps", "40", "--circuit-contexts", "64"]
+        + ["--circuit-readout", "1.0"]
     )
-    state = tm.new_state(args, Tok())
+    state = tm.new_state(args, SizeOnlyTok())
     start = {k: v.clone() for k, v in state["model"].items()}
     orig = tm.patch_for_training()
     try:
         with tempfile.TemporaryDirectory() as d:
             args.quiet_file = Path(d) / "Q"
-            tm.train_circuit(state, Path(d), Tok(), args, lambda m: None)
+            tm.train_circuit(state, Path(d), SizeOnlyTok(), args, lambda m: None)
             rows = [json.loads(line) for line in (Path(d) / "circuit_history.jsonl").read_text().splitlines()]
     finally:
         tm.unpatch(orig)
