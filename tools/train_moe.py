@@ -1514,6 +1514,9 @@ def apply_changes(state: dict, args, log) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.cmd == "train" and args.change and not (args.work / "last.pt").exists():
+        # a mistyped WORK, or one whose first run never saved: starting afresh would be wrong
+        raise SystemExit(f"--change: no run to change ({args.work / 'last.pt'} does not exist)")
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -202,6 +202,9 @@ def test_recipe_changes_are_recorded(tm, tmp_path):
     assert entry["step"] == 40 and entry["trainer_version"] == tm.TRAINER_VERSION
     assert entry["changed"] == {"repeat_prob": 1.0} and entry["added"]["long_repeats"] == 3
     assert state["args"]["repeat_prob"] == 1.0 and "work" not in entry["added"]
+    with pytest.raises(SystemExit, match="no run to change"):  # nothing to resume: no silent new run
+        tm.main(["train", "--work", str(tmp_path / "empty"), "--change", "steps=10", "--stop-after", "0"])
+    assert not (tmp_path / "empty").exists()
     bad = tm.parse(["train", "--work", str(tmp_path), "--change", "nonsense=1"])
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         tm.apply_changes({"step": 0, "args": {}}, bad, lambda m: None)
