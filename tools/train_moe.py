@@ -333,14 +333,12 @@ def attention_forward(self, hidden_states, position_embeddings, **_):
         causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
         logp = torch.log_softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
         sup["loss"] = attention_target_loss(logp, sup["targets"])
-        if sup.get("keep_write"):  # the head's own write into the residual stream [B, S, D]
-            v = self.v_head_dim
-            sup["write"] = o[:, h] @ self.o_proj.weight[:, h * v : (h + 1) * v].T
+        if sup.get("keep_write") or sup.get("identity") is not None:
+            v = self.v_head_dim  # the head's own write into the residual stream [B, S, D]
+            sup["write"] = o[:, h].float() @ self.o_proj.weight[:, h * v : (h + 1) * v].float().T
         if sup.get("identity") is not None:  # the head's write must name the token it attends to
             emb, target = sup["identity"]
-            v = self.v_head_dim
-            write = o[:, h].float() @ self.o_proj.weight[:, h * v : (h + 1) * v].float().T  # [B, S, D]
-            logits = write @ emb.detach().float().T  # read with the (fixed) input embedding
+            logits = sup["write"] @ emb.detach().float().T  # read with the (fixed) input embedding
             sup["identity_loss"] = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
     return self.o_proj(o.transpose(1, 2).reshape(B, S, -1)), None, None
 
@@ -389,6 +387,23 @@ def supervised_attention(model, spec: tuple[int, int] | None, x: torch.Tensor | 
         before[:, 1:] = x[:, :-1]
         mods[0].supervise["identity"] = (model.model.embed_tokens.weight, before)
     return mods
+
+
+CIRCUIT_TOKENS = 4096  # tokens a circuit step: 8 windows of 512, 1 of 4,096
+
+
+def circuit_contexts(args) -> list[int]:
+    """--circuit-contexts as window lengths; a malformed value, or a circuit phase without the
+    circuit's layers, is one clear line (SystemExit), before any training."""
+    if args.circuit_steps > 0 and not args.supervise_induction:
+        raise SystemExit("--circuit-steps: needs --supervise-induction A,B (the circuit's layers)")
+    parts = str(args.circuit_contexts).split(",")
+    if not all(p.strip().isdigit() and 32 <= int(p) <= CIRCUIT_TOKENS for p in parts):
+        raise SystemExit(
+            f"--circuit-contexts {args.circuit_contexts}: expected window lengths of 32 to "
+            f"{CIRCUIT_TOKENS} tokens, comma-separated"
+        )
+    return [int(p) for p in parts]
 
 
 def circuit_window(rng: random.Random, context: int, vocab: int, avoid: int) -> tuple[list[int], list[bool]]:
@@ -484,7 +499,7 @@ def train_circuit(state: dict, work: Path, tok, args, log) -> None:
     opt = torch.optim.AdamW(params, lr=args.circuit_lr, betas=(0.9, 0.95), weight_decay=0.0)
     if state.get("circuit_opt") is not None:
         opt.load_state_dict(state["circuit_opt"])
-    contexts = [int(c) for c in str(args.circuit_contexts).split(",")]
+    contexts = circuit_contexts(args)
     vocab, avoid = config.vocab_size, tok.token_to_id(EOT)
     last_save = time.time()
 
@@ -503,7 +518,7 @@ def train_circuit(state: dict, work: Path, tok, args, log) -> None:
         step = state.get("circuit_step", 0)
         context = contexts[step % len(contexts)]
         rng = random.Random(f"circuit-{args.seed}-{step}")
-        windows = [circuit_window(rng, context, vocab, avoid) for _ in range(max(1, 4096 // context))]
+        windows = [circuit_window(rng, context, vocab, avoid) for _ in range(CIRCUIT_TOKENS // context)]
         x, mask = torch.tensor([w[0] for w in windows]), torch.tensor([w[1] for w in windows])
         for group in opt.param_groups:
             group["lr"] = args.circuit_lr * min(1.0, (step + 1) / 20)
@@ -1336,8 +1351,8 @@ def parse(argv: list[str] | None):
     t.add_argument(
         "--circuit-contexts",
         default="512,512,512,4096",
-        help="the circuit phase's window lengths, cycled step by step (4,096 tokens a step: 8 windows "
-        "of 512, 1 of 4,096); include the full context (default: 512,512,512,4096)",
+        help="the circuit phase's window lengths (32-4096), cycled step by step (4,096 tokens a step: "
+        "8 windows of 512, 1 of 4,096); include the full context (default: 512,512,512,4096)",
     )
     t.add_argument(
         "--induction-identity",
@@ -1552,6 +1567,7 @@ def main(argv: list[str] | None = None) -> int:
         state = new_state(args, tok)
         log(f"new run in {args.work}" + (f", grown from {args.grow_from}" if args.grow_from else ""))
     supervision_spec(args, state["config"]["num_hidden_layers"])  # a bad value stops here
+    circuit_contexts(args)
     patch_for_training()
     windows = Windows(text, tok, args)
     heldout_text = f"\n{EOT}\n".join(heldout)
@@ -1559,8 +1575,6 @@ def main(argv: list[str] | None = None) -> int:
     cases = planted_cases(heldout_text, encode, DISTANCES, args.eval_per_distance, seed=1)
     evals = (eval_windows(heldout_text, tok, 2, args.context), cases, eval_windows(heldout_text, tok, 4, 256))
     if state["phase"] == "pretrain" and state.get("circuit_step", 0) < args.circuit_steps:
-        if supervision_spec(args) is None:
-            raise SystemExit("--circuit-steps: needs --supervise-induction A,B (the circuit's layers)")
         train_circuit(state, args.work, tok, args, log)
         if state["circuit_step"] < args.circuit_steps:  # --stop-after ended it early
             log(f"stopped: circuit step {state['circuit_step']} of {args.circuit_steps}")

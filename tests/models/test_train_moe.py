@@ -8,7 +8,6 @@ import importlib.util
 import json
 import random
 import re
-import tempfile
 import types
 from pathlib import Path
 
@@ -538,30 +537,34 @@ class SizeOnlyTok:
         return 300
 
 
+def _circuit_run(tm, work: Path, *flags: str) -> tuple[dict, list[dict]]:
+    """Run (or resume) the circuit phase of the tiny model in WORK: (the saved state, its history)."""
+    args = tm.parse(["train", "--work", str(work), *CIRCUIT_TINY, *flags, "--quiet-file", str(work / "Q")])
+    work.mkdir(exist_ok=True)
+    last = work / "last.pt"
+    state = torch.load(last, weights_only=False) if last.exists() else tm.new_state(args, SizeOnlyTok())
+    orig = tm.patch_for_training()
+    try:
+        tm.train_circuit(state, work, SizeOnlyTok(), args, lambda m: None)
+    finally:
+        tm.unpatch(orig)
+    rows = [json.loads(line) for line in (work / "circuit_history.jsonl").read_text().splitlines()]
+    return torch.load(last, weights_only=False), rows
+
+
+def _tiny_start(tm, tmp_path: Path) -> dict:
+    return tm.new_state(tm.parse(["train", "--work", str(tmp_path), *CIRCUIT_TINY]), SizeOnlyTok())["model"]
+
+
 def test_circuit_phase_trains_only_the_circuit_and_resumes(tm, tmp_path):
     """--circuit-steps: the circuit phase changes layers A..B-1 and layer B's attention and nothing
     else, cycles its window lengths, lowers the supervision losses, and a run stopped half way and
     resumed ends with the same weights as one run straight through."""
-
-    def run(work: Path, stop_after: int) -> dict:
-        args = tm.parse(
-            ["train", "--work", str(work), *CIRCUIT_TINY, "--circuit-steps", "40", "--circuit-contexts"]
-            + ["32,64", "--stop-after", str(stop_after), "--quiet-file", str(work / "Q")]
-        )
-        work.mkdir(exist_ok=True)
-        last = work / "last.pt"
-        state = torch.load(last, weights_only=False) if last.exists() else tm.new_state(args, SizeOnlyTok())
-        orig = tm.patch_for_training()
-        try:
-            tm.train_circuit(state, work, SizeOnlyTok(), args, lambda m: None)
-        finally:
-            tm.unpatch(orig)
-        return torch.load(last, weights_only=False)
-
-    start = tm.new_state(tm.parse(["train", "--work", str(tmp_path), *CIRCUIT_TINY]), SizeOnlyTok())["model"]
-    straight = run(tmp_path / "a", 100)
-    assert run(tmp_path / "b", 20)["circuit_step"] == 20
-    resumed = run(tmp_path / "b", 100)
+    flags = ("--circuit-steps", "40", "--circuit-contexts", "32,64", "--stop-after")
+    start = _tiny_start(tm, tmp_path)
+    straight, rows = _circuit_run(tm, tmp_path / "a", *flags, "100")
+    assert _circuit_run(tm, tmp_path / "b", *flags, "20")[0]["circuit_step"] == 20
+    resumed, _ = _circuit_run(tm, tmp_path / "b", *flags, "100")
     assert straight["circuit_step"] == resumed["circuit_step"] == 40
     for k, v in straight["model"].items():
         assert torch.equal(v, resumed["model"][k]), k
@@ -572,7 +575,6 @@ def test_circuit_phase_trains_only_the_circuit_and_resumes(tm, tmp_path):
         circuit = ("model.layers.0.", "model.layers.1.self_attn.", "model.layers.1.input_layernorm")
         trained = k.startswith(circuit) and ".indexer." not in k and "1.self_attn.o_proj" not in k
         assert torch.equal(v, start[k]) != trained or "e_score_correction_bias" in k, k
-    rows = [json.loads(line) for line in (tmp_path / "a" / "circuit_history.jsonl").read_text().splitlines()]
     assert [r["context"] for r in rows[:4]] == [32, 64, 32, 64]
     first, last = rows[:4], rows[-4:]
     total = lambda rows, key: sum(r[key] for r in rows)  # noqa: E731
@@ -580,28 +582,30 @@ def test_circuit_phase_trains_only_the_circuit_and_resumes(tm, tmp_path):
     assert total(last, "induction_loss") < total(first, "induction_loss")
 
 
-def test_circuit_readout_trains_the_heads_write(tm):
+def test_circuit_readout_trains_the_heads_write(tm, tmp_path):
     """--circuit-readout: the induction head's write alone, through the final norm and the output
     head, is scored against the copied tokens; its loss is recorded, falls when the circuit is
     trained on it, and it is what lets layer B's output projection move (the head stays fixed)."""
-
-    args = tm.parse(
-        ["train", "--work", "unused", *CIRCUIT_TINY, "--circuit-steps", "40", "--circuit-contexts", "64"]
-        + ["--circuit-readout", "1.0"]
-    )
-    state = tm.new_state(args, SizeOnlyTok())
-    start = {k: v.clone() for k, v in state["model"].items()}
-    orig = tm.patch_for_training()
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            args.quiet_file = Path(d) / "Q"
-            tm.train_circuit(state, Path(d), SizeOnlyTok(), args, lambda m: None)
-            rows = [json.loads(line) for line in (Path(d) / "circuit_history.jsonl").read_text().splitlines()]
-    finally:
-        tm.unpatch(orig)
+    start = _tiny_start(tm, tmp_path)
+    flags = ("--circuit-steps", "40", "--circuit-contexts", "64", "--circuit-readout", "1.0")
+    state, rows = _circuit_run(tm, tmp_path / "w", *flags)
     assert all(r["readout_loss"] is not None for r in rows)
     assert sum(r["readout_loss"] for r in rows[-5:]) < sum(r["readout_loss"] for r in rows[:5])
     key = "model.layers.1.self_attn.o_proj.weight"
     assert not torch.equal(state["model"][key], start[key])
     for k in ("lm_head.weight", "model.norm.weight"):
         assert torch.equal(state["model"][k], start[k]), k
+
+
+def test_circuit_flags_refuse_bad_values(tm, tmp_path):
+    """A circuit phase without the circuit's layers, or window lengths that are not lengths, stop
+    with one line before any training."""
+    ok = tm.parse(["train", "--work", str(tmp_path), *CIRCUIT_TINY, "--circuit-contexts", "512,4096"])
+    assert tm.circuit_contexts(ok) == [512, 4096]
+    for flags, match in (
+        (["--circuit-steps", "10"], "--supervise-induction"),
+        (["--supervise-induction", "0,1", "--circuit-contexts", "512,abc"], "--circuit-contexts"),
+        (["--supervise-induction", "0,1", "--circuit-contexts", "8192"], "--circuit-contexts"),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            tm.circuit_contexts(tm.parse(["train", "--work", str(tmp_path), *flags]))
