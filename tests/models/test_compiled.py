@@ -14,7 +14,7 @@ import torch
 
 from latentkv.cli import main
 from latentkv.config import CacheConfig
-from latentkv.models.compiled import CompileUnavailable, check_compilable
+from latentkv.models.compiled import CompileUnavailable, check_compilable, step_guard
 from latentkv.models.weights import load_model
 
 TOLERANCE = 1e-5  # relative to the largest |logit|
@@ -61,6 +61,54 @@ def test_compiled_decode_matches_eager_without_recompiling(compiled, ours):
     assert tokens_a == tokens_b
     assert fast.length == slow.length == 280
     assert torch.equal(fast.view(0)[:30], slow.view(0)[:30])  # the prefill is eager in both
+
+
+def test_two_compiled_models_in_one_process_each_run_their_own_graph(compiled, ours, checkpoint):
+    """The step drops torch.compile's guards on the model's own blocks and weights
+    (`step_guard`): what keeps a model of other shapes off this graph is that each model compiles
+    with its own backend. Decoding a second architecture's model and the module's alternately, each
+    must match its own eager twin."""
+    other = load_model(checkpoint("dsv3-tiny"), device="cpu")
+    other.compile_decode(progress=False)
+    pairs = [(compiled, ours("glm5-tiny")), (other, ours("dsv3-tiny"))]
+    assert (compiled.cfg.model_type, compiled.cfg.dsa is None) != (
+        other.cfg.model_type,
+        other.cfg.dsa is None,
+    )
+    g = torch.Generator().manual_seed(6)
+    caches = []
+    for fast, slow in pairs:
+        prompt = torch.randint(2, fast.cfg.vocab_size, (12,), generator=g)
+        caches.append((fast.make_cache(), slow.make_cache()))
+        fast.forward(prompt, caches[-1][0]), slow.forward(prompt, caches[-1][1])
+    for step in range(6):
+        for (fast, slow), (fc, sc) in zip(pairs, caches, strict=True):
+            token = torch.tensor([3 + step])
+            a, b = fast.forward(token, fc)[-1], slow.forward(token, sc)[-1]
+            assert a.shape == b.shape
+            assert float((a - b).abs().max() / b.abs().max()) < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "kept"),
+    [
+        ("cache", "TYPE_MATCH", True),
+        ("cache._rows[0]", "NOT_PRESENT_IN_GENERIC_DICT", True),
+        ("tokens", "TENSOR_MATCH", True),
+        ("all_logits", "CONSTANT_MATCH", True),
+        ("self.rope._cos", "TENSOR_MATCH", True),  # the RoPE tables grow
+        ("", "SHAPE_ENV", True),  # chooses the graph past index_topk
+        ("", "GRAD_MODE", True),
+        ("self.blocks[0].attn.Lkv", "CONSTANT_MATCH", False),
+        ("self.blocks[3].mlp.gate_up.weight", "TENSOR_MATCH", False),
+        ("type(self.blocks[2].mlp.down)", "DUPLICATE_INPUT", False),
+        ("G['__import_latentkv_dot_weights_dot_int8'].KERNEL_MAX_ROWS", "CONSTANT_MATCH", False),
+        ("G['torch']", "MODULE_MATCH", False),
+        ("type(self.norm).__call__", "CLOSURE_MATCH", False),
+    ],
+)
+def test_step_guards_kept_and_dropped(name, kind, kept):
+    assert step_guard(name, kind) is kept
 
 
 def test_compiled_prefill_stays_eager(compiled, ours):

@@ -91,6 +91,45 @@ def check_compilable(tier: str = "f32", recent_window: int = 0, formats: tuple[s
         )
 
 
+# Guards on torch's global state and the symbolic-shape guards (which pick the graph for contexts
+# past DSA's index_topk) are always kept.
+_STATE_GUARDS = frozenset(
+    {
+        "SHAPE_ENV",
+        "GRAD_MODE",
+        "DETERMINISTIC_ALGORITHMS",
+        "GLOBAL_STATE",
+        "TORCH_FUNCTION_STATE",
+        "DEFAULT_DEVICE",
+        "AUTOGRAD_SAVED_TENSORS_HOOKS",
+    }
+)
+
+
+def step_guard(name: str, guard_type: str) -> bool:
+    """Whether the compiled step keeps a guard torch.compile made (source `name`, kind
+    `guard_type`). A graph is checked against its guards on every call: ~800 of them on
+    builtin:fixture (each weight's dtype and shape, each block's constants, the identity of every
+    module and function the step calls), ~140 us of a 1 ms step. Kept: the guards on the step's
+    arguments (the token, the cache: its tier, buffers and length choose the graph), on the RoPE
+    tables (which grow), and on torch's state. Dropped: those on the model's own blocks and
+    weights (`self.`) and on module globals and functions (`G[...]`, closures, builtins): none of
+    them changes once a model is loaded, and another model never reaches this graph (each
+    `CompiledDecode` compiles with its own backend, and torch.compile only reuses a graph made by
+    the same one; tests/models/test_compiled.py decodes two models alternately)."""
+    if guard_type in _STATE_GUARDS:
+        return True
+    if guard_type in ("CLOSURE_MATCH", "BUILTIN_MATCH", "MODULE_MATCH"):
+        return False
+    model_part = "self." in name and "self.rope" not in name
+    return not (model_part or name.startswith("G["))
+
+
+def step_guards(entries) -> list[bool]:
+    """torch.compile's `guard_filter_fn` for the step: `step_guard` per entry."""
+    return [step_guard(e.name, e.guard_type) for e in entries]
+
+
 class CompiledDecode:
     """The model's one-token forward pass, compiled; called by `Model.forward` for S == 1 once
     `Model.compile_decode` installed it, or directly (`latentkv bench decode` times both)."""
@@ -102,7 +141,10 @@ class CompiledDecode:
         # dynamic=None: only the dimensions marked dynamic (the cache buffers' and RoPE tables'
         # lengths) are symbolic; with dynamic=True every weight's size became a graph input read
         # back per step (143 inputs on builtin:tiny, ~17% of its step).
-        self._step = torch.compile(model._forward, dynamic=None, options={"cpp_wrapper": True})
+        # guard_filter_fn: the model's own structure is not re-checked every step (see `step_guard`).
+        self._step = torch.compile(
+            model._forward, dynamic=None, options={"cpp_wrapper": True, "guard_filter_fn": step_guards}
+        )
 
     @torch.inference_mode()
     def __call__(
