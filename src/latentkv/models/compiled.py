@@ -114,9 +114,9 @@ def step_guard(name: str, guard_type: str) -> bool:
     arguments (the token, the cache: its tier, buffers and length choose the graph), on the RoPE
     tables (which grow), and on torch's state. Dropped: those on the model's own blocks and
     weights (`self.`) and on module globals and functions (`G[...]`, closures, builtins): none of
-    them changes once a model is loaded, and another model never reaches this graph (each
-    `CompiledDecode` compiles with its own backend, and torch.compile only reuses a graph made by
-    the same one; tests/models/test_compiled.py decodes two models alternately)."""
+    them changes once a model is loaded, and another model never reaches this graph: each
+    `CompiledDecode` keeps its graphs apart (`isolate_recompiles`; tests/models/test_compiled.py
+    decodes models of the same shapes in two weight formats, and of two architectures, alternately)."""
     if guard_type in _STATE_GUARDS:
         return True
     if guard_type in ("CLOSURE_MATCH", "BUILTIN_MATCH", "MODULE_MATCH"):
@@ -141,9 +141,15 @@ class CompiledDecode:
         # dynamic=None: only the dimensions marked dynamic (the cache buffers' and RoPE tables'
         # lengths) are symbolic; with dynamic=True every weight's size became a graph input read
         # back per step (143 inputs on builtin:tiny, ~17% of its step).
-        # guard_filter_fn: the model's own structure is not re-checked every step (see `step_guard`).
+        # guard_filter_fn: the model's own structure is not re-checked every step (see `step_guard`);
+        # isolate_recompiles: so this model's graphs are its own. Without it every torch.compile of
+        # `Model._forward` with equal options shares one set of graphs, and with those guards gone
+        # a model of the same shapes in another weight format ran the first one's graph.
         self._step = torch.compile(
-            model._forward, dynamic=None, options={"cpp_wrapper": True, "guard_filter_fn": step_guards}
+            model._forward,
+            dynamic=None,
+            options={"cpp_wrapper": True, "guard_filter_fn": step_guards},
+            isolate_recompiles=True,
         )
 
     @torch.inference_mode()
