@@ -421,33 +421,43 @@ def circuit_window(rng: random.Random, context: int, vocab: int, avoid: int) -> 
     return synthetic_window(rng, context, vocab, avoid, spec)
 
 
+READOUT_PATHS = ("head", "layer")  # --circuit-readout-via
+
+
 def circuit_forward(
     model,
     spec: tuple[int, int],
     x: torch.Tensor,
     shift: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    via: str = "head",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(previous-token loss, induction loss, readout loss) of the circuit (A, B) on windows x
     [B, S], running only the layers it needs: A..B-1 whole, then B's attention; `shift` [D] is
     added to every token's embedding (see `train_circuit`). With `mask` [B, S] (the copied tokens),
-    the readout loss is the cross-entropy of the induction head's write alone, through the final
-    norm and the output head (the direct path), against each copied token; else None."""
+    the readout loss is a cross-entropy against each copied token of, with `via` "head", the
+    induction head's write alone through the final norm and the output head (the direct path);
+    with "layer", layer B's whole output (its attention, then its MLP) through them; else None."""
     a, b = spec
     mm = model.model
     h = mm.embed_tokens(x) if shift is None else mm.embed_tokens(x) + shift
     pe = mm.rotary_emb(h, torch.arange(x.shape[1])[None])
     mods = supervised_attention(model, spec, x)
     try:
-        mods[1].supervise["keep_write"] = mask is not None
+        mods[1].supervise["keep_write"] = mask is not None and via == "head"
         for layer in mm.layers[a:b]:
             h = layer(h, attention_mask=None, position_embeddings=pe)
             h = h[0] if isinstance(h, tuple) else h
         layer = mm.layers[b]
-        layer.self_attn(layer.input_layernorm(h), position_embeddings=pe)
+        if mask is not None and via == "layer":
+            out = layer(h, attention_mask=None, position_embeddings=pe)
+            write = out[0] if isinstance(out, tuple) else out
+        else:
+            layer.self_attn(layer.input_layernorm(h), position_embeddings=pe)
+            write = mods[1].supervise.get("write")
         readout = None
         if mask is not None:
-            logits = model.lm_head(mm.norm(mods[1].supervise["write"][:, :-1]))
+            logits = model.lm_head(mm.norm(write[:, :-1]))
             target = x[:, 1:].masked_fill(~mask[:, 1:], -100)
             readout = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=-100)
         return mods[0].supervise["loss"], mods[1].supervise["loss"], readout
@@ -455,17 +465,24 @@ def circuit_forward(
         supervised_attention(model, spec, None)
 
 
-def circuit_parameters(model, spec: tuple[int, int], readout: bool = False) -> list[torch.nn.Parameter]:
+def circuit_parameters(
+    model, spec: tuple[int, int], readout: bool = False, via: str = "head"
+) -> list[torch.nn.Parameter]:
     """What the circuit phase trains: layers A..B-1 whole and what layer B's queries and keys are
     made of (its attention but the output projection, its input norm), with `readout` its output
-    projection too; everything else, the embeddings and the output head included, stays as it is."""
+    projection too, and with a readout `via` "layer" layer B's MLP and the norm before it as well
+    (the router's balancing bias is a buffer and stays); everything else, the embeddings and the
+    output head included, stays as it is."""
     a, b = spec
     layers = model.model.layers
     params = [p for layer in layers[a:b] for p in layer.parameters()]
     attn = layers[b].self_attn
     skip = ("indexer.",) if readout else ("o_proj.", "indexer.")
     keep = [p for n, p in attn.named_parameters() if not n.startswith(skip)]
-    return params + keep + [layers[b].input_layernorm.weight]
+    mlp = []
+    if readout and via == "layer":
+        mlp = list(layers[b].mlp.parameters()) + [layers[b].post_attention_layernorm.weight]
+    return params + keep + [layers[b].input_layernorm.weight] + mlp
 
 
 def train_circuit(state: dict, work: Path, tok, args, log) -> None:
@@ -491,14 +508,22 @@ def train_circuit(state: dict, work: Path, tok, args, log) -> None:
     for p in list(model.parameters()) + list(mtp.parameters()):
         p.requires_grad_(False)
     readout = args.circuit_readout > 0
-    params = circuit_parameters(model, spec, readout)
+    via = getattr(args, "circuit_readout_via", "head")
+    params = circuit_parameters(model, spec, readout, via)
     shift = torch.nn.Parameter(state.get("circuit_shift", torch.zeros(config.hidden_size)).clone())
     params.append(shift)
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.circuit_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    if state.get("circuit_opt") is not None:
-        opt.load_state_dict(state["circuit_opt"])
+    saved = state.get("circuit_opt")
+    if saved is not None and len(saved["param_groups"][0]["params"]) != len(params):
+        log(
+            f"circuit phase: the trained parameters changed ({len(saved['param_groups'][0]['params'])} -> "
+            f"{len(params)} tensors, e.g. --circuit-readout-via): the phase's optimizer starts afresh"
+        )
+        saved = None
+    if saved is not None:
+        opt.load_state_dict(saved)
     contexts = circuit_contexts(args)
     vocab, avoid = config.vocab_size, tok.token_to_id(EOT)
     last_save = time.time()
@@ -524,7 +549,7 @@ def train_circuit(state: dict, work: Path, tok, args, log) -> None:
             group["lr"] = args.circuit_lr * min(1.0, (step + 1) / 20)
         t0, c0 = time.time(), time.process_time()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            prev, ind, read = circuit_forward(model, spec, x, shift, mask if readout else None)
+            prev, ind, read = circuit_forward(model, spec, x, shift, mask if readout else None, via)
         opt.zero_grad(set_to_none=True)
         (prev + ind + (args.circuit_readout * read if readout else 0.0)).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 10.0)
@@ -1349,6 +1374,14 @@ def parse(argv: list[str] | None):
         "read through the final norm and the output head, with this weight (default 0: off)",
     )
     t.add_argument(
+        "--circuit-readout-via",
+        choices=READOUT_PATHS,
+        default="head",
+        help="what --circuit-readout reads: the induction head's write alone ('head', the direct "
+        "path) or layer B's whole output, its MLP trained too ('layer': no linear map takes this "
+        "model's embeddings to its output head, an MLP can learn one; docs/stdlib-moe.md)",
+    )
+    t.add_argument(
         "--circuit-contexts",
         default="512,512,512,4096",
         help="the circuit phase's window lengths (32-4096), cycled step by step (4,096 tokens a step: "
@@ -1486,12 +1519,12 @@ OPERATIONAL = {
     "cmd",
     "keep_evals",
 }
-TRAINER_VERSION = 7  # recorded with every recipe change
+TRAINER_VERSION = 8  # recorded with every recipe change
 # 3: planted uses unindented, three repeated blocks per long window; 4: --copy-prob windows
 # (--copy-repeat-prob, added in the same version, defaults to 4's fixed 0.5); 5: --init-from,
 # --lr-schedule, the --synthetic-* copy curriculum, --best-by; 6: --grow-from, --synthetic-alphabet,
 # --supervise-induction, --induction-weight, --induction-identity; 7: the circuit phase
-# (--circuit-steps, --circuit-lr, --circuit-contexts, --circuit-readout)
+# (--circuit-steps, --circuit-lr, --circuit-contexts, --circuit-readout); 8: --circuit-readout-via
 
 
 def apply_changes(state: dict, args, log) -> None:

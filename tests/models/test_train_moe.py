@@ -593,6 +593,27 @@ def test_circuit_readout_trains_the_heads_write(tm, tmp_path):
     assert sum(r["readout_loss"] for r in rows[-5:]) < sum(r["readout_loss"] for r in rows[:5])
     key = "model.layers.1.self_attn.o_proj.weight"
     assert not torch.equal(state["model"][key], start[key])
+    mlp = [k for k in start if k.startswith("model.layers.1.mlp.") and start[k].is_floating_point()]
+    assert mlp
+    for k in ("lm_head.weight", "model.norm.weight", *mlp):
+        assert torch.equal(state["model"][k], start[k]), k
+
+
+def test_circuit_readout_via_layer_trains_layer_bs_mlp(tm, tmp_path):
+    """--circuit-readout-via layer: the readout reads layer B's whole output (attention, then its
+    MoE MLP), so the MLP trains with it (what can learn the embedding-to-head lookup no linear
+    map makes: only the readout's gradient reaches that MLP, the attention losses are computed
+    before it); the output head and the final norm stay. Switched on in the middle of a phase
+    (more tensors to train than the saved optimizer knows), the phase's optimizer starts afresh
+    instead of failing to load."""
+    start = _tiny_start(tm, tmp_path)
+    flags = ("--circuit-steps", "60", "--circuit-contexts", "64", "--circuit-readout", "1.0")
+    _circuit_run(tm, tmp_path / "w", *flags, "--stop-after", "20")
+    state, rows = _circuit_run(tm, tmp_path / "w", *flags, "--circuit-readout-via", "layer")
+    assert len(rows) == 60 and all(r["readout_loss"] is not None for r in rows)
+    mlp = [k for k in start if k.startswith("model.layers.1.mlp.") and start[k].is_floating_point()]
+    moved = [k for k in mlp if not torch.equal(state["model"][k], start[k])]
+    assert any(".experts." in k or "shared" in k for k in moved), moved
     for k in ("lm_head.weight", "model.norm.weight"):
         assert torch.equal(state["model"][k], start[k]), k
 
