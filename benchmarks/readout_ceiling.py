@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -40,27 +39,19 @@ import machine  # noqa: E402
 
 def load_heads(model: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """(input embeddings [V, D], output head [V, D], final norm weight [D], its epsilon) in float32."""
+    from latentkv.config import ModelConfig
+    from latentkv.models.loader import Checkpoint
     from latentkv.models.registry import resolve
 
     folder = resolve(model)
-    cfg = json.loads((folder / "config.json").read_text())
-    names = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
-    found: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for name in names & set(f.keys()):
-                found[name] = f.get_tensor(name).float()
-    if "lm_head.weight" not in found and cfg.get("tie_word_embeddings"):
-        found["lm_head.weight"] = found.get("model.embed_tokens.weight")
-    missing = names - set(found)
+    cfg, ckpt = ModelConfig.from_hf(folder), Checkpoint(folder)
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    names = ("model.embed_tokens.weight", head, "model.norm.weight")
+    missing = [n for n in names if n not in ckpt]
     if missing:
-        raise SystemExit(f"{model}: no {', '.join(sorted(missing))} in its safetensors")
-    return (
-        found["model.embed_tokens.weight"],
-        found["lm_head.weight"],
-        found["model.norm.weight"],
-        cfg["rms_norm_eps"],
-    )
+        raise SystemExit(f"{model}: no {', '.join(missing)} in its checkpoint")
+    emb, out, norm = (ckpt.get(n).float() for n in names)
+    return emb, out, norm, cfg.rms_norm_eps
 
 
 def head_loss(w: torch.Tensor, head: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,38 +60,52 @@ def head_loss(w: torch.Tensor, head: torch.Tensor, norm: torch.Tensor, eps: floa
     return F.cross_entropy(logits, torch.arange(w.shape[0]), reduction="none")
 
 
+FITS = ("free vector", "linear map")
+
+
 def fit(kind: str, emb, head, norm, eps, steps: int, lam: float = 0.0, seed: int = 0) -> dict:
+    """One fit (`FITS`) of writes naming every token; a "linear map" with `lam` > 0 also moves the
+    embeddings, at a cost of `lam` x their mean squared move."""
+    if kind not in FITS or (kind == "free vector" and lam):
+        raise ValueError(
+            f"fit {kind!r} with lambda {lam}: expected one of {FITS}, lambda for a linear map only"
+        )
     torch.manual_seed(seed)
     V, D = emb.shape
     if kind == "free vector":
         w = torch.nn.Parameter(torch.randn(V, D) * 0.1)
         params, lr = [w], 0.05
+
+        def writes():
+            return w
     else:
         W, b = torch.nn.Parameter(torch.eye(D)), torch.nn.Parameter(torch.zeros(D))
         x = torch.nn.Parameter(emb.clone()) if lam > 0 else emb
         params, lr = [W, b] + ([x] if lam > 0 else []), 0.01
+
+        def writes():
+            return x @ W + b
+
     opt = torch.optim.Adam(params, lr=lr)
     t0 = time.perf_counter()
     for _ in range(steps):
-        writes = w if kind == "free vector" else x @ W + b
-        loss = head_loss(writes, head, norm, eps).mean()
-        if kind != "free vector" and lam > 0:
+        loss = head_loss(writes(), head, norm, eps).mean()
+        if lam > 0:
             loss = loss + lam * ((x - emb) ** 2).sum(1).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        writes = w if kind == "free vector" else x @ W + b
-        per = head_loss(writes, head, norm, eps)
+        per = head_loss(writes(), head, norm, eps)
     row = {
-        "fit": kind,
-        "lambda": lam if kind != "free vector" else None,
+        "fit": kind + (" + embeddings moved" if lam > 0 else ""),
+        "lambda": lam if lam > 0 else None,
         "steps": steps,
         "nats": per.mean().item(),
         "named_within_1_nat": (per < 1).float().mean().item(),
         "seconds": time.perf_counter() - t0,
     }
-    if kind != "free vector" and lam > 0:
+    if lam > 0:
         row["embedding_move"] = ((x - emb).norm(dim=1) / emb.norm(dim=1)).mean().item()
     return row
 
@@ -127,14 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         fit("free vector", emb, head, norm, eps, args.steps),
         fit("linear map", emb, head, norm, eps, args.steps),
     ]
-    rows += [fit("linear map + embeddings moved", emb, head, norm, eps, args.steps, lam) for lam in lambdas]
+    rows += [fit("linear map", emb, head, norm, eps, args.steps, lam) for lam in lambdas]
     chance = math.log(emb.shape[0])
     print(f"{args.model}: vocabulary {emb.shape[0]} (chance {chance:.2f} nats), width {emb.shape[1]}")
     print("| fit | lambda | nats | tokens named within 1 nat | embeddings moved |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         moved = f"{r['embedding_move']:.0%} of their norm" if "embedding_move" in r else ""
-        lam = "" if r["lambda"] in (None, 0.0) else f"{r['lambda']:g}"
+        lam = "" if r["lambda"] is None else f"{r['lambda']:g}"
         print(f"| {r['fit']} | {lam} | {r['nats']:.2f} | {r['named_within_1_nat']:.1%} | {moved} |")
     if args.out:
         payload = {

@@ -508,7 +508,7 @@ def train_circuit(state: dict, work: Path, tok, args, log) -> None:
     for p in list(model.parameters()) + list(mtp.parameters()):
         p.requires_grad_(False)
     readout = args.circuit_readout > 0
-    via = getattr(args, "circuit_readout_via", "head")
+    via = args.circuit_readout_via
     params = circuit_parameters(model, spec, readout, via)
     shift = torch.nn.Parameter(state.get("circuit_shift", torch.zeros(config.hidden_size)).clone())
     params.append(shift)
