@@ -8,8 +8,11 @@ bench decode` on an idle one).
     attention  one decode token of --heads heads over --rows rows of kv_lora 512 + rope 64 (the
                slice's widths; 2,048 rows is what DSA reads at 4,096 tokens of context): f32 as
                `F32Rows` (one matmul over float32 rows), every other tier through
-               `attention.consumers.attend` over its packed rows
-    fixture    greedy generation of --tokens tokens of the demo prompt on builtin:fixture
+               `attention.consumers.attend` over its packed rows (the torch reference), and
+               the tiers latentkv's CPU kernel reads (bf16, q8_0, q8s, q4_0, q4s; AVX-512) through
+               it as well (`attention.native`, the backend a decode step takes on such a CPU)
+    fixture    greedy generation of --tokens tokens of the demo prompt on builtin:fixture, through
+               whichever backend the tier gets (LATENTKV_CPU_ATTENTION=0: the reference for all)
 
     PYTHONPATH=src .venv/bin/python benchmarks/kv_block_speed.py --out benchmarks/results/kv-block-speed.json
     PYTHONPATH=OLD/src .venv/bin/python benchmarks/kv_block_speed.py   # an older checkout: "before"
@@ -73,7 +76,26 @@ def attention_runs(tiers: list[str], rows: int, heads: int) -> dict[str, object]
         codec_c, codec_r = get_codec(tier, 512), get_codec(tier, 64)
         c, r = codec_c.encode(x[:, :512]), codec_r.encode(x[:, 512:])
         runs[tier] = lambda a=(codec_c, codec_r, query, c, r): attention.attend(*a)
+        if (kernel := _cpu_kernel(codec_c, codec_r, c, r)) is not None:
+            runs[f"{tier} kernel"] = lambda kernel=kernel: kernel(query)
     return runs
+
+
+def _cpu_kernel(codec_c, codec_r, c, r):
+    """The CPU backend's decode over these rows, where this checkout has it and serves the tier."""
+    try:
+        from latentkv.attention.native import CPU
+        from latentkv.kv.cache import PackedRows
+    except ImportError:  # a checkout from before the CPU kernel
+        return None
+    from latentkv.attention.native import row_format
+    from latentkv.weights import native
+
+    kernels = native.kernels()
+    if row_format(codec_c) is None or row_format(codec_r) is None or kernels is None or kernels.isa < 2:
+        return None
+    reader = PackedRows(c, r, codec_c, codec_r)
+    return lambda query: CPU.attend(query, reader, None, None)
 
 
 def fixture_runs(tiers: list[str], tokens: int) -> dict[str, object]:
@@ -109,11 +131,16 @@ def main() -> None:
     with torch.inference_mode():
         attend = fastest(attention_runs(tiers, args.rows, args.heads), args.repeats)
     fixture = fastest(fixture_runs(tiers, args.tokens), max(1, args.repeats // 2))
-    print(f"| tier | attention ms ({args.rows} rows) | x f32 | fixture tok/s | x f32 |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        f"| tier | attention ms ({args.rows} rows) | x f32 | CPU kernel ms | kernel x reference "
+        "| fixture tok/s | x f32 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for tier in tiers:
+        kernel = attend.get(f"{tier} kernel")
+        kernel_cells = "| | " if kernel is None else f"| {kernel * 1e3:.2f} | {attend[tier] / kernel:.2f}x "
         print(
-            f"| {tier} | {attend[tier] * 1e3:.2f} | {attend['f32'] / attend[tier]:.2f}x "
+            f"| {tier} | {attend[tier] * 1e3:.2f} | {attend['f32'] / attend[tier]:.2f}x {kernel_cells}"
             f"| {args.tokens / fixture[tier]:.1f} | {fixture['f32'] / fixture[tier]:.2f}x |"
         )
     if args.out:
@@ -122,6 +149,7 @@ def main() -> None:
                 "tier": t,
                 "attention_seconds": attend[t],
                 "attention_vs_f32": attend["f32"] / attend[t],
+                "cpu_kernel_seconds": attend.get(f"{t} kernel"),
                 "fixture_tok_s": args.tokens / fixture[t],
                 "fixture_vs_f32": fixture["f32"] / fixture[t],
             }
@@ -131,6 +159,8 @@ def main() -> None:
             "args": vars(args) | {"out": str(args.out)},
             "torch": torch.__version__,
             "cpu": machine.cpu_model(),
+            "commit": machine.commit(),
+            "cpu_attention": os.environ.get("LATENTKV_CPU_ATTENTION", "on (unset)"),
         }
         meta["uname"] = " ".join(os.uname())
         args.out.write_text(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latentkv.attention import REFERENCE, TRITON, TritonDecode, backend_for
+from latentkv.attention import CPU, REFERENCE, TRITON, TritonDecode, backend_for
 from latentkv.config import KV_CACHE_DTYPES, CacheConfig
 from latentkv.kv.cache import CacheLayout, resolve_tier
 
@@ -39,10 +39,11 @@ def test_serves_cuda_for_every_tier_but_polar(name):
 
 
 @pytest.mark.parametrize("name", KV_CACHE_DTYPES)
-def test_the_cpu_keeps_the_torch_reference(name):
+def test_the_cpu_is_not_triton_s(name):
     tier = resolve_tier(LAYOUT, CacheConfig(name))
     assert TRITON.refuse(tier, torch.device("cpu")) == "needs a CUDA device (not cpu)"
-    assert backend_for(tier, torch.device("cpu")) is REFERENCE
+    served = CPU.refuse(tier, torch.device("cpu")) is None  # latentkv's CPU kernel (test_native_backend.py)
+    assert backend_for(tier, torch.device("cpu")) is (CPU if served else REFERENCE)
 
 
 def readers(tier: str, lengths, seed: int):

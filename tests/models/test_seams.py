@@ -164,6 +164,10 @@ class _Recording:
         self.calls.append(("attend", type(reader).__name__))
         return REFERENCE.attend(query, reader, allowed, positions)
 
+    def attend_selected(self, query, reader, index, positions):
+        self.calls.append(("attend_selected", type(reader).__name__))
+        return REFERENCE.attend_selected(query, reader, index, positions)
+
     def attend_batch(self, query, readers, blocked):
         self.calls.append(("attend_batch", len(readers)))
         return REFERENCE.attend_batch(query, readers, blocked)

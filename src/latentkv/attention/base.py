@@ -6,6 +6,8 @@ Two entry points, one per shape of work:
 
     attend(query, reader, allowed, positions)   one sequence's S queries over its rows
                                                 (`latentkv.kv.cache.RowReader`), tiled
+    attend_selected(query, reader, index, pos)  one decode token over the rows at `index` (DSA's
+                                                top-k), however the backend reads them
     attend_batch(query, readers, blocked)       one new token of each of B sequences stored
                                                 alike, over padded rows (batched decode)
     attend_padded(query, rows, blocked, Lkv)    the same over float32 rows already padded
@@ -41,6 +43,10 @@ class AttentionBackend(Protocol):
         reader: RowReader,
         allowed: torch.Tensor | None,
         positions: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+    def attend_selected(
+        self, query: torch.Tensor, reader: RowReader, index: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor: ...
 
     def attend_batch(

@@ -39,6 +39,12 @@ class TorchReference:
         """query [H, S, Lkv+R] over one sequence's rows -> [H, S, Lkv]."""
         return attend_rows(query, reader, allowed, positions)
 
+    def attend_selected(
+        self, query: torch.Tensor, reader: RowReader, index: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """query [H, 1, Lkv+R] over the rows at `index` [K]: gathered (`select`), then attended."""
+        return attend_rows(query, reader.select(index), None, positions)
+
     def attend_batch(
         self, query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None
     ) -> torch.Tensor:

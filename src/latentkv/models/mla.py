@@ -122,10 +122,10 @@ class MLA:
         H, S, _ = query.shape
         device = query.device
         if S == 1:  # decode: one tile, no mask (DSA's choice is a row selection)
-            if selected is not None:
-                rows = rows.select(selected)
             if positions is None:
                 positions = torch.arange(start, start + 1, device=device)
+            if selected is not None:
+                return backend.attend_selected(query, rows, selected, positions)
             return backend.attend(query, rows, None, positions)
         T = len(rows)
         tile = max(1, SCORE_BLOCK_ELEMENTS // max(1, H * T))

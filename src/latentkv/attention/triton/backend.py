@@ -54,6 +54,12 @@ class TritonDecode:
             return REFERENCE.attend(query, reader, allowed, positions)
         return self._decode(query, [reader], None)
 
+    def attend_selected(
+        self, query: torch.Tensor, reader: RowReader, index: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """query [H, 1, Lkv+R] over the rows at `index` (DSA's top-k), gathered first."""
+        return self.attend(query, reader.select(index), None, positions)
+
     def attend_batch(
         self, query: torch.Tensor, readers: list[RowReader], blocked: torch.Tensor | None
     ) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""latentkv's own CPU decode kernels for int8 and int4 weights (decode.cpp), built on first use.
+"""latentkv's own CPU decode kernels, built on first use: int8 and int4 weights (decode.cpp) and
+decode attention over packed KV rows (attention.cpp, run by `latentkv.attention.native`).
 
     k = native.kernels()        # None where they cannot be built here (then torch's ops serve)
     y = k.int8_mm(x, q, scale)                                   # x f32 [M, K] -> f32 [M, N]
     y = k.int4_mm(x, packed, scale_zeros, group, out, residual)  # residual + x @ W~^T
+    o = k.mla_decode(query, c, r, index, c_format, r_format, n_r)  # one token's MLA context
 
 A decode step multiplies one row (or a batch's few) by every matrix: it is bound by the bytes
 it reads. torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` read int8 and int4 at
@@ -11,7 +13,7 @@ once, widen every weight in registers and multiply it by every row of x, with th
 folded in: float32 x and sums on AVX2 and plain C++; on AVX-512 VNNI exact integer products
 with x quantized per group (int16 for int8 weights, int8 for int4 weights, decode.cpp).
 
-Built once per machine: the C++ source is compiled with the system's C++ compiler against the
+Built once per machine: the C++ sources are compiled with the system's C++ compiler against the
 installed torch (no ninja, no network) into the cache directory (`config.cache_root()/kernels`,
 keyed by a hash of the source, flags, compiler and torch version), then loaded as torch ops
 (`torch.ops.latentkv.*`). Where no compiler is found or the build fails, `kernels()` is None,
@@ -39,7 +41,9 @@ import torch
 
 from latentkv.config import cache_root
 
-SOURCE = Path(__file__).with_name("decode.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "decode.cpp", HERE / "attention.cpp")  # one library
+HEADERS = (HERE / "native.h",)
 # torch's capability -> the kernels' best path there (a CPU without AVX512-VNNI and VBMI runs 2)
 ISA = {"AVX512": 3, "AVX2": 1, "DEFAULT": 0}
 ISA_NAMES = {4: "AVX-512 VNNI", 3: "AVX-512 VNNI", 2: "AVX-512", 1: "AVX2", 0: "plain C++"}
@@ -106,6 +110,26 @@ class Kernels:
             residual,
             self.isa4,
         )
+
+    def mla_decode(
+        self,
+        query: torch.Tensor,
+        c: torch.Tensor,
+        r: torch.Tensor,
+        index: torch.Tensor | None,
+        c_format: tuple[int, int],
+        r_format: tuple[int, int],
+        n_r: int,
+    ) -> torch.Tensor:
+        """One decode token's attention over packed KV rows (attention.cpp): query f32 [H, n_c +
+        n_r] (scaled), c / r uint8 [T, bytes] as their codecs store them, each format a pair
+        (ROW_FORMATS code, block); over the rows at `index` [K] int64 when given -> [H, n_c].
+        AVX-512 only (`isa` >= 2)."""
+        return torch.ops.latentkv.mla_decode(query, c, r, index, *c_format, n_r, *r_format, self.isa)
+
+
+# attention.cpp's row formats: the bytes of a bf16 row, of q8_0 blocks (q8s's too), of q4_0 ones (q4s's)
+ROW_FORMATS = {"bf16": 0, "q8_0": 1, "q4_0": 2}
 
 
 def isa_for(capability: str) -> int:
@@ -174,7 +198,15 @@ def _command(cxx: str, out: Path) -> list[str]:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
     ]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(SOURCE), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-o", str(out)]
+    cmd += [
+        *map(str, SOURCES),
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_lib}",
+        "-o",
+        str(out),
+    ]
     return cmd
 
 
@@ -183,7 +215,11 @@ def _build() -> Path:
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_command(cxx, Path("OUT"))).encode(), version.encode()):
+    for part in (
+        *(p.read_bytes() for p in SOURCES + HEADERS),
+        " ".join(_command(cxx, Path("OUT"))).encode(),
+        version.encode(),
+    ):
         key.update(part)
     key.update(torch.__version__.encode())
     folder = cache_root() / "kernels"
@@ -196,13 +232,16 @@ def _build() -> Path:
         if out.exists():
             return out
         print(
-            "building latentkv's int8/int4 decode kernels (once per machine)...", file=sys.stderr, flush=True
+            "building latentkv's CPU kernels (once per machine)...", file=sys.stderr, flush=True
         )
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             part = Path(tmp) / out.name
             done = subprocess.run(_command(cxx, part), capture_output=True, text=True, timeout=900)
             if done.returncode != 0:
-                raise OSError(f"{Path(cxx).name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+                errors = [line for line in done.stderr.splitlines() if "error" in line]
+                raise OSError(
+                    f"{Path(cxx).name} failed ({done.returncode}): {(errors or [done.stderr.strip()])[0][-2000:]}"
+                )
             os.replace(part, out)
     return out
 
@@ -229,6 +268,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("latentkv::moe_int4")
     def _moe4(x, idx, weights, gu, gu_sz, gu_rows, dn, dn_sz, dn_rows, group_size, by_id, isa):
         return x.new_empty(x.shape[0], dn_rows)
+
+    @torch.library.register_fake("latentkv::mla_decode")
+    def _mla(query, c, r, index, fmt_c, block_c, n_r, fmt_r, block_r, isa):
+        return query.new_empty(query.shape[0], query.shape[1] - n_r)
 
     @torch.library.register_fake("latentkv::heads_int8")
     def _heads8(x, q, scale, isa):

@@ -40,24 +40,15 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define LKV_X86 1
-#else
-#define LKV_X86 0
-#endif
+#include "native.h"
 
 namespace {
 
+using latentkv_native::bf16_to_f32;
+using latentkv_native::cpu_has;
+
 constexpr int64_t BLOCK = 64;  // int4 rows per block
 constexpr int64_t HALF = BLOCK / 2;
-
-inline float bf16_to_f32(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 struct Int8Args {
   const float* x;
@@ -164,10 +155,6 @@ void int4_generic(const Int4Args& a, int64_t b0, int64_t b1) {
 #if LKV_X86
 
 // ---- AVX-512 -------------------------------------------------------------------------------
-
-#define LKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define LKV_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512vnni,fma")))
-#define LKV_AVX2 __attribute__((target("avx2,fma")))
 
 // y[m, n .. n + 16) = v (+ residual), the rows past N left out.
 LKV_AVX512 inline void store16(const Int4Args& a, int64_t m, int64_t n, __m512 v) {
@@ -714,22 +701,6 @@ LKV_AVX2 void int4_avx2(const Int4Args& a, int64_t b0, int64_t b1) {
     }
   }
 }
-
-bool cpu_has(int64_t isa) {
-  if (isa == 4) return cpu_has(3);  // the same instructions, int8 activations
-  if (isa == 3)
-    return cpu_has(2) && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
-  if (isa == 2)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("fma");
-  if (isa == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return isa == 0;
-}
-
-#else
-
-bool cpu_has(int64_t isa) { return isa == 0; }
 
 #endif  // LKV_X86
 

@@ -1,0 +1,45 @@
+// What latentkv's native kernels (decode.cpp, attention.cpp) share: the x86 target attributes of
+// their vector paths, which of those paths this CPU runs, and bfloat16's widening.
+//
+// Vector paths (`isa`, chosen once per process in Python from torch's CPU capability):
+//   4, 3  AVX-512 VNNI (+ VBMI); 2  AVX-512 (F, BW, VL, DQ); 1  AVX2 + FMA; 0  plain C++.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LKV_X86 1
+#define LKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define LKV_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512vnni,fma")))
+#define LKV_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define LKV_X86 0
+#endif
+
+namespace latentkv_native {
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Whether this CPU runs vector path `isa`.
+inline bool cpu_has(int64_t isa) {
+#if LKV_X86
+  if (isa == 4) return cpu_has(3);  // the same instructions, int8 activations
+  if (isa == 3)
+    return cpu_has(2) && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
+  if (isa == 2)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma");
+  if (isa == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == 0;
+}
+
+}  // namespace latentkv_native
