@@ -152,6 +152,13 @@ class BlockCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> EncodedRows:
         x = self.check_rows(x)
+        if self.rotation is None and (codes := native_codes(self.name, x, self.block)) is not None:
+            return EncodedRows(codes, torch.empty(x.shape[0], 0, dtype=torch.float32, device=x.device))
+        return self.encode_reference(x)
+
+    def encode_reference(self, x: torch.Tensor) -> EncodedRows:
+        """`encode` through torch ops (what the native encoder's bytes are tested against)."""
+        x = self.check_rows(x)
         n = x.shape[0]
         if self.rotation is not None:
             x = self.rotation.rotate(x)
@@ -234,6 +241,23 @@ SCALE_GRID = tuple(0.85 + 0.01 * i for i in range(21))  # trial scales, in units
 SEARCH_ROWS = 256  # rows searched at once: 256 x 512 values x 42 trials, about 90 MB of temporaries
 
 
+# The codecs latentkv's native encoder writes (weights/native/kv_blocks.cpp), by its kind number
+NATIVE_KINDS = {"q8_0": 0, "q4_0": 1, "q8s": 2, "q4s": 3}
+
+
+def native_codes(name: str, x: torch.Tensor, block: int) -> torch.Tensor | None:
+    """Rows x (float32 [N, n], contiguous) encoded by the native encoder: the same bytes as the
+    torch ops, without their per-call cost (a decode step encodes one row per layer). None where
+    it does not run: another codec, a device other than the CPU, or no native kernels here."""
+    if name not in NATIVE_KINDS or x.device.type != "cpu":
+        return None
+    from latentkv.weights import native  # built on first use; None where it cannot be
+
+    if native.kernels() is None:
+        return None
+    return torch.ops.latentkv.encode_blocks(x, NATIVE_KINDS[name], block)
+
+
 def level_table(name: str) -> torch.Tensor:
     """q8s: the 255 integers -127 .. 127 (code byte = int8 level); q4s: q4_0's -8 .. 7 (code =
     level + 8); wq4: its 16 levels; float32, on the host."""
@@ -294,6 +318,13 @@ class SearchedBlockCodec(Codec):
         return {"name": self.name, "width": self.width, "bits": self.bits, "block": self.block}
 
     def encode(self, x: torch.Tensor) -> EncodedRows:
+        x = self.check_rows(x)
+        if (codes := native_codes(self.name, x, self.block)) is not None:
+            return EncodedRows(codes, torch.empty(x.shape[0], 0, dtype=torch.float32, device=x.device))
+        return self.encode_reference(x)
+
+    def encode_reference(self, x: torch.Tensor) -> EncodedRows:
+        """`encode` through torch ops (what the native encoder's bytes are tested against)."""
         x = self.check_rows(x)
         n = x.shape[0]
         blocks = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).view(n, self.blocks, self.block)

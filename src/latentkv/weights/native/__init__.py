@@ -1,5 +1,6 @@
 """latentkv's own CPU decode kernels, built on first use: int8 and int4 weights (decode.cpp) and
-decode attention over packed KV rows (attention.cpp, run by `latentkv.attention.native`).
+decode attention over packed KV rows (attention.cpp, run by `latentkv.attention.native`), and
+the block KV codecs' encoder (kv_blocks.cpp: q8_0, q4_0, q8s, q4s, called by kv/codecs/blocks.py).
 
     k = native.kernels()        # None where they cannot be built here (then torch's ops serve)
     y = k.int8_mm(x, q, scale)                                   # x f32 [M, K] -> f32 [M, N]
@@ -42,7 +43,7 @@ import torch
 from latentkv.config import cache_root
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode.cpp", HERE / "attention.cpp")  # one library
+SOURCES = (HERE / "decode.cpp", HERE / "attention.cpp", HERE / "kv_blocks.cpp")  # one library
 HEADERS = (HERE / "native.h",)
 # torch's capability -> the kernels' best path there (a CPU without AVX512-VNNI and VBMI runs 2)
 ISA = {"AVX512": 3, "AVX2": 1, "DEFAULT": 0}
@@ -231,9 +232,7 @@ def _build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
         if out.exists():
             return out
-        print(
-            "building latentkv's CPU kernels (once per machine)...", file=sys.stderr, flush=True
-        )
+        print("building latentkv's CPU kernels (once per machine)...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             part = Path(tmp) / out.name
             done = subprocess.run(_command(cxx, part), capture_output=True, text=True, timeout=900)
@@ -272,6 +271,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("latentkv::mla_decode")
     def _mla(query, c, r, index, fmt_c, block_c, n_r, fmt_r, block_r, isa):
         return query.new_empty(query.shape[0], query.shape[1] - n_r)
+
+    @torch.library.register_fake("latentkv::encode_blocks")
+    def _encode(x, kind, block):
+        per_block = 2 + (block if kind in (0, 2) else block // 2)  # kv_blocks.cpp: q8_0 / q8s, q4_0 / q4s
+        return x.new_empty(x.shape[0], x.shape[1] // block * per_block, dtype=torch.uint8)
 
     @torch.library.register_fake("latentkv::heads_int8")
     def _heads8(x, q, scale, isa):
