@@ -173,3 +173,28 @@ def test_compiled_fp8_matches_eager_fp8(compiled, ours):
         )
     assert worst < TOLERANCE, worst
     assert tokens_a == tokens_b
+
+
+def test_compiled_bf16_kv_runs_the_cpu_attention_kernel_in_one_graph(compiled, ours):
+    """KV bf16 on an AVX-512 CPU: the step's attention is latentkv's kernel (attention/native.py),
+    traced as one opaque call; no graph break (the step is compiled with fullgraph), logits as
+    eager's through the same backend, past index_topk (DSA's rows read through their indices)."""
+    from latentkv.attention import CPU, backend_for
+
+    tier = compiled.tier("bf16")
+    if backend_for(tier, torch.device("cpu")) is not CPU:
+        pytest.skip(
+            f"the CPU attention kernel does not serve bf16 here: {CPU.refuse(tier, torch.device('cpu'))}"
+        )
+    compiled.compile_decode(tier, progress=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        worst, tokens_a, tokens_b, fast, _ = _decode_both(
+            compiled, ours("glm5-tiny"), CacheConfig("bf16"), 30, 100, seed=5
+        )
+    assert worst < TOLERANCE, worst
+    assert tokens_a == tokens_b
+    assert fast.length > compiled.cfg.dsa.index_topk
+    with torch.profiler.profile() as prof:  # the compiled step calls the kernel, once per layer
+        compiled.forward(torch.tensor([tokens_a[-1]]), fast)
+    calls = [e.count for e in prof.key_averages() if e.key == "latentkv::mla_decode"]
+    assert calls == [compiled.cfg.num_layers]

@@ -51,6 +51,9 @@ class CpuDecode:
 
     name = "cpu"
 
+    def __init__(self):
+        self._kernels: native.Kernels | None = None  # set by refuse (eager), read by every step
+
     def refuse(self, tier: KVTier, device: torch.device) -> str | None:
         """None when the kernel reads caches of `tier` on `device`; otherwise why not."""
         if device.type != "cpu":
@@ -70,6 +73,7 @@ class CpuDecode:
             return f"latentkv's CPU kernels are not built here ({native.unavailable()})"
         if kernels.isa < KERNEL_ISA:
             return f"needs AVX-512 (this process runs the {kernels.name} path)"
+        self._kernels = kernels  # not looked up per step: a compiled step would trace the lookup
         return None
 
     def attend(
@@ -116,8 +120,8 @@ class CpuDecode:
 
     def _decode(self, query: torch.Tensor, reader: PackedRows, index: torch.Tensor | None) -> torch.Tensor:
         """query [H, Lkv+R] over the reader's rows (those at `index` if given) -> [H, Lkv]."""
-        kernels = native.kernels()
-        assert kernels is not None  # refuse() checked
+        kernels = self._kernels
+        assert kernels is not None  # refuse() served this tier
         c_format, r_format = row_format(reader.codec_c), row_format(reader.codec_r)
         assert c_format is not None and r_format is not None
         return kernels.mla_decode(

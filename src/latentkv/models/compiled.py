@@ -145,8 +145,11 @@ class CompiledDecode:
         # isolate_recompiles: so this model's graphs are its own. Without it every torch.compile of
         # `Model._forward` with equal options shares one set of graphs, and with those guards gone
         # a model of the same shapes in another weight format ran the first one's graph.
+        # fullgraph: a graph break is an error here, not a silent split: with the model's guards
+        # dropped, the frames a break resumes in would be shared by every block of the model.
         self._step = torch.compile(
             model._forward,
+            fullgraph=True,
             dynamic=None,
             options={"cpp_wrapper": True, "guard_filter_fn": step_guards},
             isolate_recompiles=True,

@@ -249,13 +249,24 @@ def native_codes(name: str, x: torch.Tensor, block: int) -> torch.Tensor | None:
     """Rows x (float32 [N, n], contiguous) encoded by the native encoder: the same bytes as the
     torch ops, without their per-call cost (a decode step encodes one row per layer). None where
     it does not run: another codec, a device other than the CPU, or no native kernels here."""
-    if name not in NATIVE_KINDS or x.device.type != "cpu":
-        return None
-    from latentkv.weights import native  # built on first use; None where it cannot be
-
-    if native.kernels() is None:
+    if name not in NATIVE_KINDS or x.device.type != "cpu" or _native_kernels() is None:
         return None
     return torch.ops.latentkv.encode_blocks(x, NATIVE_KINDS[name], block)
+
+
+_UNRESOLVED = object()
+_KERNELS: object = _UNRESOLVED
+
+
+def _native_kernels():
+    """`native.kernels()`, looked up once (building them on first use) and then read as a plain
+    global: a compiled step that encodes reads the global instead of tracing the lookup."""
+    global _KERNELS
+    if _KERNELS is _UNRESOLVED:
+        from latentkv.weights import native
+
+        _KERNELS = native.kernels()
+    return _KERNELS
 
 
 def level_table(name: str) -> torch.Tensor:
