@@ -88,8 +88,8 @@ def _cpu_kernel(codec_c, codec_r, c, r):
         from latentkv.kv.cache import PackedRows
     except ImportError:  # a checkout from before the CPU kernel
         return None
+    from latentkv import native
     from latentkv.attention.native import row_format
-    from latentkv.weights import native
 
     kernels = native.kernels()
     if row_format(codec_c) is None or row_format(codec_r) is None or kernels is None or kernels.isa < 2:

@@ -9,7 +9,7 @@ product of those rows with an int8 and an int4 matrix through:
 
     torch op      what the formats ran before: x cast to bfloat16, `_weight_int8pack_mm` /
                   `_weight_int4pack_mm_for_cpu` on the op's packed layout, the result cast back
-    latentkv      latentkv's kernel (weights/native) on float32 x as the process runs it, and on
+    latentkv      latentkv's kernel (latentkv/native) on float32 x as the process runs it, and on
                   AVX-512 VNNI both of its activation paths: x quantized per group to int16
                   (vpdpwssd) and to int8 (vpdpbusd), named "int16 x" / "int8 x" ("f32 x": the
                   float paths)
@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from latentkv.weights import int4, native
+from latentkv import native
+from latentkv.weights import int4
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -391,7 +391,8 @@ def kernel_table(out_f: int, in_f: int, rows: list[int], repeats: int = 7) -> st
     import torch
     import torch.nn.functional as F
 
-    from latentkv.weights import int4, make_linear, native
+    from latentkv import native
+    from latentkv.weights import int4, make_linear
 
     w = torch.randn(out_f, in_f)
     i4, i8, wb = make_linear(w, "int4"), make_linear(w, "int8"), w.to(torch.bfloat16)

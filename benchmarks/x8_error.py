@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from latentkv.weights import make_linear, native
+from latentkv import native
+from latentkv.weights import make_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -150,7 +150,7 @@ def torch_ops(monkeypatch):
     """Weight formats built under this fixture decode with torch's int8/int4 ops, as where
     latentkv's own kernels cannot be built (no C++ compiler): the fallback path, and the op's
     packed layout for int4."""
-    from latentkv.weights import native
+    from latentkv import native
 
     monkeypatch.setattr(native, "kernels", lambda: None)
 
@@ -161,7 +161,7 @@ def decode_kernels(request):
     if request.param == "torch":
         request.getfixturevalue("torch_ops")
     else:
-        from latentkv.weights import native
+        from latentkv import native
 
         if native.kernels() is None:
             pytest.skip(f"latentkv's kernels are not built here: {native.unavailable()}")

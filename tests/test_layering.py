@@ -7,7 +7,8 @@ top-level module or package of latentkv; docs/architecture.md draws them):
     0  __init__ (version), errors, config,       what everything may use
        progress (a stage's progress on stderr)
     1  fs                                        the one way to touch the file system (DiskError)
-    2  tokenizer, chat_template                  text in and out; no model
+    2  tokenizer, chat_template, native          text in and out; no model; the C++ kernels (kv,
+                                                 weights and attention call them)
     3  kv, weights                               KV codecs, caches, the KV file; weight formats (Linear)
     4  attention, experts                        attention backends over kv; expert stores over weights
     5  models                                    a forward pass over a Batch, through the seams above
@@ -40,7 +41,7 @@ SRC = Path(latentkv.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "errors", "config", "progress"),
     ("fs",),
-    ("tokenizer", "chat_template"),
+    ("tokenizer", "chat_template", "native"),
     ("kv", "weights"),
     ("attention", "experts"),
     ("models",),

@@ -1,4 +1,4 @@
-"""latentkv's CPU decode-attention kernel (weights/native/attention.cpp) and the backend that runs it
+"""latentkv's CPU decode-attention kernel (native/attention.cpp) and the backend that runs it
 (attention/native.py): checked against float64 attention over the rows as their codec decodes
 them, and against the torch reference backend, on fresh random rows of odd shapes."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from latentkv import native
 from latentkv.attention import CPU, REFERENCE, backend_for
 from latentkv.attention.native import row_format
 from latentkv.config import KV_CACHE_DTYPES, CacheConfig
 from latentkv.kv.cache import CacheLayout, PackedRows, resolve_tier
 from latentkv.kv.codecs import get_codec
-from latentkv.weights import native
 
 SERVED = ("bf16", "q8_0", "q8s", "q4_0", "q4s")
 

@@ -145,7 +145,7 @@ def test_cli_refuses_compile_with_a_packed_tier_before_loading(capsys):
 def test_compiled_packed_weights_match_eager_in_one_graph(tiny_dir, fmt):
     """int8/int4 weights trace as latentkv's kernels: the whole step one graph (no recompiling,
     no graph break: one frame per warmed-up graph), logits as eager's."""
-    from latentkv.weights import native
+    from latentkv import native
 
     if native.kernels() is None:
         pytest.skip(f"latentkv's kernels are not built here: {native.unavailable()}")

@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from gguf_files import dequantized_checkpoint, write_gguf
 
+from latentkv import native
 from latentkv.cli import main
 from latentkv.config import ModelConfig
 from latentkv.models.registry import ModelNotFound, builtin_path, resolve
 from latentkv.models.weights import load_model
 from latentkv.tokenizer import Tokenizer
-from latentkv.weights import native
 from latentkv.weights.base import format_class
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from tests.weights.test_native import quantization_steps
 
-from latentkv.weights import native
+from latentkv import native
 from latentkv.weights.base import format_class
 from latentkv.weights.gguf_blocks import BLOCKS, EXACT, IQ4_VALUES, exact_state, requantize_target
 

@@ -47,7 +47,7 @@ def test_generate_says_which_kernels(capsys):
                  "--weight-dtype", "bf16", "--expert-dtype", "int4"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 0
-    from latentkv.weights import native
+    from latentkv import native
 
     own = native.kernels()
     kernel = f"latentkv's {own.name} kernel" if own is not None else "_weight_int4pack_mm_for_cpu"
@@ -55,7 +55,7 @@ def test_generate_says_which_kernels(capsys):
 
 
 def test_compile_refuses_quantized_weights_without_the_kernels_in_one_line(capsys, torch_ops, monkeypatch):
-    from latentkv.weights import native
+    from latentkv import native
 
     monkeypatch.setattr(native, "unavailable", lambda: "OSError: no C++ compiler")
     code = main(["generate", "builtin:tiny", "--prompt", "a", "--weight-dtype", "int8", "--compile"])

@@ -1,4 +1,4 @@
-"""latentkv's int8/int4 decode kernels (weights/native), every vector path this CPU runs (AVX-512
+"""latentkv's int8/int4 decode kernels (latentkv/native), every vector path this CPU runs (AVX-512
 VNNI with int8 or int16 activations, AVX-512, AVX2, plain C++), against slower references on
 fresh random inputs: float64 over the format's dequantized matrix, torch's own op (bfloat16 x),
 and for the VNNI paths a float64 product of x quantized to int16 / int8 exactly as the kernel
@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from latentkv.weights import int4, make_linear, native
+from latentkv import native
+from latentkv.weights import int4, make_linear
 
 pytestmark = [
     pytest.mark.numerics,
@@ -260,7 +261,7 @@ def test_the_process_path_follows_torchs_capability():
     assert own.isa == max(p for p in PATHS if p <= best)
     assert own.isa4 == (4 if own.isa == 3 else own.isa)
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=os.pathsep.join(sys.path))
-    code = "from latentkv.weights import native; k = native.kernels(); print(k.isa, k.isa4)"
+    code = "from latentkv import native; k = native.kernels(); print(k.isa, k.isa4)"
     if 1 in PATHS:
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True

@@ -10,7 +10,8 @@ import pytest
 import torch
 from tests.weights.test_native import quantized_x
 
-from latentkv.weights import describe, int8, make_linear, native
+from latentkv import native
+from latentkv.weights import describe, int8, make_linear
 from latentkv.weights.int4 import (
     KERNEL_MAX_ROWS,
     Int4Linear,

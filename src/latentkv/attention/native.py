@@ -1,4 +1,4 @@
-"""The CPU attention backend: decode steps through latentkv's own kernel (weights/native/attention.cpp).
+"""The CPU attention backend: decode steps through latentkv's own kernel (native/attention.cpp).
 
 One new token's query, all heads, against its cache's rows read in place: scores, softmax and
 context in one call, each stored value widened to float32 once per use and multiplied in float32
@@ -26,11 +26,11 @@ import os
 
 import torch
 
+from latentkv import native
 from latentkv.attention.base import register_backend
 from latentkv.attention.reference import REFERENCE
 from latentkv.kv.cache import KVTier, PackedRows, RowReader
 from latentkv.kv.codecs import Bf16Codec, BlockCodec, Codec, SearchedBlockCodec
-from latentkv.weights import native
 
 # codec name -> the kernel's row format (attention.cpp)
 FORMATS = {"bf16": "bf16", "q8_0": "q8_0", "q8s": "q8_0", "q4_0": "q4_0", "q4s": "q4_0"}

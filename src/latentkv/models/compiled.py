@@ -14,7 +14,7 @@ What it costs and guarantees:
     every other size is a constant of the graph), and buffers grow before the compiled call, so
     one graph serves every length.
   - A C++ compiler must be installed (inductor builds its CPU kernels with it).
-  - int8 and int4 weights trace as latentkv's own kernels (`weights/native`): one call per
+  - int8 and int4 weights trace as latentkv's own kernels (`latentkv/native`): one call per
     matrix, and a layer's resident routed experts in one call.
   - Prefill and batched decode (the server) stay eager. Logits are not bit-identical to the
     eager step (fused reductions round differently); they agree within float32 rounding
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from latentkv.weights import native
+from latentkv import native
 from latentkv.weights.base import format_class
 
 if TYPE_CHECKING:

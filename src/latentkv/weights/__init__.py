@@ -9,7 +9,8 @@ A new format is one file here: a `Linear` subclass decorated with `@register` (s
 
 import torch
 
-from latentkv.weights import bf16, f32, int4, int8, native  # noqa: F401  (register the built-in formats)
+from latentkv import native
+from latentkv.weights import bf16, f32, int4, int8  # noqa: F401  (register the built-in formats)
 from latentkv.weights.base import (
     FORMATS,
     Linear,

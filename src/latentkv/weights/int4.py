@@ -11,7 +11,7 @@ which is the convention of torch's CPU int4 op `_weight_int4pack_mm_for_cpu` (`q
 [in / G, out, 2]). Scale and zero are bfloat16 (the scale rounded up, so the range still spans
 the group): the op takes them in the activations' dtype and its bfloat16 path is its fast one.
 
-Decode and short prompts (up to `KERNEL_MAX_ROWS` rows) runs latentkv's own kernel (`weights/native`) where it
+Decode and short prompts (up to `KERNEL_MAX_ROWS` rows) runs latentkv's own kernel (`latentkv/native`) where it
 builds: it reads the matrix packed in `KERNEL_LAYOUT` (blocks of 64 output rows, column by
 column; the layout torch's op uses on AVX-512 for whole blocks), with float32 activations (int16
 on AVX-512 VNNI) and the residual add folded in. Elsewhere decode runs torch's op on bfloat16 x,
@@ -41,7 +41,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from latentkv.weights import native
+from latentkv import native
 from latentkv.weights.base import Linear, register
 from latentkv.weights.int4_cuda import matmul_cuda, pack_cuda, portable_cuda
 from latentkv.weights.int8 import _fits, _rows, bf16_at_least
@@ -516,7 +516,7 @@ def prefill_tiles() -> bool:
     return matmul_dtype() == torch.bfloat16 and op_layout() is not None
 
 
-# The layout latentkv's kernel reads (weights/native/decode.cpp): blocks of 64 output rows, row
+# The layout latentkv's kernel reads (native/decode.cpp): blocks of 64 output rows, row
 # j of a block in the low nibbles and row 32 + j in the high ones.
 KERNEL_LAYOUT: Layout = (64, slice(0, 32), slice(32, 64))
 

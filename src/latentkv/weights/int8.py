@@ -8,7 +8,7 @@ The scale is stored in bfloat16 (rounded up, so no weight clips): torch's op tak
 in the activations' dtype, and its bfloat16 path is the fast one (docs/weights.md).
 
 Decode (a few rows) is bandwidth-bound, so a quarter of the bytes is the point. It runs latentkv's
-own kernel (`weights/native`: float32 activations, or int16 ones on AVX-512 VNNI, streaming q
+own kernel (`latentkv/native`: float32 activations, or int16 ones on AVX-512 VNNI, streaming q
 once, the residual add folded in) where it builds, else torch's `_weight_int8pack_mm` on bfloat16
 activations (x @ q^T * scale). Codes on a CUDA device decode through a Triton dequantizing kernel
 (`weights/int8_triton.py`: torch's op has no CUDA kernel) and prefill through the tiles below.
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from latentkv.weights import native
+from latentkv import native
 from latentkv.weights.base import Linear, register
 from latentkv.weights.kernels import matmul_dtype
 

@@ -1,7 +1,7 @@
 """int8 weights on a CUDA device: decode products through a Triton dequantizing kernel.
 
 torch has no CUDA kernel for `_weight_int8pack_mm` (its CPU op) and latentkv's own int8 kernels
-are CPU code (`weights/native`), so an `Int8Linear` whose codes live on a GPU multiplies here:
+are CPU code (`latentkv/native`), so an `Int8Linear` whose codes live on a GPU multiplies here:
 
     y[m, n] = sum_k x[m, k] * q[n, k] * s[n, k // G]      (per channel: s[n], one group)
 

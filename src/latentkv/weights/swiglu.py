@@ -4,7 +4,7 @@
     y = fused(x, residual)                      # x [rows, D] float32 -> [rows, D] (+ residual)
 
 Where gate_up [2I, D] (gate rows first) and down [D, I] are both int8, or both int4 of one group
-size, without a bias, and latentkv's kernels run them (`weights/native`), the expert is one call
+size, without a bias, and latentkv's kernels run them (`latentkv/native`), the expert is one call
 of `latentkv::expert_int8` / `expert_int4`: the two products with the activation between them in
 a scratch buffer, instead of five tensor ops per expert per token. Up to the formats' decode row
 limits (prefill keeps the tiles).

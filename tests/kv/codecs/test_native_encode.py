@@ -1,4 +1,4 @@
-"""The native block encoder (weights/native/kv_blocks.cpp) against the torch encoder it replaces on
+"""The native block encoder (native/kv_blocks.cpp) against the torch encoder it replaces on
 the CPU: q8_0, q4_0, q8s and q4s write the same bytes either way, on fresh random rows of every
 block size and of scales from fp16's subnormals to past its range, with inert rows."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from latentkv import native
 from latentkv.kv.codecs import blocks as block_codecs
 from latentkv.kv.codecs import get_codec
-from latentkv.weights import native
 
 NAMES = ("q8_0", "q4_0", "q8s", "q4s")
 

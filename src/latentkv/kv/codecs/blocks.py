@@ -241,7 +241,7 @@ SCALE_GRID = tuple(0.85 + 0.01 * i for i in range(21))  # trial scales, in units
 SEARCH_ROWS = 256  # rows searched at once: 256 x 512 values x 42 trials, about 90 MB of temporaries
 
 
-# The codecs latentkv's native encoder writes (weights/native/kv_blocks.cpp), by its kind number
+# The codecs latentkv's native encoder writes (native/kv_blocks.cpp), by its kind number
 NATIVE_KINDS = {"q8_0": 0, "q4_0": 1, "q8s": 2, "q4s": 3}
 
 
@@ -263,7 +263,7 @@ def _native_kernels():
     global: a compiled step that encodes reads the global instead of tracing the lookup."""
     global _KERNELS
     if _KERNELS is _UNRESOLVED:
-        from latentkv.weights import native
+        from latentkv import native
 
         _KERNELS = native.kernels()
     return _KERNELS

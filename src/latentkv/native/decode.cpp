@@ -16,7 +16,7 @@
 //
 // Each weight is read once and widened in registers, and multiplied by every row of x. `isa` picks
 // the vector path (Python picks it once per process from torch's CPU capability,
-// weights/native/__init__.py):
+// native/__init__.py):
 //   3  AVX-512 VNNI (+ VBMI): x quantized to int16 per group of columns, exact integer dot
 //      products (vpdpwssd), one float32 scale per group (see the section below);
 //   4  the same instructions with x quantized to int8 per group, u8 x s8 products (vpdpbusd) on
