@@ -165,3 +165,19 @@ def test_a_batch_reads_each_sequence_as_alone():
     assert torch.equal(got[:, 1:2], CPU.attend(query[:, 1:2], readers[1], None, None))
     want = REFERENCE.attend_batch(query, readers, blocked)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * want.abs().max().item())
+
+
+def test_a_call_past_the_score_bound_goes_to_the_reference(monkeypatch):
+    from latentkv.attention import native as backend
+
+    gen = torch.Generator().manual_seed(17)
+    reader = packed("q4s", 64, 16, 50, gen)
+    query = torch.randn(4, 1, 80, generator=gen) * 0.3
+    calls = []
+    real = backend.CpuDecode._decode
+    monkeypatch.setattr(backend.CpuDecode, "_decode", lambda self, *a: calls.append(1) or real(self, *a))
+    CPU.attend(query, reader, None, None)
+    assert calls == [1]
+    monkeypatch.setattr(backend, "MAX_SCORES", 4 * 50 - 1)  # 50 rows x 4 heads: one value too many
+    assert torch.equal(CPU.attend(query, reader, None, None), REFERENCE.attend(query, reader, None, None))
+    assert calls == [1]

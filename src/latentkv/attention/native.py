@@ -35,6 +35,9 @@ from latentkv.kv.codecs import Bf16Codec, BlockCodec, Codec, SearchedBlockCodec
 # codec name -> the kernel's row format (attention.cpp)
 FORMATS = {"bf16": "bf16", "q8_0": "q8_0", "q8s": "q8_0", "q4_0": "q4_0", "q4s": "q4_0"}
 KERNEL_ISA = 2  # the kernel's one path: AVX-512
+# The kernel holds every score of a call ([rows, heads] float32); past this many values (64 heads
+# over 65,536 rows) a call goes to the reference, whose tiles bound memory at any length.
+MAX_SCORES = 4 * 1024 * 1024
 SWITCH = "LATENTKV_CPU_ATTENTION"  # "0": leave every CPU cache to the torch reference
 
 
@@ -84,7 +87,7 @@ class CpuDecode:
         positions: torch.Tensor | None,
     ) -> torch.Tensor:
         """query [H, S, Lkv+R]: one decode token over packed rows runs the kernel."""
-        if query.shape[1] != 1 or allowed is not None or not isinstance(reader, PackedRows):
+        if query.shape[1] != 1 or allowed is not None or not _fits(query, reader, len(reader)):
             return REFERENCE.attend(query, reader, allowed, positions)
         return self._decode(query[:, 0], reader, None)[:, None]
 
@@ -93,7 +96,7 @@ class CpuDecode:
     ) -> torch.Tensor:
         """query [H, 1, Lkv+R] over the rows at `index` (DSA's top-k): the kernel reads them where
         they are stored (no gathered copy)."""
-        if query.shape[1] != 1 or not isinstance(reader, PackedRows):
+        if query.shape[1] != 1 or not _fits(query, reader, len(index)):
             return REFERENCE.attend_selected(query, reader, index, positions)
         return self._decode(query[:, 0], reader, index.to(torch.int64).contiguous())[:, None]
 
@@ -102,7 +105,7 @@ class CpuDecode:
     ) -> torch.Tensor:
         """query [H, B, Lkv+R], one reader per sequence, blocked [B, T'] (True: not attended):
         each sequence through the kernel, over the rows its mask leaves."""
-        if not all(isinstance(r, PackedRows) for r in readers):
+        if not all(_fits(query, r, len(r)) for r in readers):
             return REFERENCE.attend_batch(query, readers, blocked)
         out = []
         for b, reader in enumerate(readers):
@@ -133,6 +136,11 @@ class CpuDecode:
             r_format,
             reader.codec_r.width,
         )
+
+
+def _fits(query: torch.Tensor, reader: RowReader, rows: int) -> bool:
+    """Packed rows (not a windowed reader's), few enough for one call's scores."""
+    return isinstance(reader, PackedRows) and rows * query.shape[0] <= MAX_SCORES
 
 
 CPU = register_backend(CpuDecode())  # tried before the reference, which serves the rest
