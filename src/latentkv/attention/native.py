@@ -13,8 +13,9 @@ with no float32 recent window, on CPUs whose torch capability is AVX-512 (the ke
 vector path), unless LATENTKV_CPU_ATTENTION=0 is set (read when a tier is first used). `f32`
 stays with the reference (its rows are read in place already, and its arithmetic is the one
 every tier is measured against); every other tier, device or CPU goes to the reference through
-`refuse`. Inside a served cache, anything but one decode token (a prefill's
-queries, a masked read) also goes to the reference.
+`refuse`. Inside a served cache, anything but one decode token (a prefill's queries, a masked
+read) also goes to the reference, and so does a call over more rows than keep its scores within
+MAX_SCORES values (the kernel holds them all; the reference tiles).
 
 DSA's top-k rows (`attend_selected`) are read where they are stored, through their indices: no
 gathered copy of them is made.
