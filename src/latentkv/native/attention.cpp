@@ -45,6 +45,7 @@ namespace {
 
 using latentkv_native::bf16_to_f32;
 using latentkv_native::cpu_has;
+using latentkv_native::half_to_f32;
 
 enum Format : int64_t { BF16 = 0, Q8_0 = 1, Q4_0 = 2 };
 
@@ -63,29 +64,6 @@ int64_t row_bytes(int64_t fmt, int64_t n, int64_t block) {
   if (fmt == BF16) return 2 * n;
   const int64_t blocks = n / block;
   return blocks * (2 + (fmt == Q8_0 ? block : block / 2));
-}
-
-// IEEE half -> float (exact; subnormals included).
-inline float half_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000 | (mant << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exp = 113;
-    while (!(mant & 0x400)) {
-      mant <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 inline float scale_at(const uint8_t* p) {

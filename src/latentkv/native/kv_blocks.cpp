@@ -29,7 +29,11 @@
 #include <cstring>
 #include <limits>
 
+#include "native.h"
+
 namespace {
+
+using latentkv_native::half_to_f32;
 
 enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q8S = 2, Q4S = 3 };
 
@@ -59,29 +63,7 @@ inline uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | half);
 }
 
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000 | (mant << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {
-    exp = 113;
-    while (!(mant & 0x400)) {
-      mant <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline float round_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
+inline float round_f16(float f) { return half_to_f32(f32_to_f16(f)); }
 
 // sum of v[0 .. n) in torch's order for a contiguous float row of 8, 16 or 32 values
 __attribute__((always_inline)) inline float torch_sum(const float* v, int64_t n) {

@@ -1,5 +1,6 @@
-// What latentkv's native kernels (decode.cpp, attention.cpp) share: the x86 target attributes of
-// their vector paths, which of those paths this CPU runs, and bfloat16's widening.
+// What latentkv's native kernels (decode.cpp, attention.cpp, kv_blocks.cpp) share: the x86 target
+// attributes of their vector paths, which of those paths this CPU runs, bfloat16's and fp16's
+// widening.
 //
 // Vector paths (`isa`, chosen once per process in Python from torch's CPU capability):
 //   4, 3  AVX-512 VNNI (+ VBMI); 2  AVX-512 (F, BW, VL, DQ); 1  AVX2 + FMA; 0  plain C++.
@@ -22,6 +23,29 @@ namespace latentkv_native {
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// IEEE half -> float (exact; subnormals included).
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(mant & 0x400)) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+  }
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
