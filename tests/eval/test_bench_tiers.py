@@ -42,6 +42,7 @@ ROW_KEYS = {
     "decode_vs_f32",
     "decode_vs_transformers",
     "speculative",  # MTP drafting stats of a latentkv+mtpN row; None otherwise
+    "decode_tps_runs",  # every --repeats run's decode_tps
 }
 
 
@@ -234,3 +235,26 @@ def test_measured_bytes_of_an_f32_cache_come_from_its_row_tensors():
     cache = resolve_tier(layout, CacheConfig("f32")).make_cache()
     bench.fill_random(cache, 10)
     assert cache.allocated_nbytes() == 10 * 24 * 4 == bench.predicted_kv_bytes(cache)
+
+
+@pytest.mark.parametrize("statistic", ["fastest", "median"])
+def test_repeats_keep_every_run_and_report_the_chosen_statistic(capsys, statistic):
+    argv = ["--decode-tokens", "3", "--context", "8", "--repeats", "3", "--statistic", statistic]
+    payload = _json(capsys, "bench", "decode", "builtin:tiny", *argv)
+    assert payload["repeats"] == 3 and payload["statistic"] == statistic
+    (row,) = payload["rows"]
+    runs = sorted(row["decode_tps_runs"])
+    assert len(runs) == 3
+    assert row["decode_tps"] == (runs[-1] if statistic == "fastest" else runs[1])
+
+
+def test_pick_takes_the_median_row_of_an_even_count_from_below():
+    from types import SimpleNamespace
+
+    from latentkv.commands.bench.common import pick
+
+    speeds = iter([5.0, 2.0, 9.0, 4.0])
+    row = pick(4, lambda: SimpleNamespace(decode_tps=next(speeds)), "median")
+    assert row.decode_tps == 4.0 and row.decode_tps_runs == [5.0, 2.0, 9.0, 4.0]
+    with pytest.raises(ValueError, match="unknown statistic 'mean'"):
+        pick(1, lambda: SimpleNamespace(decode_tps=1.0), "mean")

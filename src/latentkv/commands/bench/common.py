@@ -60,9 +60,20 @@ def num(value: float | None, fmt: str = ",.1f", missing: str = "n/a") -> str:
     return missing if value is None else format(value, fmt)
 
 
-def fastest(repeats: int, measure):
-    """The best of `repeats` measurements (by decode tok/s): noise on a shared box only slows."""
-    return max((measure() for _ in range(repeats)), key=lambda row: row.decode_tps)
+STATISTICS = ("fastest", "median")
+
+
+def pick(repeats: int, measure, statistic: str = "fastest"):
+    """One row from `repeats` measurements, by decode tok/s: the fastest (noise on a shared box
+    only slows) or the median (the lower middle one of an even count), with every run's decode
+    tok/s in its `decode_tps_runs` (in the order they ran)."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"unknown statistic {statistic!r}; choose from {', '.join(STATISTICS)}")
+    rows = [measure() for _ in range(repeats)]
+    ranked = sorted(rows, key=lambda row: row.decode_tps)
+    row = ranked[-1] if statistic == "fastest" else ranked[(len(ranked) - 1) // 2]
+    row.decode_tps_runs = [r.decode_tps for r in rows]
+    return row
 
 
 def ratio(value: float | None) -> str:

@@ -46,8 +46,16 @@ def add(sub) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="measure every row this many times and keep the fastest, for both engines alike "
-        "(default: 1; use 3+ on a shared machine)",
+        help="measure every row this many times, for both engines alike, and keep one by "
+        "--statistic (default: 1; use 3+ on a shared machine)",
+    )
+    d.add_argument(
+        "--statistic",
+        choices=common.STATISTICS,
+        default="fastest",
+        help="which of the --repeats runs a row reports: the fastest (default; noise on a shared "
+        "machine only slows) or the median (what a comparison with another engine should quote); "
+        "every run's decode tok/s is kept in the JSON row's decode_tps_runs",
     )
     add_weight_arguments(d, multiple=True)
     add_device_argument(d)
@@ -125,6 +133,8 @@ def run(args: argparse.Namespace) -> dict:
         "fill": args.fill,
         "contexts": plan.contexts,
         "decode_tokens": args.decode_tokens,
+        "repeats": args.repeats,
+        "statistic": args.statistic,
         "weight_dtypes": plan.weight_dtypes,
         "kv_cache_dtypes": plan.tiers,
         "notes": notes,
@@ -239,7 +249,7 @@ def _transformers_rows(args: argparse.Namespace, directory, dtype: str, contexts
     rows = []
     for ctx in contexts:
         measure = partial(bench.bench_transformers, hf, args.model, dtype, ctx, args.decode_tokens)
-        rows.append(common.fastest(args.repeats, measure))
+        rows.append(common.pick(args.repeats, measure, args.statistic))
         common.progress(f"transformers {dtype} ctx {ctx}: decode {rows[-1].decode_tps:.1f} tok/s", args.json)
     del hf
     gc.collect()
@@ -331,13 +341,14 @@ def table(rows: list[dict]) -> str:
 
 
 def _row(args: argparse.Namespace, model, dtype: str, ctx: int, cache_config, **how):
-    """The fastest of --repeats runs of one latentkv row (`how`: the fill and the compiled step,
+    """One latentkv row, the --statistic of --repeats runs (`how`: the fill and the compiled step,
     or MTP drafting)."""
     from latentkv.eval import bench
 
-    row = common.fastest(
+    row = common.pick(
         args.repeats,
         partial(bench.bench_latentkv, model, args.model, dtype, ctx, args.decode_tokens, cache_config, **how),
+        args.statistic,
     )
     drafting = f", {row.speculative['tokens_per_verify']:.2f} tokens/verify" if row.speculative else ""
     common.progress(

@@ -51,6 +51,7 @@ class BenchRow:
     decode_vs_f32: float | None = None  # decode_tps / the f32-KV row's (same weights, context, fill)
     decode_vs_transformers: float | None = None
     speculative: dict | None = None  # `SpeculativeStats.as_dict()` of an MTP-drafting row
+    decode_tps_runs: list[float] | None = None  # every --repeats run's decode_tps (bench decode)
 
     def as_dict(self) -> dict:
         return asdict(self)
