@@ -9,7 +9,7 @@ bench decode` on an idle one).
                slice's widths; 2,048 rows is what DSA reads at 4,096 tokens of context): f32 as
                `F32Rows` (one matmul over float32 rows), every other tier through
                `attention.consumers.attend` over its packed rows (the torch reference), and
-               the tiers latentkv's CPU kernel reads (bf16, q8_0, q8s, q4_0, q4s; AVX-512) through
+               the tiers latentkv's CPU kernel reads (bf16, q8_0, q8s, q4_0, q4s; AVX2 or AVX-512) through
                it as well (`attention.native`, the backend a decode step takes on such a CPU)
     fixture    greedy generation of --tokens tokens of the demo prompt on builtin:fixture, through
                whichever backend the tier gets (LATENTKV_CPU_ATTENTION=0: the reference for all)
@@ -92,7 +92,7 @@ def _cpu_kernel(codec_c, codec_r, c, r):
     from latentkv.attention.native import row_format
 
     kernels = native.kernels()
-    if row_format(codec_c) is None or row_format(codec_r) is None or kernels is None or kernels.isa < 2:
+    if row_format(codec_c) is None or row_format(codec_r) is None or kernels is None or kernels.isa < 1:
         return None
     reader = PackedRows(c, r, codec_c, codec_r)
     return lambda query: CPU.attend(query, reader, None, None)

@@ -9,8 +9,8 @@ serves CPU caches whose two row parts are stored as
     q8_0, q8s         llama.cpp's q8_0 blocks (int8 and an fp16 scale per 32 values)
     q4_0, q4s         q4_0's blocks (4-bit levels and an fp16 scale per 32 values)
 
-with no float32 recent window, on CPUs whose torch capability is AVX-512 (the kernel's one
-vector path), unless LATENTKV_CPU_ATTENTION=0 is set (read when a tier is first used). `f32`
+with no float32 recent window, on CPUs whose torch capability is AVX-512 or AVX2 (the kernel's
+two vector paths), unless LATENTKV_CPU_ATTENTION=0 is set (read when a tier is first used). `f32`
 stays with the reference (its rows are read in place already, and its arithmetic is the one
 every tier is measured against); every other tier, device or CPU goes to the reference through
 `refuse`. Inside a served cache, anything but one decode token (a prefill's queries, a masked
@@ -35,7 +35,7 @@ from latentkv.kv.codecs import Bf16Codec, BlockCodec, Codec, SearchedBlockCodec
 
 # codec name -> the kernel's row format (attention.cpp)
 FORMATS = {"bf16": "bf16", "q8_0": "q8_0", "q8s": "q8_0", "q4_0": "q4_0", "q4s": "q4_0"}
-KERNEL_ISA = 2  # the kernel's one path: AVX-512
+KERNEL_ISA = 1  # the kernel's paths: AVX2 (1) and AVX-512 (2 and up)
 # The kernel holds every score of a call ([rows, heads] float32); past this many values (64 heads
 # over 65,536 rows) a call goes to the reference, whose tiles bound memory at any length.
 MAX_SCORES = 4 * 1024 * 1024
@@ -76,7 +76,7 @@ class CpuDecode:
         if kernels is None:
             return f"latentkv's CPU kernels are not built here ({native.unavailable()})"
         if kernels.isa < KERNEL_ISA:
-            return f"needs AVX-512 (this process runs the {kernels.name} path)"
+            return f"needs AVX2 or AVX-512 (this process runs the {kernels.name} path)"
         self._kernels = kernels  # not looked up per step: a compiled step would trace the lookup
         return None
 
@@ -125,7 +125,9 @@ class CpuDecode:
     def _decode(self, query: torch.Tensor, reader: PackedRows, index: torch.Tensor | None) -> torch.Tensor:
         """query [H, Lkv+R] over the reader's rows (those at `index` if given) -> [H, Lkv]."""
         kernels = self._kernels
-        assert kernels is not None  # refuse() served this tier
+        if kernels is None:  # called directly, without backend_for (benchmarks): look them up now
+            kernels = self._kernels = native.kernels()
+        assert kernels is not None, "latentkv's CPU kernels are not available here"
         c_format, r_format = row_format(reader.codec_c), row_format(reader.codec_r)
         assert c_format is not None and r_format is not None
         return kernels.mla_decode(

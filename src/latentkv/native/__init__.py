@@ -125,7 +125,7 @@ class Kernels:
         """One decode token's attention over packed KV rows (attention.cpp): query f32 [H, n_c +
         n_r] (scaled), c / r uint8 [T, bytes] as their codecs store them, each format a pair
         (ROW_FORMATS code, block); over the rows at `index` [K] int64 when given -> [H, n_c].
-        AVX-512 only (`isa` >= 2)."""
+        AVX2 (`isa` 1) or AVX-512 (2 and up)."""
         return torch.ops.latentkv.mla_decode(query, c, r, index, *c_format, n_r, *r_format, self.isa)
 
 
