@@ -40,7 +40,7 @@ def one_run(args: argparse.Namespace, mode: str) -> list[dict]:
             "--weight-dtype", args.weight_dtype, "--kv-cache-dtype", args.kv_cache_dtype,
             "--context", str(args.context), "--decode-tokens", str(args.decode_tokens),
             "--fill", "random", "--threads", str(args.threads), "--json", "--out", str(out),
-        ]  # fmt: skip
+        ] + (["--compile"] if args.compile else [])  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"bench decode failed ({mode}): {done.stderr.strip()[-2000:]}")
@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096, help="tokens of context, random rows (default: 4096)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per row (default: 32)")
     p.add_argument("--threads", type=int, default=2, help="threads (default: 2)")
+    p.add_argument("--compile", action="store_true", help="also the compiled step's rows (small models)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, on then off (default: 3)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = p.parse_args()
@@ -65,9 +66,9 @@ def main() -> None:
             runs.append({"round": round_ + 1, "mode": mode, "rows": rows})
             speeds = ", ".join(f"{r['kv_cache_dtype']} {r['decode_tps']:.2f}" for r in rows)
             print(f"round {round_ + 1} kernel {mode}: {speeds} tok/s", file=sys.stderr, flush=True)
-    tiers = [r["kv_cache_dtype"] for r in runs[0]["rows"]]
+    keys = [(r["engine"], r["kv_cache_dtype"]) for r in runs[0]["rows"]]
     summary = []
-    for tier in tiers:
+    for engine, tier in keys:
         cell = {}
         for mode in MODES:
             samples = [
@@ -75,7 +76,7 @@ def main() -> None:
                 for run in runs
                 if run["mode"] == mode
                 for r in run["rows"]
-                if r["kv_cache_dtype"] == tier
+                if (r["engine"], r["kv_cache_dtype"]) == (engine, tier)
             ]
             cell[mode] = {
                 "median": statistics.median(samples),
@@ -84,14 +85,19 @@ def main() -> None:
                 "samples": samples,
             }
         summary.append(
-            {"kv_cache_dtype": tier, **cell, "on_vs_off": cell["on"]["median"] / cell["off"]["median"]}
+            {
+                "engine": engine,
+                "kv_cache_dtype": tier,
+                **cell,
+                "on_vs_off": cell["on"]["median"] / cell["off"]["median"],
+            }
         )
-    print("| KV tier | kernel on tok/s | kernel off (reference) tok/s | on / off |")
-    print("|---|---:|---:|---:|")
+    print("| engine | KV tier | kernel on tok/s | kernel off (reference) tok/s | on / off |")
+    print("|---|---|---:|---:|---:|")
     for s in summary:
         on, off = s["on"], s["off"]
         print(
-            f"| {s['kv_cache_dtype']} | {on['median']:.2f} ({on['min']:.2f}-{on['max']:.2f}) "
+            f"| {s['engine']} | {s['kv_cache_dtype']} | {on['median']:.2f} ({on['min']:.2f}-{on['max']:.2f}) "
             f"| {off['median']:.2f} ({off['min']:.2f}-{off['max']:.2f}) | {s['on_vs_off']:.3f}x |"
         )
     if args.out:
