@@ -55,9 +55,6 @@ class CpuDecode:
 
     name = "cpu"
 
-    def __init__(self):
-        self._kernels: native.Kernels | None = None  # set by refuse (eager), read by every step
-
     def refuse(self, tier: KVTier, device: torch.device) -> str | None:
         """None when the kernel reads caches of `tier` on `device`; otherwise why not."""
         if device.type != "cpu":
@@ -77,7 +74,6 @@ class CpuDecode:
             return f"latentkv's CPU kernels are not built here ({native.unavailable()})"
         if kernels.isa < KERNEL_ISA:
             return f"needs AVX2 or AVX-512 (this process runs the {kernels.name} path)"
-        self._kernels = kernels  # not looked up per step: a compiled step would trace the lookup
         return None
 
     def attend(
@@ -124,10 +120,8 @@ class CpuDecode:
 
     def _decode(self, query: torch.Tensor, reader: PackedRows, index: torch.Tensor | None) -> torch.Tensor:
         """query [H, Lkv+R] over the reader's rows (those at `index` if given) -> [H, Lkv]."""
-        kernels = self._kernels
-        if kernels is None:  # called directly, without backend_for (benchmarks): look them up now
-            kernels = self._kernels = native.kernels()
-        assert kernels is not None, "latentkv's CPU kernels are not available here"
+        kernels = native.kernels()
+        assert kernels is not None  # refuse() served this tier
         c_format, r_format = row_format(reader.codec_c), row_format(reader.codec_r)
         assert c_format is not None and r_format is not None
         return kernels.mla_decode(

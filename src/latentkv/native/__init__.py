@@ -131,6 +131,8 @@ class Kernels:
 
 # attention.cpp's row formats: the bytes of a bf16 row, of q8_0 blocks (q8s's too), of q4_0 ones (q4s's)
 ROW_FORMATS = {"bf16": 0, "q8_0": 1, "q4_0": 2}
+# kv_blocks.cpp's encoders, by codec name (q8_0 and q8s write 8-bit blocks, the others 4-bit ones)
+ENCODE_KINDS = {"q8_0": 0, "q4_0": 1, "q8s": 2, "q4s": 3}
 
 
 def isa_for(capability: str) -> int:
@@ -138,10 +140,24 @@ def isa_for(capability: str) -> int:
     return ISA.get(capability.upper(), 0)
 
 
-@functools.cache
+_UNRESOLVED = object()
+_KERNELS: Kernels | None | object = _UNRESOLVED  # what kernels() returns, once it has been asked
+
+
 def kernels() -> Kernels | None:
     """The kernels with this process's vector path, building them on first use; None where they
-    cannot be built or loaded here (see `unavailable`)."""
+    cannot be built or loaded here (see `unavailable`).
+
+    After the first call this reads a plain module global, so a decode step that torch.compile
+    traces (which asks for the kernels on every step: the attention backend, the block encoder)
+    sees a constant, not the build check underneath (its file-system calls would break the graph)."""
+    global _KERNELS
+    if _KERNELS is _UNRESOLVED:
+        _KERNELS = _resolve()
+    return _KERNELS
+
+
+def _resolve() -> Kernels | None:
     if _load() is not None:
         return None
     isa = isa_for(torch.backends.cpu.get_cpu_capability())
@@ -274,7 +290,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("latentkv::encode_blocks")
     def _encode(x, kind, block):
-        per_block = 2 + (block if kind in (0, 2) else block // 2)  # kv_blocks.cpp: q8_0 / q8s, q4_0 / q4s
+        eight_bit = kind in (ENCODE_KINDS["q8_0"], ENCODE_KINDS["q8s"])
+        per_block = 2 + (block if eight_bit else block // 2)
         return x.new_empty(x.shape[0], x.shape[1] // block * per_block, dtype=torch.uint8)
 
     @torch.library.register_fake("latentkv::heads_int8")

@@ -402,9 +402,9 @@ Part part_of(const at::Tensor& codes, int64_t n, int64_t fmt, int64_t block, con
   TORCH_CHECK(fmt >= BF16 && fmt <= Q4_0, "mla_decode: ", name, ": unknown row format ", fmt);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.stride(1) == 1,
               "mla_decode: ", name, " must be uint8 [T, bytes] with unit column stride");
-  if (fmt != BF16)
-    TORCH_CHECK(block >= 2 && block % 2 == 0 && n % block == 0, "mla_decode: ", name, ": block ", block,
-                " does not divide the row's ", n, " values");
+  if (fmt != BF16)  // the codecs' blocks; a context span (64 values) is whole blocks of each
+    TORCH_CHECK((block == 8 || block == 16 || block == 32) && n % block == 0, "mla_decode: ", name,
+                ": blocks of 8, 16 or 32 values that divide the row's ", n, ", got ", block);
   TORCH_CHECK(codes.size(1) == row_bytes(fmt, n, block), "mla_decode: ", name, " rows of ", codes.size(1),
               " bytes, format ", fmt, " stores ", n, " values in ", row_bytes(fmt, n, block));
   return Part{codes.data_ptr<uint8_t>(), codes.stride(0), n, fmt, block};

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from latentkv import native
 from latentkv.kv.codecs.base import HOST, Codec, EncodedRows, PerDevice
 from latentkv.kv.codecs.rotation import DEFAULT_SEED, Rotation
 from latentkv.kv.codecs.turbo import require_power_of_two
@@ -152,8 +153,8 @@ class BlockCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> EncodedRows:
         x = self.check_rows(x)
-        if self.rotation is None and (codes := native_codes(self.name, x, self.block)) is not None:
-            return EncodedRows(codes, torch.empty(x.shape[0], 0, dtype=torch.float32, device=x.device))
+        if self.rotation is None and (enc := native_encode(self.name, x, self.block)) is not None:
+            return enc
         return self.encode_reference(x)
 
     def encode_reference(self, x: torch.Tensor) -> EncodedRows:
@@ -241,32 +242,15 @@ SCALE_GRID = tuple(0.85 + 0.01 * i for i in range(21))  # trial scales, in units
 SEARCH_ROWS = 256  # rows searched at once: 256 x 512 values x 42 trials, about 90 MB of temporaries
 
 
-# The codecs latentkv's native encoder writes (native/kv_blocks.cpp), by its kind number
-NATIVE_KINDS = {"q8_0": 0, "q4_0": 1, "q8s": 2, "q4s": 3}
-
-
-def native_codes(name: str, x: torch.Tensor, block: int) -> torch.Tensor | None:
-    """Rows x (float32 [N, n], contiguous) encoded by the native encoder: the same bytes as the
-    torch ops, without their per-call cost (a decode step encodes one row per layer). None where
-    it does not run: another codec, a device other than the CPU, or no native kernels here."""
-    if name not in NATIVE_KINDS or x.device.type != "cpu" or _native_kernels() is None:
+def native_encode(name: str, x: torch.Tensor, block: int) -> EncodedRows | None:
+    """Rows x (float32 [N, n], contiguous) encoded by latentkv's native encoder
+    (native/kv_blocks.cpp): the same bytes as the torch ops, without their per-call cost (a decode
+    step encodes one row per layer). None where it does not run: a codec it does not write, a
+    device other than the CPU, or no native kernels here."""
+    if name not in native.ENCODE_KINDS or x.device.type != "cpu" or native.kernels() is None:
         return None
-    return torch.ops.latentkv.encode_blocks(x, NATIVE_KINDS[name], block)
-
-
-_UNRESOLVED = object()
-_KERNELS: object = _UNRESOLVED
-
-
-def _native_kernels():
-    """`native.kernels()`, looked up once (building them on first use) and then read as a plain
-    global: a compiled step that encodes reads the global instead of tracing the lookup."""
-    global _KERNELS
-    if _KERNELS is _UNRESOLVED:
-        from latentkv import native
-
-        _KERNELS = native.kernels()
-    return _KERNELS
+    codes = torch.ops.latentkv.encode_blocks(x, native.ENCODE_KINDS[name], block)
+    return EncodedRows(codes, torch.empty(x.shape[0], 0, dtype=torch.float32, device=x.device))
 
 
 def level_table(name: str) -> torch.Tensor:
@@ -330,8 +314,8 @@ class SearchedBlockCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> EncodedRows:
         x = self.check_rows(x)
-        if (codes := native_codes(self.name, x, self.block)) is not None:
-            return EncodedRows(codes, torch.empty(x.shape[0], 0, dtype=torch.float32, device=x.device))
+        if (enc := native_encode(self.name, x, self.block)) is not None:
+            return enc
         return self.encode_reference(x)
 
     def encode_reference(self, x: torch.Tensor) -> EncodedRows:
