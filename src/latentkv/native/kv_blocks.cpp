@@ -27,7 +27,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 #include "native.h"
 
@@ -150,20 +149,18 @@ void search_block(const Searched& s, const float* x, int64_t b, float* level, ui
     scale[i] = round_f16(unit * s.grid[i]);
     err[i] = nearest(s, x, w, b, scale[i], trial);
   }
-  const float d = scale[best_of(err, s.trials)];
+  const int best = best_of(err, s.trials);
+  const float d = scale[best];
   float q[MAX_BLOCK], t[MAX_BLOCK];
-  nearest(s, x, w, b, d, q);
+  nearest(s, x, w, b, d, q);  // its error is err[best]
   for (int64_t j = 0; j < b; ++j) t[j] = (w[j] * x[j]) * q[j];
   const float num = torch_sum(t, b);
   for (int64_t j = 0; j < b; ++j) t[j] = w[j] * (q[j] * q[j]);
   const float refit = round_f16(num / std::max(torch_sum(t, b), 1e-30f));
-  const float pair[2] = {d, refit};
-  float pair_err[2];
-  pair_err[0] = nearest(s, x, w, b, d, q);
-  pair_err[1] = nearest(s, x, w, b, refit, trial);
-  if (best_of(pair_err, 2) == 1) std::memcpy(q, trial, sizeof(float) * b);
-  std::memcpy(level, q, sizeof(float) * b);
-  *d16 = f32_to_f16(pair[best_of(pair_err, 2)]);
+  const float pair_err[2] = {err[best], nearest(s, x, w, b, refit, trial)};
+  const bool refitted = best_of(pair_err, 2) == 1;
+  std::memcpy(level, refitted ? trial : q, sizeof(float) * b);
+  *d16 = f32_to_f16(refitted ? refit : d);
 }
 
 int64_t block_bytes(int64_t kind, int64_t b) { return 2 + ((kind == Q8_0 || kind == Q8S) ? b : b / 2); }
