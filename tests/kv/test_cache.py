@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latentkv.config import ModelConfig
+from latentkv.config import CacheConfig, ModelConfig
 from latentkv.kv.cache import CacheLayout, LatentCache, resolve_tier
 
 LAYOUT = CacheLayout(
@@ -67,6 +67,32 @@ def test_growth_past_the_initial_capacity_keeps_every_row():
         assert torch.equal(cache.view(layer), written[f"rows.{layer}"])
     for layer in (0, 2):
         assert torch.equal(cache.index_keys(layer), written[f"index.{layer}"])
+
+
+@pytest.mark.parametrize("tier_name", ["f32", "bf16"])
+def test_fixed_capacity_keeps_every_row_and_never_grows(tier_name):
+    """`fix_capacity` (the compiled step's caches): every buffer holds exactly that many tokens,
+    unmarked for torch.compile (sizes the graph takes as constants), with the committed rows kept;
+    later writes land in place, and one past the capacity is refused, not grown into."""
+    tier = resolve_tier(LAYOUT, CacheConfig(tier_name))
+    cache, plain = tier.make_cache(), tier.make_cache()
+    _fill(cache, 50, seed=0)
+    _fill(plain, 50, seed=0)
+    cache.fix_capacity(200)
+    assert cache.fixed == 200
+    buffers = cache._buffers_in_use()
+    assert buffers and all(b.data.shape[0] == 200 for b in buffers)
+    assert not any(hasattr(b.data, "_dynamo_weak_dynamic_indices") for b in buffers)
+    _fill(cache, 150, seed=7)
+    _fill(plain, 150, seed=7)
+    assert all(b.data.shape[0] == 200 for b in cache._buffers_in_use())
+    assert cache.state().keys() == plain.state().keys()
+    for name, value in plain.state().items():
+        assert torch.equal(cache.state()[name], value), name
+    with pytest.raises(ValueError, match="fixed at 200 rows"):
+        _fill(cache, 1, seed=9)
+    with pytest.raises(ValueError, match="cannot fix a cache of 200 tokens at 100"):
+        cache.fix_capacity(100)
 
 
 def test_many_single_row_appends_match_one_big_append():

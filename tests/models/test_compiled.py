@@ -55,15 +55,55 @@ def test_compiled_decode_matches_eager_without_recompiling(compiled, ours):
     eager = ours("glm5-tiny")
     assert eager.compiled is None and compiled.compiled is not None
     index_topk = compiled.cfg.dsa.index_topk
-    # 30 tokens of prompt, then past index_topk (DSA selects) and past the 64-row buffer capacity
-    # and 256-position RoPE tables, with recompiling made an error.
+    # 30 tokens of prompt, then past index_topk (DSA selects), with recompiling made an error;
+    # the tiny model's whole context is small, so the step fixed the cache at full size
     with torch._dynamo.config.patch(error_on_recompile=True):
         worst, tokens_a, tokens_b, fast, slow = _decode_both(compiled, eager, None, 30, 250, seed=1)
-    assert max(index_topk, 256) < 30 + 250
+    assert index_topk < 30 + 250
     assert worst < TOLERANCE, worst
     assert tokens_a == tokens_b
     assert fast.length == slow.length == 280
+    assert fast.fixed == compiled.cfg.max_position_embeddings and slow.fixed is None
     assert torch.equal(fast.view(0)[:30], slow.view(0)[:30])  # the prefill is eager in both
+
+
+def test_compiled_decode_with_growing_storage_matches_eager_without_recompiling(tiny_dir, ours, monkeypatch):
+    """A model whose full-context cache passes FIXED_CACHE_MAX_BYTES (any big one) keeps storage
+    that grows: buffer and RoPE-table lengths are symbolic sizes of the graph. Past index_topk,
+    the 64-row buffer capacity and the 256-position RoPE tables, no recompiling."""
+    from latentkv.models import compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module, "FIXED_CACHE_MAX_BYTES", 0)
+    model = load_model(tiny_dir, device="cpu")
+    model.compile_decode(progress=False)
+    assert model.compiled.fixed is None
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        worst, tokens_a, tokens_b, fast, _ = _decode_both(model, ours("glm5-tiny"), None, 30, 250, seed=2)
+    assert max(model.cfg.dsa.index_topk, 256) < 30 + 250
+    assert worst < TOLERANCE, worst
+    assert tokens_a == tokens_b
+    assert fast.fixed is None and fast._rows[0].data.shape[0] >= 280
+
+
+def test_compiled_model_takes_a_one_token_prompt_and_refuses_past_its_context(compiled):
+    """A one-token prompt is a prefill (eager), not a compiled step at length 0 (which would
+    trace another graph); a step past max_position_embeddings is the eager step's ValueError,
+    not an error from inside torch.compile."""
+    cache = compiled.make_cache()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        token = compiled.forward(torch.tensor([5]), cache)[-1].argmax().view(1)
+        for _ in range(3):
+            token = compiled.forward(token, cache)[-1].argmax().view(1)
+    assert cache.length == 4
+    limit = compiled.cfg.max_position_embeddings
+    cache.trim(0)
+    compiled.forward(torch.randint(2, compiled.cfg.vocab_size, (limit - 1,)), cache)
+    compiled.forward(token, cache)  # the last position
+    with pytest.raises(
+        ValueError, match=f"context of {limit + 1} tokens exceeds the model's maximum of {limit}"
+    ):
+        compiled.forward(token, cache)
+    assert cache.length == limit
 
 
 def test_compiled_models_in_one_process_each_run_their_own_graph(compiled, ours, checkpoint, tiny_dir):

@@ -148,6 +148,25 @@ def test_rope_tables_grow_without_changing_earlier_rows():
     assert torch.equal(rope.tables(2995, 8).cos[5], late.cos[0])
 
 
+def test_fixed_rope_tables_equal_grown_ones_and_are_not_marked_dynamic():
+    """`Rope.fix` (the compiled step's tables): exactly n rows, bit for bit the rows grown tables
+    hold, no dynamic-size mark (the compiled graph takes their size as a constant); a position
+    past them (an MTP draft past the last) fixes longer tables, never marked either."""
+    cfg = _ours(_hf_config(YARN_CASES["deepseek-v3"]))
+    grown = Rope(cfg.rope, cfg.qk_rope_head_dim, torch.device("cpu"))
+    fixed = Rope(cfg.rope, cfg.qk_rope_head_dim, torch.device("cpu"))
+    fixed.tables(0, 300)  # grown and marked first, as a prefill before compiling does
+    fixed.fix(1000)
+    assert fixed._cos.shape[0] == 1000 and not hasattr(fixed._cos, "_dynamo_weak_dynamic_indices")
+    want = grown.tables(0, 1000)
+    got = fixed.tables(0, 1000)
+    assert torch.equal(got.cos, want.cos) and torch.equal(got.sin, want.sin)
+    assert fixed._cos.shape[0] == 1000  # reading within them changes nothing
+    late = fixed.tables(1000, 2)
+    assert fixed._cos.shape[0] == 2000 and not hasattr(fixed._cos, "_dynamo_weak_dynamic_indices")
+    assert torch.equal(late.cos, grown.tables(1000, 2).cos)
+
+
 def _rotate64(x: torch.Tensor, angle: torch.Tensor, d: int, interleaved: bool) -> torch.Tensor:
     """Float64 reference: rotate each pair of the first d values by its angle; the output is laid
     out pair-split ([first of each pair | second of each pair]) and values past d pass through."""

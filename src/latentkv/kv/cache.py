@@ -94,6 +94,7 @@ class _Buffer:
         with torch.inference_mode():
             self.data = _dynamic_rows(torch.empty(capacity, width, dtype=dtype, device=device))
         self.pool = None  # a `latentkv.kv.slots.SlotPool` whose slot `data` is, if any
+        self.fixed: int | None = None  # the capacity `fix` set (then the storage never grows)
 
     def bind(self, data: torch.Tensor, pool=None) -> None:
         """Use `data` [capacity, width] as the storage: a slot of `pool` (which then grows it),
@@ -103,6 +104,8 @@ class _Buffer:
 
     def reserve(self, end: int, keep: int) -> None:
         """Make room for rows up to `end`, keeping the first `keep` rows."""
+        if self.fixed is not None and end > self.fixed:
+            raise ValueError(f"a cache fixed at {self.fixed} rows cannot hold {end}")
         if end > self.data.shape[0] and self.pool is not None:
             self.pool.grow_for(self, end)  # every slot grows, or the buffer gets its own storage back
         if end > self.data.shape[0]:
@@ -115,6 +118,18 @@ class _Buffer:
                 )
                 grown[:keep] = self.data[:keep]
             self.data = _dynamic_rows(grown)
+
+    def fix(self, capacity: int, keep: int) -> None:
+        """Hold exactly `capacity` rows from now on, keeping the first `keep`: storage that never
+        grows, and is not marked dynamic, so a compiled step traces its size as a constant."""
+        if self.fixed == capacity:
+            return
+        if self.pool is not None:
+            raise ValueError("a buffer in a slot pool grows with the pool; it cannot be fixed")
+        with torch.inference_mode():
+            fixed = torch.empty(capacity, self.data.shape[1], dtype=self.data.dtype, device=self.data.device)
+            fixed[:keep] = self.data[:keep]
+        self.data, self.fixed = fixed, capacity
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         end = start + rows.shape[0]
@@ -238,6 +253,7 @@ class SequenceCache:
         self.tier = tier  # how the rows are stored (resolved once, for the model: `resolve_tier`)
         self.layout = layout = tier.layout
         self.length = 0
+        self.fixed: int | None = None  # the capacity `fix_capacity` gave every buffer, if any
         self._index = {
             layer: _Buffer(layout.index_head_dim, device=layout.device) for layer in layout.index_layers
         }
@@ -266,6 +282,17 @@ class SequenceCache:
         (a compiled decode step keeps buffer growth out of its graph)."""
         for buffer in self._buffers_in_use():
             buffer.reserve(self.length + n, self.length)
+
+    def fix_capacity(self, capacity: int) -> None:
+        """Give every buffer storage for exactly `capacity` tokens, now and from now on (the
+        committed rows kept). A compiled decode step does this for a small model's caches
+        (`latentkv.models.compiled`): with sizes that never change, its graph takes them as
+        constants instead of one symbolic size per buffer, each read back every step."""
+        if capacity < self.length:
+            raise ValueError(f"cannot fix a cache of {self.length} tokens at {capacity}")
+        for buffer in self._buffers_in_use():
+            buffer.fix(capacity, self.length)
+        self.fixed = capacity
 
     def _buffers_in_use(self) -> list[_Buffer]:
         return list(self._index.values())

@@ -10,9 +10,11 @@ What it costs and guarantees:
     its on-disk cache, so later processes compile faster). `compile_decode` warms the graph
     up on a scratch cache so no request pays for it; DSA models warm a second graph for
     contexts past `index_topk`.
-  - Sizes are dynamic in the context length only (cache buffers and RoPE tables are marked so;
-    every other size is a constant of the graph), and buffers grow before the compiled call, so
-    one graph serves every length.
+  - Sizes are dynamic in the context length only, so one graph serves every length. A small
+    model's caches and RoPE tables are given their full context at the first compiled step
+    (`fixed_length`), so the cache's length is the graph's one symbolic size; a bigger model's
+    buffers grow before the compiled call and their lengths are symbolic sizes too (marked so;
+    every other size is a constant of the graph).
   - A C++ compiler must be installed (inductor builds its CPU kernels with it).
   - int8 and int4 weights trace as latentkv's own kernels (`latentkv/native`): one call per
     matrix, and a layer's resident routed experts in one call.
@@ -36,7 +38,7 @@ from latentkv.weights.base import format_class
 
 if TYPE_CHECKING:
     from latentkv.config import ModelConfig
-    from latentkv.kv.cache import KVTier, LatentCache, PackedLatentCache
+    from latentkv.kv.cache import CacheLayout, KVTier, LatentCache, PackedLatentCache
     from latentkv.models.layers import Rope
 
 
@@ -46,10 +48,13 @@ class _Model(Protocol):
 
     cfg: ModelConfig
     rope: Rope
+    layout: CacheLayout
 
     def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor: ...
 
     def _forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor: ...
+
+    def check_context(self, length: int) -> None: ...
 
 
 class CompileUnavailable(RuntimeError):
@@ -130,6 +135,28 @@ def step_guards(entries) -> list[bool]:
     return [step_guard(e.name, e.guard_type) for e in entries]
 
 
+# A model whose cache at full context fits this (float32 rows and indexer keys, one sequence)
+# decodes through caches and RoPE tables of that full size (`fixed_length`).
+FIXED_CACHE_MAX_BYTES = 64 << 20
+
+
+def fixed_length(model: _Model) -> int | None:
+    """The context the compiled step sizes every cache and RoPE table for at once, or None.
+
+    With storage that grows, each cache buffer's length (4-5 per layer) and each RoPE table's is
+    a symbolic size of the graph: every step boxes each into a tensor for the graph's C++ entry,
+    which reads it back, and checks its guards; on builtin:fixture that was ~15% of a step. A
+    small model's whole context is a few MB, so its caches are given it at once (the first
+    compiled step moves a cache's rows to storage of `max_position_embeddings` rows, which then
+    never grows) and only the cache's length stays symbolic. Models whose full-context cache
+    would pass FIXED_CACHE_MAX_BYTES keep growing storage."""
+    cfg = model.cfg
+    layout = model.layout
+    per_token = layout.num_layers * layout.row_width * 4 + layout.index_bytes_per_token
+    n = cfg.max_position_embeddings
+    return n if n * per_token <= FIXED_CACHE_MAX_BYTES else None
+
+
 class CompiledDecode:
     """The model's one-token forward pass, compiled; called by `Model.forward` for S == 1 once
     `Model.compile_decode` installed it, or directly (`latentkv bench decode` times both)."""
@@ -137,6 +164,9 @@ class CompiledDecode:
     def __init__(self, model: _Model, tier: KVTier):
         check_compilable(tier.name, tier.recent_window)
         self.model = model
+        self.fixed = fixed_length(model)
+        if self.fixed is not None:
+            model.rope.fix(self.fixed)
         # cpp_wrapper: the generated code that calls the kernels is C++ too, not Python (~10% a step).
         # dynamic=None: only the dimensions marked dynamic (the cache buffers' and RoPE tables'
         # lengths) are symbolic; with dynamic=True every weight's size became a graph input read
@@ -159,9 +189,14 @@ class CompiledDecode:
     def __call__(
         self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool = False
     ) -> torch.Tensor:
+        # checked here: the graph cannot raise (an exception inside it stops torch.compile instead)
+        self.model.check_context(cache.length + tokens.shape[0])
         # growth happens here, outside the graph: inside it would be a branch the graph guards on
-        self.model.rope.reserve(cache.length + 1)
-        cache.reserve(1)
+        if self.fixed is None:
+            self.model.rope.reserve(cache.length + 1)
+            cache.reserve(1)
+        elif cache.fixed != self.fixed:
+            cache.fix_capacity(self.fixed)
         return self._step(tokens, cache, all_logits)
 
     def warm_up(self, make_cache, progress: bool = True) -> float:

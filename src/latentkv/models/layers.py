@@ -101,9 +101,12 @@ class Rope:
         self.dim = dim
         self._cos = torch.empty(0, dim // 2, device=device)
         self._sin = torch.empty(0, dim // 2, device=device)
+        self._fixed: int | None = None  # the length `fix` set
 
     def _grow(self, n: int) -> None:
-        n = max(n, 2 * self._cos.shape[0], 256)
+        self._tables(max(n, 2 * self._cos.shape[0], 256))
+
+    def _tables(self, n: int) -> None:
         freqs = (
             torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)[:, None]
             * self.inv_freq[None, :]
@@ -111,9 +114,20 @@ class Rope:
         self._cos = freqs.cos() * self.attention_scaling
         self._sin = freqs.sin() * self.attention_scaling
 
+    def fix(self, n: int) -> None:
+        """Tables for exactly positions 0..n-1 from now on (values as grown ones: each position's
+        row depends on the position only), not marked dynamic: a compiled step's constants.
+        A later `reserve` past n (an MTP draft past the model's last position) fixes them longer."""
+        if self._cos.shape[0] != n or self._fixed != n:
+            self._tables(n)
+            self._fixed = n
+
     def reserve(self, end: int) -> None:
         """Have the tables cover positions up to `end` (exclusive)."""
         if end > self._cos.shape[0]:
+            if self._fixed is not None:
+                self.fix(max(end, 2 * self._fixed))
+                return
             self._grow(end)
             torch._dynamo.maybe_mark_dynamic(self._cos, 0)  # a compiled step reads any length
             torch._dynamo.maybe_mark_dynamic(self._sin, 0)

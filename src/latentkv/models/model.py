@@ -118,9 +118,18 @@ class Model:
         returns (logits, h) where h [S, D] is every position's lm_head input (after the final
         norm): what the MTP draft layer reads (`latentkv.models.mtp`).
         """
-        if self.compiled is not None and tokens.shape[0] == 1 and not hidden:
+        # a one-token prompt (cache.length 0) is a prefill: eager, as every prompt; the compiled
+        # step's graphs start at length 1 (at 0 torch.compile would trace another)
+        if self.compiled is not None and tokens.shape[0] == 1 and cache.length and not hidden:
             return self.compiled(tokens, cache, all_logits)
         return self._forward(tokens, cache, all_logits, hidden)
+
+    def check_context(self, length: int) -> None:
+        """ValueError unless a context of `length` tokens fits the model's positions."""
+        if length > self.cfg.max_position_embeddings:
+            raise ValueError(
+                f"context of {length} tokens exceeds the model's maximum of {self.cfg.max_position_embeddings}"
+            )
 
     def _forward(
         self,
@@ -132,11 +141,7 @@ class Model:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`forward` without the compiled step (what the compiled step traces)."""
         S = tokens.shape[0]
-        if cache.length + S > self.cfg.max_position_embeddings:
-            raise ValueError(
-                f"context of {cache.length + S} tokens exceeds the model's maximum of "
-                f"{self.cfg.max_position_embeddings}"
-            )
+        self.check_context(cache.length + S)
         batch = batches.one_sequence(self.rope, tokens, cache, speculative=speculative)
         return self._run(batch, last_only=not all_logits and S > 1, hidden=hidden)
 
