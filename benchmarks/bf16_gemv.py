@@ -13,6 +13,8 @@ time. Candidates:
     torch.mv          torch's bf16 GEMV (float32 accumulation): what Bf16Linear runs at one row
     mkldnn prepacked  `mkldnn._reorder_linear_weight` once, `mkldnn._linear_pointwise` per call
                       (what inductor's CPU freezing emits)
+    latentkv bf16_mm  latentkv's own kernel (latentkv/native/bf16.cpp, float32 x): what
+                      Bf16Linear runs at one row for matrices up to NATIVE_MAX_BYTES
     f32 F.linear      the same matrix in float32 (twice the bytes): the f32 format
     int8 op           `_weight_int8pack_mm` (half the bytes): the int8 format's decode kernel
     sum bf16 / f32    reading the same bytes and nothing else: the memory bound
@@ -34,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from latentkv import native
+
 # The slice's decode matrices [out x in] (hidden 6144, 64 heads, q_lora 2048, experts 2048 wide)
 SLICE = {
     "2752x6144": "q_a | kv_a | indexer wk, fused",
@@ -46,6 +50,15 @@ SLICE = {
     "6144x2048": "expert down",
     "16384x6144": "lm_head",
     "6144x6144": "square, for reference",
+}
+# builtin:fixture's one-row matrices (hidden 256): time them with a small --mib (its whole model
+# is ~15 MB, so a decode step reads them from the cache, not from memory)
+FIXTURE = {
+    "4096x256": "lm_head",
+    "3456x256": "a layer's experts' gate | up, fused",
+    "256x1728": "a layer's experts' down, fused",
+    "352x256": "q_a | kv_a, fused",
+    "256x768": "dense MLP down",
 }
 HEADS = ((64, 512, 192), (64, 256, 512))  # (H, out, in): W_UK^T and W_UV of the slice
 
@@ -75,9 +88,11 @@ def matrix_runs(out_f: int, in_f: int, copies: int) -> tuple[dict, dict[str, int
     x = torch.randn(1, in_f, generator=g)
     xb = x.to(torch.bfloat16)
     n = out_f * in_f
+    own = native.kernels()
     runs = {
         "F.linear": lambda i: F.linear(xb, w[i]).float(),
         "torch.mv": lambda i: torch.mv(w[i], xb[0]).float(),
+        **({"latentkv bf16_mm": lambda i: own.bf16_mm(x, w[i])} if own is not None else {}),
         "mkldnn prepacked": lambda i: torch.ops.mkldnn._linear_pointwise(xb, packed[i], None, "none", [], ""),
         "f32 F.linear": lambda i: F.linear(x, wf[i]),
         "int8 op": lambda i: torch.ops.aten._weight_int8pack_mm(xb, q[i], scale).float(),
@@ -129,7 +144,7 @@ def main() -> int:
         out_f, in_f = map(int, shape.split("x"))
         copies = max(2, -(-args.mib * 2**20 // (2 * out_f * in_f)))
         runs, nbytes = matrix_runs(out_f, in_f, copies)
-        label = f"\n{shape} {SLICE.get(shape, '')} ({copies} copies)"
+        label = f"\n{shape} {SLICE.get(shape, FIXTURE.get(shape, ''))} ({copies} copies)"
         text, rows = table(label, timed(runs, copies, args.repeats), nbytes, "F.linear")
         print(text, flush=True)
         result["shapes"][shape] = rows

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from latentkv.weights import describe, make_linear
+from latentkv import native
+from latentkv.weights import bf16, describe, make_linear
 from latentkv.weights.bf16 import gemv_one_row
 from latentkv.weights.heads import HeadLinears
 
@@ -51,17 +52,28 @@ def test_one_row_matches_float64(shape, width):
     assert torch.equal(lin.add_to(None, x), y)
 
 
-def test_one_row_is_torch_mv_and_more_rows_are_f_linear():
-    """Paths compared within one run: one row is exactly torch.mv on the stored matrix (F.linear
-    where this CPU lacks native bf16), two rows exactly F.linear (unchanged), and the two agree
-    within the output's bfloat16 rounding."""
+@pytest.mark.parametrize("native_kernel", [True, False])
+def test_one_row_is_the_kernel_or_torch_mv_and_more_rows_are_f_linear(native_kernel, monkeypatch):
+    """Paths compared within one run: one row of a matrix up to NATIVE_MAX_BYTES is exactly
+    latentkv's bf16_mm (residual included), of a bigger one exactly torch.mv on the stored matrix
+    (F.linear where this CPU lacks native bf16); two rows exactly F.linear (unchanged); all
+    agree within the output's bfloat16 rounding."""
+    if native_kernel and native.kernels() is None:
+        pytest.skip(f"latentkv's kernels are not built here: {native.unavailable()}")
+    if not native_kernel:
+        monkeypatch.setattr(bf16, "NATIVE_MAX_BYTES", 0)
     g, seed = _gen()
     lin = make_linear(torch.randn(512, 768, generator=g), "bf16")
     x = torch.randn(2, 768, generator=g)
     xb = x.to(torch.bfloat16)
     one = lin(x[:1])
-    want = torch.mv(lin.weight, xb[0]) if gemv_one_row() else F.linear(xb[:1], lin.weight)[0]
-    assert torch.equal(one[0], want.float())
+    residual = torch.randn(1, 512, generator=g)
+    if native_kernel:
+        assert torch.equal(one, native.kernels().bf16_mm(x[:1], lin.weight))
+        assert torch.equal(lin.add_to(residual, x[:1]), native.kernels().bf16_mm(x[:1], lin.weight, residual))
+    else:
+        want = torch.mv(lin.weight, xb[0]) if gemv_one_row() else F.linear(xb[:1], lin.weight)[0]
+        assert torch.equal(one[0], want.float())
     assert torch.equal(lin(x), F.linear(xb, lin.weight).float())
     assert _rel_err(one, lin(x)[:1].double()) < TOL, f"seed {seed}"
     assert _rel_err(lin(x), _ref(x, lin)) < TOL, f"seed {seed}"
@@ -115,6 +127,8 @@ def test_describe_names_the_bf16_kernels():
     line = describe("bf16")
     assert line.startswith("weights: bf16")
     assert ("torch.mv" in line and "oneDNN" in line) if gemv_one_row() else "torch matmul" in line
+    own = native.kernels()
+    assert (f"latentkv's {own.name} kernel up to 4 MiB matrices" in line) if own else "latentkv" not in line
 
 
 _PORTABLE = textwrap.dedent(

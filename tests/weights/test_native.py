@@ -203,6 +203,48 @@ def test_paths_agree_on_zero_and_extreme_rows(isa):
         assert not (why := _within(y, ref, bound)), f"seed {seed}: {why}"
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (5, 17), (96, 160), (257, 1000), (64, 2096)])
+def test_bf16_matches_float64(isa, n, k):
+    """bf16_mm: x (float32, not rounded) times the bfloat16 matrix widened exactly, float32 sums:
+    within float32's bound of the float64 product, output by output, for 1-4 rows (one read
+    through a row stride wider than K); the residual is one float32 add after the product."""
+    g, seed = _gen()
+    kernels = native.with_isa(isa)
+    w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4).to(torch.bfloat16)
+    for rows in (1, 2, 3, 4):
+        wide = torch.randn(rows, k + 7, generator=g)
+        x = wide[:, :k] if rows == 3 else wide[:, :k].contiguous()
+        y = kernels.bf16_mm(x, w)
+        assert y.shape == (rows, n) and y.dtype == torch.float32
+        exact = x.double() @ w.double().T
+        bound = _rounding(x, w.double().abs(), k + 2)
+        assert not (why := _within(y, exact, bound)), f"seed {seed}, {rows} rows: {why}"
+        residual = torch.randn(rows, n, generator=g)
+        assert torch.equal(kernels.bf16_mm(x, w, residual), y + residual), f"seed {seed}"
+
+
+def test_bf16_paths_agree_within_rounding_and_refuse_bad_arguments():
+    g, seed = _gen()
+    w = torch.randn(300, 500, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 500, generator=g)
+    ys = [native.with_isa(isa).bf16_mm(x, w) for isa in PATHS]
+    bound = _rounding(x, w.double().abs(), 2 * 502)
+    for y in ys[1:]:
+        assert not (why := _within(y, ys[0].double(), bound)), f"seed {seed}: {why}"
+    kernels = native.kernels()
+    for call, message in [
+        (lambda: kernels.bf16_mm(torch.zeros(5, 500), w), "up to 4 rows"),
+        (lambda: kernels.bf16_mm(torch.zeros(1, 499), w), "K the matrix's columns"),
+        (lambda: kernels.bf16_mm(torch.zeros(1, 500), w.float()), "bfloat16"),
+        (lambda: kernels.bf16_mm(torch.zeros(1, 300), w.T), "contiguous"),
+        (lambda: kernels.bf16_mm(torch.zeros(1, 500), w, torch.zeros(2, 300)), "residual"),
+        (lambda: torch.ops.latentkv.bf16_mm(torch.zeros(1, 500), w, None, 9), "path"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
 def test_bad_arguments_are_refused_with_a_reason():
     kernels = native.kernels()
     q, scale = torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, dtype=torch.bfloat16)

@@ -43,7 +43,12 @@ import torch
 from latentkv.config import cache_root
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode.cpp", HERE / "attention.cpp", HERE / "kv_blocks.cpp")  # one library
+SOURCES = (
+    HERE / "decode.cpp",
+    HERE / "bf16.cpp",
+    HERE / "attention.cpp",
+    HERE / "kv_blocks.cpp",
+)  # one library
 HEADERS = (HERE / "native.h",)
 # torch's capability -> the kernels' best path there (a CPU without AVX512-VNNI and VBMI runs 2)
 ISA = {"AVX512": 3, "AVX2": 1, "DEFAULT": 0}
@@ -74,6 +79,11 @@ class Kernels:
         """x f32 [M, K] (K <= q's columns), q int8 [N, ldq], scale bf16 [N] -> [M, N] f32:
         (x @ q[:, :K]^T) * scale (+ residual [M, N])."""
         return torch.ops.latentkv.int8_mm(x, q, scale, residual, self.isa)
+
+    def bf16_mm(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x f32 [M <= 4, K], w bf16 [N, K] contiguous -> [M, N] f32: x @ w^T (+ residual), w
+        widened to float32, float32 products and sums (bf16.cpp)."""
+        return torch.ops.latentkv.bf16_mm(x, w, residual, self.isa)
 
     def int4_mm(
         self,
@@ -267,6 +277,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("latentkv::int8_mm")
     def _int8(x, q, scale, residual, isa):
         return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("latentkv::bf16_mm")
+    def _bf16(x, w, residual, isa):
+        return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake("latentkv::int4_mm")
     def _int4(x, packed, scale_zeros, group_size, out_features, residual, isa):

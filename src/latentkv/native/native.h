@@ -1,4 +1,4 @@
-// What latentkv's native kernels (decode.cpp, attention.cpp, kv_blocks.cpp) share: the x86 target
+// What latentkv's native kernels (decode.cpp, bf16.cpp, attention.cpp, kv_blocks.cpp) share: the x86 target
 // attributes of their vector paths, which of those paths this CPU runs, bfloat16's and fp16's
 // widening.
 //

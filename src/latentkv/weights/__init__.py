@@ -55,9 +55,14 @@ def describe(fmt: str) -> str | None:
             "int4": "torch's _weight_int4pack_mm_for_cpu" + note,
         }
         int4_prefill = "dequantized bf16 tiles" if int4.prefill_tiles() else "the same op"
+    big = "torch.mv (bf16 GEMV, f32 accumulation)" if bf16.gemv_one_row() else "torch matmul"
+    mib = bf16.NATIVE_MAX_BYTES >> 20
+    one_row = (
+        f"latentkv's {own.name} kernel up to {mib} MiB matrices, {big} above" if own is not None else big
+    )
     kernels = {
-        "bf16": ("one row via torch.mv (bf16 GEMV, f32 accumulation), more rows via " + gemm)
-        if bf16.gemv_one_row()
+        "bf16": f"one row via {one_row}, more rows via {gemm}"
+        if own is not None or bf16.gemv_one_row()
         else "torch matmul",
         "int8": f"decode via {decode['int8']}, prefill via dequantized {tile} tiles",
         "int4": f"decode via {decode['int4']}, prefill via {int4_prefill}",

@@ -1,0 +1,205 @@
+// A few rows of float32 activations times a bfloat16 matrix, reading the matrix once:
+//
+//   latentkv::bf16_mm(x f32 [M, K], w bf16 [N, K], residual?, isa) -> [M, N]
+//       y[m, n] = sum_k x[m, k] * w[n, k]                            (+ residual[m, n])
+//
+// Each weight is widened to float32 in registers (exact: a bfloat16 is the top half of a float32)
+// and multiplied by every row of x; products and sums in float32, x as it is (not rounded to
+// bfloat16, as torch.mv's bfloat16 kernel needs it). What a one-row bf16 product costs in a
+// decode step is the bytes of the matrix, so the loop streams four output rows' weights at a
+// time. `isa` (native/__init__.py): 2 and up AVX-512, 1 AVX2 + FMA, 0 plain C++. Output rows are
+// split over torch's intra-op threads. Built with -ffp-contract=off: a residual is added after
+// the product, as a separate add would.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "native.h"
+
+namespace {
+
+using latentkv_native::bf16_to_f32;
+using latentkv_native::cpu_has;
+
+constexpr int64_t MAX_ROWS = 4;  // rows of x per call (decode: one per sequence of a small batch)
+constexpr int64_t UNIT = 4;      // output rows a tile reads together
+
+struct Args {
+  const float* x;
+  int64_t M, K, ldx;
+  const uint16_t* w;  // [N, K] bf16 bits
+  int64_t N;
+  float* y;  // [M, N]
+  const float* res;
+  int64_t ldr;
+};
+
+inline void store(const Args& a, int64_t m, int64_t n, float v) {
+  if (a.res != nullptr) v += a.res[m * a.ldr + n];
+  a.y[m * a.N + n] = v;
+}
+
+void generic(const Args& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* row = a.w + n * a.K;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float* x = a.x + m * a.ldx;
+      float s = 0.0f;
+      for (int64_t k = 0; k < a.K; ++k) s += x[k] * bf16_to_f32(row[k]);
+      store(a, m, n, s);
+    }
+  }
+}
+
+#if LKV_X86
+
+LKV_AVX512 inline __m512 widen16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+LKV_AVX512 inline __m512 widen16_masked(const uint16_t* p, __mmask16 mask) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// R output rows from n, every row of x (M <= MAX_ROWS): R x M accumulators of 16 lanes.
+template <int R, int M>
+LKV_AVX512 void avx512_tile(const Args& a, int64_t n) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t K = a.K, full = K / 16 * 16;
+  for (int64_t k = 0; k < full; k += 16) {
+    __m512 x[M];
+    for (int m = 0; m < M; ++m) x[m] = _mm512_loadu_ps(a.x + m * a.ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = widen16(a.w + (n + r) * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(x[m], w, acc[r][m]);
+    }
+  }
+  if (full < K) {
+    const __mmask16 mask = (__mmask16)((1u << (K - full)) - 1);
+    __m512 x[M];
+    for (int m = 0; m < M; ++m) x[m] = _mm512_maskz_loadu_ps(mask, a.x + m * a.ldx + full);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = widen16_masked(a.w + (n + r) * K + full, mask);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(x[m], w, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) store(a, m, n + r, _mm512_reduce_add_ps(acc[r][m]));
+}
+
+template <int M>
+LKV_AVX512 void avx512_rows(const Args& a, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + UNIT <= n1; n += UNIT) avx512_tile<UNIT, M>(a, n);
+  for (; n < n1; ++n) avx512_tile<1, M>(a, n);
+}
+
+LKV_AVX512 void avx512(const Args& a, int64_t n0, int64_t n1) {
+  switch (a.M) {
+    case 1: return avx512_rows<1>(a, n0, n1);
+    case 2: return avx512_rows<2>(a, n0, n1);
+    case 3: return avx512_rows<3>(a, n0, n1);
+    default: return avx512_rows<4>(a, n0, n1);
+  }
+}
+
+LKV_AVX2 inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+LKV_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R, int M>
+LKV_AVX2 void avx2_tile(const Args& a, int64_t n) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  const int64_t K = a.K, full = K / 8 * 8;
+  for (int64_t k = 0; k < full; k += 8) {
+    __m256 x[M];
+    for (int m = 0; m < M; ++m) x[m] = _mm256_loadu_ps(a.x + m * a.ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = widen8(a.w + (n + r) * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(x[m], w, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float s = hsum8(acc[r][m]);
+      const float* x = a.x + m * a.ldx;
+      const uint16_t* row = a.w + (n + r) * K;
+      for (int64_t k = full; k < K; ++k) s += x[k] * bf16_to_f32(row[k]);
+      store(a, m, n + r, s);
+    }
+}
+
+template <int M>
+LKV_AVX2 void avx2_rows(const Args& a, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + UNIT <= n1; n += UNIT) avx2_tile<UNIT, M>(a, n);
+  for (; n < n1; ++n) avx2_tile<1, M>(a, n);
+}
+
+LKV_AVX2 void avx2(const Args& a, int64_t n0, int64_t n1) {
+  switch (a.M) {
+    case 1: return avx2_rows<1>(a, n0, n1);
+    case 2: return avx2_rows<2>(a, n0, n1);
+    case 3: return avx2_rows<3>(a, n0, n1);
+    default: return avx2_rows<4>(a, n0, n1);
+  }
+}
+
+#endif  // LKV_X86
+
+void span(const Args& a, int64_t isa, int64_t n0, int64_t n1) {
+#if LKV_X86
+  if (isa >= 2) return avx512(a, n0, n1);
+  if (isa == 1) return avx2(a, n0, n1);
+#endif
+  generic(a, n0, n1);
+}
+
+at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& residual, int64_t isa) {
+  TORCH_CHECK(isa >= 0 && isa <= 4 && cpu_has(isa), "latentkv bf16_mm: this CPU lacks path ", isa);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "w must be a contiguous bfloat16 [N, K] matrix");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) == w.size(1),
+              "x must be float32 [M, K] with unit column stride, K the matrix's columns");
+  TORCH_CHECK(x.size(0) <= MAX_ROWS, "bf16_mm takes up to ", MAX_ROWS, " rows, got ", x.size(0));
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  Args a{x.data_ptr<float>(), M, K, x.stride(0), reinterpret_cast<const uint16_t*>(w.data_ptr()), N,
+         y.data_ptr<float>(), nullptr, 0};
+  if (residual.has_value()) {
+    const at::Tensor& r = *residual;
+    TORCH_CHECK(r.dim() == 2 && r.size(0) == M && r.size(1) == N && r.scalar_type() == at::kFloat && r.stride(1) == 1,
+                "residual must be float32 [M, N] with unit column stride");
+    a.res = r.data_ptr<float>();
+    a.ldr = r.stride(0);
+  }
+  if (M == 0 || N == 0) return y;
+  // units of UNIT rows; a chunk of at least 256 KB of weights per thread (a parallel region costs more)
+  const int64_t units = (N + UNIT - 1) / UNIT;
+  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, UNIT * K * 2));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) { span(a, isa, u0 * UNIT, std::min(N, u1 * UNIT)); });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(latentkv, m) { m.def("bf16_mm(Tensor x, Tensor w, Tensor? residual, int isa) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(latentkv, CPU, m) { m.impl("bf16_mm", &bf16_mm); }
