@@ -25,6 +25,9 @@ namespace {
 
 using latentkv_native::bf16_to_f32;
 using latentkv_native::cpu_has;
+#if LKV_X86
+using latentkv_native::hsum256;
+#endif
 
 constexpr int64_t MAX_ROWS = 4;  // rows of x per call (decode: one per sequence of a small batch)
 constexpr int64_t UNIT = 4;      // output rows a tile reads together
@@ -115,13 +118,6 @@ LKV_AVX2 inline __m256 widen8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-LKV_AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int R, int M>
 LKV_AVX2 void avx2_tile(const Args& a, int64_t n) {
   __m256 acc[R][M];
@@ -138,7 +134,7 @@ LKV_AVX2 void avx2_tile(const Args& a, int64_t n) {
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
-      float s = hsum8(acc[r][m]);
+      float s = hsum256(acc[r][m]);
       const float* x = a.x + m * a.ldx;
       const uint16_t* row = a.w + (n + r) * K;
       for (int64_t k = full; k < K; ++k) s += x[k] * bf16_to_f32(row[k]);

@@ -46,6 +46,9 @@ namespace {
 
 using latentkv_native::bf16_to_f32;
 using latentkv_native::cpu_has;
+#if LKV_X86
+using latentkv_native::hsum256;
+#endif
 
 constexpr int64_t BLOCK = 64;  // int4 rows per block
 constexpr int64_t HALF = BLOCK / 2;
@@ -593,13 +596,6 @@ LKV_VNNI void int4_vnni8(const Int4Args& a, const XQ& xq, int64_t b0, int64_t b1
 }
 
 // ---- AVX2 ----------------------------------------------------------------------------------
-
-LKV_AVX2 inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 template <int R, int MB>
 LKV_AVX2 void int8_avx2_tile(const Int8Args& a, int64_t n, int64_t m0) {

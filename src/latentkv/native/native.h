@@ -1,6 +1,6 @@
 // What latentkv's native kernels (decode.cpp, bf16.cpp, attention.cpp, kv_blocks.cpp) share: the x86 target
 // attributes of their vector paths, which of those paths this CPU runs, bfloat16's and fp16's
-// widening.
+// widening, an AVX2 vector's lane sum.
 //
 // Vector paths (`isa`, chosen once per process in Python from torch's CPU capability):
 //   4, 3  AVX-512 VNNI (+ VBMI); 2  AVX-512 (F, BW, VL, DQ); 1  AVX2 + FMA; 0  plain C++.
@@ -50,6 +50,16 @@ inline float half_to_f32(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+#if LKV_X86
+// The sum of a float32 AVX2 vector's 8 lanes.
+LKV_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 // Whether this CPU runs vector path `isa`.
 inline bool cpu_has(int64_t isa) {
