@@ -14,7 +14,7 @@ import torch
 
 from latentkv.cli import main
 from latentkv.config import CacheConfig
-from latentkv.models.compiled import CompileUnavailable, check_compilable, step_guard
+from latentkv.models.compiled import CompileUnavailable, check_compilable, step_guard, tag_inductor_cache
 from latentkv.models.weights import load_model
 
 TOLERANCE = 1e-5  # relative to the largest |logit|
@@ -238,3 +238,53 @@ def test_compiled_bf16_kv_runs_the_cpu_attention_kernel_in_one_graph(compiled, o
         compiled.forward(torch.tensor([tokens_a[-1]]), fast)
     calls = [e.count for e in prof.key_averages() if e.key == "latentkv::mla_decode"]
     assert calls == [compiled.cfg.num_layers]
+
+
+def test_inductor_caches_are_keyed_by_torchs_cpu_capability(compiled, monkeypatch):
+    """torch.compile's on-disk caches carry torch's CPU capability in every key (a step compiled
+    under one capability and reused under another gave NaN logits); a tag the user set stays."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert torch.compiler.config.cache_key_tag == f"latentkv-aten-{capability}"
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
+    tag_inductor_cache()
+    assert torch.compiler.config.cache_key_tag == "mine"
+
+
+_REUSE = """
+import sys, torch
+from latentkv.models.registry import builtin_path
+from latentkv.models.weights import load_model
+torch.set_num_threads(1)
+model, eager = load_model(builtin_path("tiny"), device="cpu"), load_model(builtin_path("tiny"), device="cpu")
+model.compile_decode(progress=False)
+a, b = model.make_cache(), eager.make_cache()
+prompt = torch.arange(2, 32)
+la, lb = model.forward(prompt, a)[-1], eager.forward(prompt, b)[-1]
+worst = 0.0
+for _ in range(6):
+    t = torch.tensor([int(lb.argmax())])
+    la, lb = model.forward(t, a)[-1], eager.forward(t, b)[-1]
+    worst = max(worst, float((la - lb).abs().max() / lb.abs().max()))
+print(worst)
+"""
+
+
+@pytest.mark.slow
+def test_a_step_compiled_under_one_capability_is_not_reused_under_another(tmp_path):
+    """The same machine and inductor cache, the step compiled under torch's best capability and
+    then under ATEN_CPU_CAPABILITY=avx2: each matches its eager twin (without the capability in
+    the cache key the second reused the first's code and returned NaN)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop("TORCH_COMPILE_CACHE_KEY_TAG", None)
+    for capability in (None, "avx2"):
+        run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability}
+        done = subprocess.run(
+            [sys.executable, "-c", _REUSE], env=run_env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        worst = float(done.stdout.split()[-1])
+        assert worst < TOLERANCE, (capability, worst)

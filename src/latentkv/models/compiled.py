@@ -135,6 +135,18 @@ def step_guards(entries) -> list[bool]:
     return [step_guard(e.name, e.guard_type) for e in entries]
 
 
+def tag_inductor_cache() -> None:
+    """Key torch.compile's on-disk caches by torch's CPU capability, unless the user set a tag.
+
+    Inductor's cache of compiled graphs does not tell apart processes that run torch's kernels
+    at different capabilities (ATEN_CPU_CAPABILITY): a step compiled under AVX-512 and reused
+    under `avx2` on the same machine returned NaN logits (tests/models/test_compiled.py, run
+    under both in turn). The tag (`torch.compiler.config.cache_key_tag`, env
+    TORCH_COMPILE_CACHE_KEY_TAG) is part of every cache key, so each capability keeps its own."""
+    if not torch.compiler.config.cache_key_tag:
+        torch.compiler.config.cache_key_tag = f"latentkv-aten-{torch.backends.cpu.get_cpu_capability()}"
+
+
 # A model whose cache at full context fits this (float32 rows and indexer keys, one sequence)
 # decodes through caches and RoPE tables of that full size (`fixed_length`).
 FIXED_CACHE_MAX_BYTES = 64 << 20
@@ -163,6 +175,7 @@ class CompiledDecode:
 
     def __init__(self, model: _Model, tier: KVTier):
         check_compilable(tier.name, tier.recent_window)
+        tag_inductor_cache()
         self.model = model
         self.fixed = fixed_length(model)
         if self.fixed is not None:
