@@ -67,24 +67,6 @@ def test_compiled_decode_matches_eager_without_recompiling(compiled, ours):
     assert torch.equal(fast.view(0)[:30], slow.view(0)[:30])  # the prefill is eager in both
 
 
-def test_compiled_decode_with_growing_storage_matches_eager_without_recompiling(tiny_dir, ours, monkeypatch):
-    """A model whose full-context cache passes FIXED_CACHE_MAX_BYTES (any big one) keeps storage
-    that grows: buffer and RoPE-table lengths are symbolic sizes of the graph. Past index_topk,
-    the 64-row buffer capacity and the 256-position RoPE tables, no recompiling."""
-    from latentkv.models import compiled as compiled_module
-
-    monkeypatch.setattr(compiled_module, "FIXED_CACHE_MAX_BYTES", 0)
-    model = load_model(tiny_dir, device="cpu")
-    model.compile_decode(progress=False)
-    assert model.compiled.fixed is None
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        worst, tokens_a, tokens_b, fast, _ = _decode_both(model, ours("glm5-tiny"), None, 30, 250, seed=2)
-    assert max(model.cfg.dsa.index_topk, 256) < 30 + 250
-    assert worst < TOLERANCE, worst
-    assert tokens_a == tokens_b
-    assert fast.fixed is None and fast._rows[0].data.shape[0] >= 280
-
-
 def test_compiled_model_takes_a_one_token_prompt_and_refuses_past_its_context(compiled):
     """A one-token prompt is a prefill (eager), not a compiled step at length 0 (which would
     trace another graph); a step past max_position_embeddings is the eager step's ValueError,
@@ -106,12 +88,21 @@ def test_compiled_model_takes_a_one_token_prompt_and_refuses_past_its_context(co
     assert cache.length == limit
 
 
-def test_compiled_models_in_one_process_each_run_their_own_graph(compiled, ours, checkpoint, tiny_dir):
+def test_compiled_models_in_one_process_each_run_their_own_graph(
+    compiled, ours, checkpoint, tiny_dir, monkeypatch
+):
     """The step drops torch.compile's guards on the model's own blocks and weights
     (`step_guard`), so nothing but the compile call itself may keep one model's graph from
     another's: a model of the same shapes in other weights (bf16: the same caches, so every kept
     guard passes) and one of another architecture, compiled in the same process as the module's
-    and decoding alternately with it, must each match their own eager twin."""
+    and decoding alternately with it, must each match their own eager twin.
+
+    The other architecture decodes with storage that grows, as a model whose full-context cache
+    passes FIXED_CACHE_MAX_BYTES (any big one) does: its buffer and RoPE-table lengths are
+    symbolic sizes of the graph. It then goes on alone past its 64-row buffers and 256-position
+    RoPE tables, with recompiling made an error."""
+    from latentkv.models import compiled as compiled_module
+
     twins = [
         (compiled, ours("glm5-tiny"), TOLERANCE),
         (
@@ -121,8 +112,10 @@ def test_compiled_models_in_one_process_each_run_their_own_graph(compiled, ours,
         ),
         (load_model(checkpoint("dsv3-tiny"), device="cpu"), ours("dsv3-tiny"), TOLERANCE),
     ]
-    for fast, _, _ in twins[1:]:
-        fast.compile_decode(progress=False)
+    twins[1][0].compile_decode(progress=False)
+    monkeypatch.setattr(compiled_module, "FIXED_CACHE_MAX_BYTES", 0)
+    twins[2][0].compile_decode(progress=False)
+    assert compiled.compiled.fixed and twins[2][0].compiled.fixed is None
     g = torch.Generator().manual_seed(6)
     caches = []
     for fast, slow, _ in twins:
@@ -135,6 +128,13 @@ def test_compiled_models_in_one_process_each_run_their_own_graph(compiled, ours,
             a, b = fast.forward(token, fc)[-1], slow.forward(token, sc)[-1]
             assert a.shape == b.shape
             assert float((a - b).abs().max() / b.abs().max()) < tolerance
+    (fast, slow, tolerance), (fc, sc) = twins[2], caches[2]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(250):
+            token = torch.tensor([3 + step % 50])
+            a, b = fast.forward(token, fc)[-1], slow.forward(token, sc)[-1]
+            assert float((a - b).abs().max() / b.abs().max()) < tolerance, step
+    assert fc.length == 12 + 6 + 250 > 256 and fc.fixed is None and fc._rows[0].data.shape[0] >= fc.length
 
 
 @pytest.mark.parametrize(
