@@ -38,7 +38,7 @@ from latentkv.weights.base import format_class
 
 if TYPE_CHECKING:
     from latentkv.config import ModelConfig
-    from latentkv.kv.cache import CacheLayout, KVTier, LatentCache, PackedLatentCache
+    from latentkv.kv.cache import KVTier, LatentCache, PackedLatentCache
     from latentkv.models.layers import Rope
 
 
@@ -48,7 +48,7 @@ class _Model(Protocol):
 
     cfg: ModelConfig
     rope: Rope
-    layout: CacheLayout
+    f32: KVTier  # the reference tier: float32 rows
 
     def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor: ...
 
@@ -162,11 +162,8 @@ def fixed_length(model: _Model) -> int | None:
     compiled step moves a cache's rows to storage of `max_position_embeddings` rows, which then
     never grows) and only the cache's length stays symbolic. Models whose full-context cache
     would pass FIXED_CACHE_MAX_BYTES keep growing storage."""
-    cfg = model.cfg
-    layout = model.layout
-    per_token = layout.num_layers * layout.row_width * 4 + layout.index_bytes_per_token
-    n = cfg.max_position_embeddings
-    return n if n * per_token <= FIXED_CACHE_MAX_BYTES else None
+    n = model.cfg.max_position_embeddings
+    return n if n * model.f32.bytes_per_token <= FIXED_CACHE_MAX_BYTES else None
 
 
 class CompiledDecode:

@@ -118,7 +118,7 @@ class Rope:
         """Tables for exactly positions 0..n-1 from now on (values as grown ones: each position's
         row depends on the position only), not marked dynamic: a compiled step's constants.
         A later `reserve` past n (an MTP draft past the model's last position) fixes them longer."""
-        if self._cos.shape[0] != n or self._fixed != n:
+        if self._fixed != n:
             self._tables(n)
             self._fixed = n
 

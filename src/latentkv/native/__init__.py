@@ -49,7 +49,7 @@ SOURCES = (
     HERE / "attention.cpp",
     HERE / "kv_blocks.cpp",
 )  # one library
-HEADERS = (HERE / "native.h",)
+HEADERS = (HERE / "native.h", HERE / "ops.h")
 # torch's capability -> the kernels' best path there (a CPU without AVX512-VNNI and VBMI runs 2)
 ISA = {"AVX512": 3, "AVX2": 1, "DEFAULT": 0}
 ISA_NAMES = {4: "AVX-512 VNNI", 3: "AVX-512 VNNI", 2: "AVX-512", 1: "AVX2", 0: "plain C++"}

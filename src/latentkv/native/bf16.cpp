@@ -20,11 +20,14 @@
 #include <cstdint>
 
 #include "native.h"
+#include "ops.h"
 
 namespace {
 
 using latentkv_native::bf16_to_f32;
-using latentkv_native::cpu_has;
+using latentkv_native::check_isa;
+using latentkv_native::grain;
+using latentkv_native::residual_of;
 #if LKV_X86
 using latentkv_native::hsum256;
 #endif
@@ -169,7 +172,7 @@ void span(const Args& a, int64_t isa, int64_t n0, int64_t n1) {
 }
 
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& residual, int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa <= 4 && cpu_has(isa), "latentkv bf16_mm: this CPU lacks path ", isa);
+  check_isa(isa);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
               "w must be a contiguous bfloat16 [N, K] matrix");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) == w.size(1),
@@ -179,18 +182,10 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w, const std::optional
   at::Tensor y = at::empty({M, N}, x.options());
   Args a{x.data_ptr<float>(), M, K, x.stride(0), reinterpret_cast<const uint16_t*>(w.data_ptr()), N,
          y.data_ptr<float>(), nullptr, 0};
-  if (residual.has_value()) {
-    const at::Tensor& r = *residual;
-    TORCH_CHECK(r.dim() == 2 && r.size(0) == M && r.size(1) == N && r.scalar_type() == at::kFloat && r.stride(1) == 1,
-                "residual must be float32 [M, N] with unit column stride");
-    a.res = r.data_ptr<float>();
-    a.ldr = r.stride(0);
-  }
+  a.res = residual_of(residual, M, N, &a.ldr);
   if (M == 0 || N == 0) return y;
-  // units of UNIT rows; a chunk of at least 256 KB of weights per thread (a parallel region costs more)
-  const int64_t units = (N + UNIT - 1) / UNIT;
-  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, UNIT * K * 2));
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) { span(a, isa, u0 * UNIT, std::min(N, u1 * UNIT)); });
+  at::parallel_for(0, (N + UNIT - 1) / UNIT, grain(UNIT * K * 2),
+                   [&](int64_t u0, int64_t u1) { span(a, isa, u0 * UNIT, std::min(N, u1 * UNIT)); });
   return y;
 }
 

@@ -41,11 +41,15 @@
 #include <vector>
 
 #include "native.h"
+#include "ops.h"
 
 namespace {
 
 using latentkv_native::bf16_to_f32;
+using latentkv_native::check_isa;
 using latentkv_native::cpu_has;
+using latentkv_native::grain;
+using latentkv_native::residual_of;
 #if LKV_X86
 using latentkv_native::hsum256;
 #endif
@@ -699,24 +703,6 @@ LKV_AVX2 void int4_avx2(const Int4Args& a, int64_t b0, int64_t b1) {
 }
 
 #endif  // LKV_X86
-
-void check_isa(int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa <= 4, "latentkv kernels: isa must be 0..4, got ", isa);
-  TORCH_CHECK(cpu_has(isa), "latentkv kernels: this CPU lacks the instructions of path ", isa);
-}
-
-const float* residual_of(const std::optional<at::Tensor>& r, int64_t M, int64_t N, int64_t* ld) {
-  if (!r.has_value()) return nullptr;
-  const at::Tensor& t = *r;
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == N && t.scalar_type() == at::kFloat &&
-                  t.stride(1) == 1,
-              "residual must be float32 [M, N] with unit column stride");
-  *ld = t.stride(0);
-  return t.data_ptr<float>();
-}
-
-// Rows per thread chunk: small matrices run on the calling thread (a parallel region costs more).
-int64_t grain(int64_t bytes_per_unit) { return std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, bytes_per_unit)); }
 
 // The activations as the chosen path reads them: int16 / int8 groups for VNNI (isa 3 / 4), else nothing
 // (the float rows are read in place).
