@@ -44,7 +44,7 @@ class _Noting:
     def __init__(self, inner, calls: list[list[int]]):
         self.inner, self.calls = inner, calls
         self.num_experts = inner.num_experts
-        self.stacked = inner.stacked
+        self.stacked, self.packed = inner.stacked, inner.packed
 
     def run(self, x: torch.Tensor, jobs):
         return self.inner.run(x, jobs)

@@ -210,6 +210,33 @@ def test_moe_decode_paths_match_the_layer(ours, monkeypatch, path, B):
     assert _relative(moe(x, decode=True), expected) <= TOLERANCE
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_small_bf16_experts_take_one_call_with_the_layers_own_sum(checkpoint, monkeypatch, B):
+    """A small bf16 layer's resident experts run as one `moe_bf16` call that reads only the
+    router's picks (not every expert at once, as float32 layers of that size do), for a lone
+    token and a decode batch: the same sum as the store's paths give (one by one in the router's
+    order, grouped by expert id), bit for bit."""
+    from latentkv import native
+    from latentkv.models.weights import load_model
+
+    if native.kernels() is None:
+        pytest.skip(f"latentkv's kernels are not built here: {native.unavailable()}")
+    model = load_model(checkpoint("dsv3-tiny"), "bf16", device="cpu")
+    moe = model.blocks[-1].mlp
+    assert moe.experts.packed is not None and moe._every is None
+    x = torch.randn(B, model.cfg.hidden_size, generator=torch.Generator().manual_seed(B))
+    calls = []
+    real = torch.ops.latentkv.moe_bf16
+    monkeypatch.setattr(torch.ops.latentkv, "moe_bf16", lambda *a: calls.append(1) or real(*a))
+    got = moe(x, decode=B > 1)
+    assert calls == [1]
+    monkeypatch.setattr(moe.experts, "packed", None)
+    idx, weights = moe.router(x)
+    store_path = moe._grouped(x, idx, weights) if B > 1 else moe._one_by_one(x, idx[0], weights[0])
+    reference = moe._finish(x, *store_path, None)
+    assert torch.equal(got, reference)
+
+
 def test_dsa_selection_matters_here(ours, monkeypatch):
     """With contexts past index_topk, ignoring the selection changes the logits far beyond the
     tolerance: the DSA comparisons above really exercise the per-sequence top-k."""

@@ -181,10 +181,13 @@ def test_cli_refuses_compile_with_a_packed_tier_before_loading(capsys):
     assert "loaded" not in err  # refused before the weights load
 
 
-@pytest.mark.parametrize("fmt", ["int4", pytest.param("int8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "fmt",
+    ["int4", pytest.param("int8", marks=pytest.mark.slow), pytest.param("bf16", marks=pytest.mark.slow)],
+)
 def test_compiled_packed_weights_match_eager_in_one_graph(tiny_dir, fmt):
-    """int8/int4 weights trace as latentkv's kernels: the whole step one graph (no recompiling,
-    no graph break: one frame per warmed-up graph), logits as eager's."""
+    """int8/int4 weights (and small bf16 ones) trace as latentkv's kernels: the whole step one
+    graph (no recompiling, no graph break: one frame per warmed-up graph), logits as eager's."""
     from latentkv import native
 
     if native.kernels() is None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from latentkv import native
-from latentkv.weights import int4, make_linear
+from latentkv.weights import bf16, int4, int8, make_linear
 
 pytestmark = [
     pytest.mark.numerics,
@@ -320,13 +320,15 @@ def test_no_compiler_means_torchs_ops_and_a_reason(monkeypatch):
 def _process_isa(fmt: str) -> int:
     """The path this process runs a format's matrices on."""
     own = native.kernels()
-    return own.isa if fmt == "int8" else own.isa4
+    return own.isa4 if fmt == "int4" else own.isa
 
 
 def _linear_bound(x: torch.Tensor, lin, isa: int) -> torch.Tensor:
-    """|kernel - float64| for x [M, K] (or its magnitudes) through an int8/int4 Linear."""
+    """|kernel - float64| for x [M, K] (or its magnitudes) through an int8/int4/bf16 Linear."""
     w64 = lin.dequantize().double()
     n, k = w64.shape
+    if lin.format == "bf16":  # float32 x and sums on every path
+        return _rounding(x, w64.abs(), k + 2)
     if isinstance(lin, int4.Int4Linear):
         group = lin.group_size
         sz = lin.scale_zeros[:, :n].double()  # [groups, n, 2]
@@ -351,18 +353,24 @@ def _expert(x: torch.Tensor, gate_up, down, isa: int) -> tuple[torch.Tensor, tor
     return h @ wd.T, dh @ wd.abs().T + _linear_bound(h.abs() + dh, down, isa)
 
 
+EXPERT_FORMATS = ["int8", "int4", "bf16"]
+
+
 @pytest.mark.parametrize("isa", PATHS)
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize(("d", "i"), [(128, 64), (96, 80), (200, 128)])
+@pytest.mark.parametrize(
+    ("fmt", "d", "i"),
+    [(f, d, i) for f in EXPERT_FORMATS for d, i in [(128, 64), (96, 80), (200, 128)]] + [("bf16", 37, 21)],
+)
 def test_a_swiglu_expert_in_one_call(isa, fmt, d, i):
-    """down(silu(gate(x)) * up(x)) through `expert_int8` / `expert_int4` against float64 over the
-    dequantized matrices (x and the activation in float64), with and without the residual."""
+    """down(silu(gate(x)) * up(x)) through `expert_int8` / `expert_int4` / `expert_bf16` against
+    float64 over the dequantized matrices (x and the activation in float64), with and without
+    the residual; bf16 at odd widths too (int8/int4 matrices take even ones)."""
     kernels = native.with_isa(isa)
     g, seed = _gen()
     gate_up = make_linear(torch.randn(2 * i, d, generator=g) * 0.1, fmt)
     down = make_linear(torch.randn(d, i, generator=g) * 0.1, fmt)
-    run = kernels.expert_int8 if fmt == "int8" else kernels.expert_int4
-    for m in (1, 3, 8):
+    run = getattr(kernels, f"expert_{fmt}")
+    for m in (1, 3, 4) if fmt == "bf16" else (1, 3, 8):
         x = torch.randn(m, d, generator=g)
         want, bound = _expert(x, gate_up, down, isa)
         y = run(x, gate_up, down)
@@ -371,9 +379,9 @@ def test_a_swiglu_expert_in_one_call(isa, fmt, d, i):
         assert torch.equal(run(x, gate_up, down, residual), residual + y), f"seed {seed}"
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", EXPERT_FORMATS)
 def test_an_expert_takes_the_one_call_path_at_decode(fmt, monkeypatch):
-    """Expert.__call__ runs the one-call kernel for int8/int4 matrices within the decode row
+    """Expert.__call__ runs the one-call kernel for int8/int4/bf16 matrices within the decode row
     limit, and its result matches the three-step path (each product through its Linear): both
     within their bound of float64."""
     from latentkv.experts.base import Expert
@@ -384,8 +392,11 @@ def test_an_expert_takes_the_one_call_path_at_decode(fmt, monkeypatch):
         make_linear(torch.randn(160, 96, generator=g) * 0.1, fmt),
         make_linear(torch.randn(96, 80, generator=g) * 0.1, fmt),
     )
-    x, residual = torch.randn(2, 96, generator=g), torch.randn(2, 96, generator=g)
-    assert swiglu.fused_swiglu(expert.gate_up, expert.down, 2) is not None
+    # bf16: one row, the row its Linears take through the same kernel (more rows of a bf16
+    # Linear are rounded to bfloat16 for F.linear, outside this bound)
+    rows = 1 if fmt == "bf16" else 2
+    x, residual = torch.randn(rows, 96, generator=g), torch.randn(rows, 96, generator=g)
+    assert swiglu.fused_swiglu(expert.gate_up, expert.down, rows) is not None
     fused = expert(x, residual)
     monkeypatch.setattr("latentkv.experts.base.fused_swiglu", lambda *a: None)
     steps = expert(x, residual)
@@ -393,29 +404,41 @@ def test_an_expert_takes_the_one_call_path_at_decode(fmt, monkeypatch):
     # two results each within `bound` of float64, and each + residual rounded once more
     why = _within(fused, steps.double(), 2 * bound + 2 * EPS * (residual.abs().double() + steps.abs()))
     assert not why, f"seed {seed}: {why}"
-    mixed = Expert(expert.gate_up, make_linear(torch.randn(96, 80, generator=g), "bf16"))
+    other = "int8" if fmt == "bf16" else "bf16"
+    mixed = Expert(expert.gate_up, make_linear(torch.randn(96, 80, generator=g), other))
     assert swiglu.fused_swiglu(mixed.gate_up, mixed.down, 2) is None
+    limit = {"int8": int8.KERNEL_MAX_ROWS, "int4": int4.KERNEL_MAX_ROWS, "bf16": bf16.KERNEL_MAX_ROWS}[fmt]
+    assert swiglu.fused_swiglu(expert.gate_up, expert.down, limit + 1) is None
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_big_bf16_matrices_keep_their_linears():
+    """A bf16 SwiGLU with a matrix past the one-row kernel's size (`NATIVE_MAX_BYTES`) keeps the
+    three steps: torch's kernels read big matrices as fast (bf16-one-row.json)."""
+    from latentkv.weights import swiglu
+
+    d = bf16.NATIVE_MAX_BYTES // (2 * 64) + 1  # gate_up [64, d] just past the size, down [d, 32] under it
+    down = make_linear(torch.randn(d, 32), "bf16")
+    assert swiglu.fused_swiglu(
+        make_linear(torch.randn(64, d - 1), "bf16"), make_linear(torch.randn(d - 1, 32), "bf16"), 1
+    )
+    assert swiglu.fused_swiglu(make_linear(torch.randn(64, d), "bf16"), down, 1) is None
+
+
+@pytest.mark.parametrize("fmt", EXPERT_FORMATS)
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_layers_experts_in_one_call(fmt, rows):
-    """PackedExperts (`moe_int8` / `moe_int4`) over a layer's stacked experts: the router's
-    weighted sum of each picked expert's own output (Expert.__call__, the one-call expert), added
-    in the MoE layer's order (a lone token: the router's; a batch: by expert id), bit for bit."""
-    from latentkv.experts.base import Expert
-    from latentkv.weights.swiglu import PackedExperts
+    """PackedExperts (`moe_int8` / `moe_int4` / `moe_bf16`) over a layer's stacked experts, as the
+    resident store builds it: the router's weighted sum of each picked expert's own output
+    (Expert.__call__, the one-call expert), added in the MoE layer's order (a lone token: the
+    router's; a batch: by expert id), bit for bit."""
+    from latentkv.experts.resident import ResidentExperts
 
     g, seed = _gen()
     E, k, d, i = 6, 3, 96, 64
-    experts = [
-        Expert(
-            make_linear(torch.randn(2 * i, d, generator=g) * 0.1, fmt),
-            make_linear(torch.randn(d, i, generator=g) * 0.1, fmt),
-        )
-        for _ in range(E)
-    ]
-    packed = PackedExperts.of([e.gate_up for e in experts], [e.down for e in experts])
+    store = ResidentExperts.from_float(
+        torch.randn(E, 2 * i, d, generator=g) * 0.1, torch.randn(E, d, i, generator=g) * 0.1, fmt
+    )
+    experts, packed = store.experts, store.packed
     assert packed is not None
     x = torch.randn(rows, d, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows)])

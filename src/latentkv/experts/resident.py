@@ -14,15 +14,15 @@ from latentkv.weights.swiglu import PackedExperts
 class ResidentExperts(LocalStore):
     """All E experts held in memory. In a plain dtype (f32, bf16) they are views of two stacked
     tensors, which the MoE fast paths read directly; int8/int4 experts that latentkv's kernels
-    run are views of stacked packed tensors too, and the layer's routed part is one call
-    (`packed`); otherwise one Linear pair per expert."""
+    run are views of stacked packed tensors too; where the kernels run them (int8, int4, small
+    bf16) the layer's routed part is one call (`packed`); otherwise one Linear pair per expert."""
 
     def __init__(self, experts: list[Expert], stacked: StackedExperts | None = None):
         self.experts = experts
         self.stacked = stacked
         self.num_experts = len(experts)
-        if stacked is None:
-            self.packed = PackedExperts.of([e.gate_up for e in experts], [e.down for e in experts])
+        stacks = None if stacked is None else (stacked.gate_up, stacked.down)
+        self.packed = PackedExperts.of([e.gate_up for e in experts], [e.down for e in experts], stacks)
 
     @classmethod
     def from_float(cls, gate_up: torch.Tensor, down: torch.Tensor, fmt: str, **params) -> ResidentExperts:

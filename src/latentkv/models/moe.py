@@ -10,7 +10,8 @@ Router (per token):
     y        = sum_e weights_e * Expert_e(x) + SharedExpert(x)
 
 The experts come from the layer's `ExpertStore` (`latentkv.experts`). How they run is chosen
-from the store's form and the batch's shape (each path is tested against `grouped`):
+from the store's form and the batch's shape (each path is tested against `grouped`); the
+first three serve stacked experts the kernels do not run (float32, bigger bf16):
 
     fused every   one decode token, or decode tokens picking at least half the experts, on a
                   small layer: every expert at once, the unchosen ones weighted 0, the shared
@@ -19,9 +20,10 @@ from the store's form and the batch's shape (each path is tested against `groupe
                   EVERY_EXPERT_MAX_BYTES: all tokens through all stacked experts
     gathered      small experts: each token's k experts copied out of the stacked tensors and
                   run as one batched matmul (`gather_one` for a lone token)
-    packed        resident int8/int4 experts (a lone token, a batch, a short prompt): the routed
-                  part in one kernel call (`weights.swiglu.PackedExperts`), the same sum as
-                  one by one / grouped give, bit for bit
+    packed        resident experts latentkv's kernels run (int8, int4, small bf16; a lone token,
+                  a batch, a short prompt): the routed part in one kernel call
+                  (`weights.swiglu.PackedExperts`), the same sum as one by one / grouped
+                  give, bit for bit; tried first
     one by one    a lone token through its k experts in turn (big experts)
     grouped       otherwise (prefill, streamed experts): one matmul per hit expert
                   over the tokens routed to it
@@ -118,8 +120,11 @@ class MoE:
         self.shared = shared
         self.lookahead = lookahead
         stacked = experts.stacked
-        self._every = None if stacked is None else _every_expert_weights(stacked, shared)
-        self._gather = stacked is not None and stacked.expert_bytes <= GATHER_MAX_BYTES
+        # packed experts read only the picked ones in one call: the every-expert and gathered
+        # paths are for the plain-dtype layers the kernels do not run (float32)
+        plain = stacked is not None and experts.packed is None
+        self._every = _every_expert_weights(stacked, shared) if plain else None
+        self._gather = plain and stacked.expert_bytes <= GATHER_MAX_BYTES
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, decode: bool = False
@@ -138,6 +143,9 @@ class MoE:
     def _experts(self, x: torch.Tensor, residual: torch.Tensor | None, decode: bool) -> torch.Tensor:
         idx, weights = self.router(x)
         N = x.shape[0]
+        packed = self.experts.packed
+        if packed is not None and packed.max_rows >= N:  # resident, the kernels' format: one call
+            return self._finish(x, packed(x, idx, weights, by_id=decode or N > 1), None, residual)
         if decode:
             return self._decode_batch(x, idx, weights, residual)
         if N == 1 and self._every is not None:
@@ -145,9 +153,6 @@ class MoE:
         if N == 1 and self._gather:
             out = _gather_one(self.experts.stacked, x, idx[0], weights[0])
             return self._finish(x, out, None, residual)
-        packed = self.experts.packed
-        if packed is not None and packed.max_rows >= N:  # int8/int4 resident: one call
-            return self._finish(x, packed(x, idx, weights, by_id=N > 1), None, residual)
         if N == 1:
             return self._finish(x, *self._one_by_one(x, idx[0], weights[0]), residual)
         return self._finish(x, *self._grouped(x, idx, weights), residual)
@@ -174,9 +179,6 @@ class MoE:
         if every and self._every is not None:
             return self._fused_every(x, idx, weights, residual)
         if stacked is None:
-            packed = self.experts.packed
-            if packed is not None and packed.max_rows >= B:  # the grouped pass in one call
-                return self._finish(x, packed(x, idx, weights, by_id=True), None, residual)
             return self._finish(x, *self._grouped(x, idx, weights), residual)
         if every and self.experts.num_experts * stacked.expert_bytes <= EVERY_EXPERT_MAX_BYTES:
             mix = torch.zeros(B, self.experts.num_experts, device=x.device).scatter_(1, idx, weights)

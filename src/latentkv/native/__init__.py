@@ -1,6 +1,7 @@
-"""latentkv's own CPU decode kernels, built on first use: int8 and int4 weights (decode.cpp) and
-decode attention over packed KV rows (attention.cpp, run by `latentkv.attention.native`), and
-the block KV codecs' encoder (kv_blocks.cpp: q8_0, q4_0, q8s, q4s, called by kv/codecs/blocks.py).
+"""latentkv's own CPU decode kernels, built on first use: int8 and int4 weights (decode.cpp), a
+few rows of small bfloat16 matrices and experts (bf16.cpp; experts.cpp holds the expert shapes
+every format shares), decode attention over packed KV rows (attention.cpp, run by
+`latentkv.attention.native`), and the block KV codecs' encoder (kv_blocks.cpp: q8_0, q4_0, q8s, q4s, called by kv/codecs/blocks.py).
 
     k = native.kernels()        # None where they cannot be built here (then torch's ops serve)
     y = k.int8_mm(x, q, scale)                                   # x f32 [M, K] -> f32 [M, N]
@@ -46,6 +47,7 @@ HERE = Path(__file__).parent
 SOURCES = (
     HERE / "decode.cpp",
     HERE / "bf16.cpp",
+    HERE / "experts.cpp",
     HERE / "attention.cpp",
     HERE / "kv_blocks.cpp",
 )  # one library
@@ -106,6 +108,10 @@ class Kernels:
         return torch.ops.latentkv.expert_int8(
             x, gate_up.q, gate_up.scale, down.q, down.scale, residual, self.isa
         )
+
+    def expert_bf16(self, x, gate_up, down, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The same with `Bf16Linear`s (contiguous weights; up to 4 rows of x: bf16.cpp)."""
+        return torch.ops.latentkv.expert_bf16(x, gate_up.weight, down.weight, residual, self.isa)
 
     def expert_int4(self, x, gate_up, down, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The same with `Int4Linear`s of one group size."""
@@ -281,6 +287,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("latentkv::bf16_mm")
     def _bf16(x, w, residual, isa):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("latentkv::expert_bf16")
+    def _expert16(x, gate_up, down, residual, isa):
+        return x.new_empty(x.shape[0], down.shape[0])
+
+    @torch.library.register_fake("latentkv::moe_bf16")
+    def _moe16(x, idx, weights, gate_up, down, by_id, isa):
+        return x.new_empty(x.shape[0], down.shape[1])
 
     @torch.library.register_fake("latentkv::int4_mm")
     def _int4(x, packed, scale_zeros, group_size, out_features, residual, isa):

@@ -2,6 +2,10 @@
 //
 //   latentkv::bf16_mm(x f32 [M, K], w bf16 [N, K], residual?, isa) -> [M, N]
 //       y[m, n] = sum_k x[m, k] * w[n, k]                            (+ residual[m, n])
+//   latentkv::expert_bf16(x, gate_up bf16 [2I, D], down bf16 [D, I], residual?, isa) -> [M, D]
+//       a SwiGLU expert in one call (experts.cpp's swiglu over this product)
+//   latentkv::moe_bf16(x, idx [M, k], weights [M, k], gate_up [E, 2I, D], down [E, D, I], by_id, isa)
+//       a layer's routed experts in one call (experts.cpp's moe), each expert a slice of the stacks
 //
 // Each weight is widened to float32 in registers (exact: a bfloat16 is the top half of a float32)
 // and multiplied by every row of x; products and sums in float32, x as it is (not rounded to
@@ -18,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "native.h"
 #include "ops.h"
@@ -28,6 +33,7 @@ using latentkv_native::bf16_to_f32;
 using latentkv_native::check_isa;
 using latentkv_native::grain;
 using latentkv_native::residual_of;
+using latentkv_native::silu_mul;
 #if LKV_X86
 using latentkv_native::hsum256;
 #endif
@@ -171,26 +177,87 @@ void span(const Args& a, int64_t isa, int64_t n0, int64_t n1) {
   generic(a, n0, n1);
 }
 
+// y [M, N] = x [M, K] (row stride ldx) w^T (+ res, row stride ldr), w [N, K] bf16 bits
+void product(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t M, int64_t ldx, float* y,
+             const float* res, int64_t ldr, int64_t isa) {
+  const Args a{x, M, K, ldx, w, N, y, res, ldr};
+  if (M == 0 || N == 0) return;
+  at::parallel_for(0, (N + UNIT - 1) / UNIT, grain(UNIT * K * 2),
+                   [&](int64_t u0, int64_t u1) { span(a, isa, u0 * UNIT, std::min(N, u1 * UNIT)); });
+}
+
+const uint16_t* bits(const at::Tensor& w) { return reinterpret_cast<const uint16_t*>(w.data_ptr()); }
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) == K,
+              "x must be float32 [M, K] with unit column stride, K the matrix's columns");
+  TORCH_CHECK(x.size(0) <= MAX_ROWS, "the bf16 kernels take up to ", MAX_ROWS, " rows, got ", x.size(0));
+}
+
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& residual, int64_t isa) {
   check_isa(isa);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
               "w must be a contiguous bfloat16 [N, K] matrix");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) == w.size(1),
-              "x must be float32 [M, K] with unit column stride, K the matrix's columns");
-  TORCH_CHECK(x.size(0) <= MAX_ROWS, "bf16_mm takes up to ", MAX_ROWS, " rows, got ", x.size(0));
+  check_x(x, w.size(1));
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
-  Args a{x.data_ptr<float>(), M, K, x.stride(0), reinterpret_cast<const uint16_t*>(w.data_ptr()), N,
-         y.data_ptr<float>(), nullptr, 0};
-  a.res = residual_of(residual, M, N, &a.ldr);
-  if (M == 0 || N == 0) return y;
-  at::parallel_for(0, (N + UNIT - 1) / UNIT, grain(UNIT * K * 2),
-                   [&](int64_t u0, int64_t u1) { span(a, isa, u0 * UNIT, std::min(N, u1 * UNIT)); });
+  int64_t ldr = 0;
+  const float* res = residual_of(residual, M, N, &ldr);
+  product(bits(w), N, K, x.data_ptr<float>(), M, x.stride(0), y.data_ptr<float>(), res, ldr, isa);
   return y;
+}
+
+// gate_up [.., 2I, D] and down [.., D, I]: contiguous bfloat16 of matching widths (dims: 2 or 3)
+void check_pair(const at::Tensor& gu, const at::Tensor& dn, int64_t dims) {
+  TORCH_CHECK(gu.dim() == dims && dn.dim() == dims && gu.scalar_type() == at::kBFloat16 &&
+                  dn.scalar_type() == at::kBFloat16 && gu.is_contiguous() && dn.is_contiguous(),
+              "gate_up and down must be contiguous bfloat16 ", dims == 2 ? "[2I, D] and [D, I]" : "[E, 2I, D] and [E, D, I]");
+  TORCH_CHECK(dims == 2 || gu.size(0) == dn.size(0), "gate_up and down stack different numbers of experts");
+  const int64_t two_i = gu.size(dims - 2), D = gu.size(dims - 1);
+  TORCH_CHECK(two_i % 2 == 0 && dn.size(dims - 1) == two_i / 2 && dn.size(dims - 2) == D,
+              "gate_up [2I, D] and down [D, I] do not fit: ", gu.sizes(), " and ", dn.sizes());
+}
+
+at::Tensor expert_bf16(const at::Tensor& x, const at::Tensor& gu, const at::Tensor& dn,
+                       const std::optional<at::Tensor>& residual, int64_t isa) {
+  check_isa(isa);
+  check_pair(gu, dn, 2);
+  check_x(x, gu.size(1));
+  const int64_t M = x.size(0), I = gu.size(0) / 2, D = gu.size(1);
+  auto of = [M, isa](const at::Tensor& w) {
+    return [p = bits(w), N = w.size(0), M, isa](const float* xp, int64_t K, int64_t ldx, float* y,
+                                                const float* res, int64_t ldr) {
+      product(p, N, K, xp, M, ldx, y, res, ldr, isa);
+    };
+  };
+  return latentkv_native::swiglu(x, I, D, of(gu), of(dn), residual);
+}
+
+at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, const at::Tensor& gu,
+                    const at::Tensor& dn, bool by_id, int64_t isa) {
+  check_isa(isa);
+  check_pair(gu, dn, 3);
+  check_x(x, gu.size(2));
+  const int64_t E = gu.size(0), I = gu.size(1) / 2, D = gu.size(2);
+  const uint16_t *gp = bits(gu), *dp = bits(dn);
+  return latentkv_native::moe(x, idx, w, E, D, by_id, [&](int64_t e, const float* xp, int64_t n, int64_t ldx, float* y) {
+    std::vector<float> h(n * 2 * I), act(n * I);
+    product(gp + e * 2 * I * D, 2 * I, D, xp, n, ldx, h.data(), nullptr, 0, isa);
+    silu_mul(h.data(), n, I, act.data());
+    product(dp + e * D * I, D, I, act.data(), n, I, y, nullptr, 0, isa);
+  });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(latentkv, m) { m.def("bf16_mm(Tensor x, Tensor w, Tensor? residual, int isa) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(latentkv, m) {
+  m.def("bf16_mm(Tensor x, Tensor w, Tensor? residual, int isa) -> Tensor");
+  m.def("expert_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor? residual, int isa) -> Tensor");
+  m.def("moe_bf16(Tensor x, Tensor idx, Tensor weights, Tensor gate_up, Tensor down, bool by_id, int isa) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(latentkv, CPU, m) { m.impl("bf16_mm", &bf16_mm); }
+TORCH_LIBRARY_IMPL(latentkv, CPU, m) {
+  m.impl("bf16_mm", &bf16_mm);
+  m.impl("expert_bf16", &expert_bf16);
+  m.impl("moe_bf16", &moe_bf16);
+}

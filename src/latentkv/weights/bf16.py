@@ -17,6 +17,11 @@ measures both); elsewhere the two ran alike and `F.linear` stays (`gemv_one_row`
 (`torch.mv` per row would read it once per row: slower from two rows on, measured), and a
 prefill's rows take AMX tiles. A bias, or a matrix stored transposed, keeps `F.linear`
 whatever the rows.
+
+A SwiGLU expert whose two matrices both take the kernel (a small model's MLPs and experts) runs
+as one call of `latentkv::expert_bf16` for up to KERNEL_MAX_ROWS rows, and a layer of such
+experts resident as one call of `latentkv::moe_bf16` (`weights.swiglu`): only the router's
+picks are read, where a small layer otherwise ran every expert at once (`models.moe`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from latentkv.weights.kernels import matmul_dtype
 
 # Matrices up to this size run one row through latentkv's kernel (see the module docstring).
 NATIVE_MAX_BYTES = 4 << 20
+# Rows of x the kernels take (bf16.cpp): a SwiGLU of two such matrices runs up to this many rows
+# in one call (`weights.swiglu`), as do a layer's resident experts (`PackedExperts`).
+KERNEL_MAX_ROWS = 4
 
 
 @register
@@ -44,11 +52,11 @@ class Bf16Linear(DenseLinear):
         # down matrix) keeps F.linear, which reads that one's rows through `_weight_t`.
         self._gemv = bias is None and weight.is_contiguous() and gemv_one_row()
         small = weight.numel() * 2 <= NATIVE_MAX_BYTES and weight.device.type == "cpu"
-        self._native = native.kernels() if bias is None and weight.is_contiguous() and small else None
+        self._kernel = native.kernels() if bias is None and weight.is_contiguous() and small else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == self.in_features:
-            if self._native is not None and x.dtype == torch.float32:
+            if self._kernel is not None and x.dtype == torch.float32:
                 return self._one_row(x, None)
             if self._gemv:
                 return self._mv(x).view(*x.shape[:-1], self.out_features)
@@ -58,7 +66,7 @@ class Bf16Linear(DenseLinear):
         if self.bias is not None:
             return super().add_to(residual, x)
         one_row = x.numel() == self.in_features
-        if one_row and self._native is not None and x.dtype == torch.float32:
+        if one_row and self._kernel is not None and x.dtype == torch.float32:
             fits = residual is not None and residual.dtype == torch.float32 and residual.is_contiguous()
             if residual is None or (fits and residual.numel() == self.out_features):
                 return self._one_row(x, residual)
@@ -72,7 +80,7 @@ class Bf16Linear(DenseLinear):
         """One float32 row x (any shape of in_features elements) through latentkv's kernel ->
         W x (+ residual, of out_features elements) in x's shape with out_features last."""
         res = None if residual is None else residual.view(1, self.out_features)
-        y = self._native.bf16_mm(x.reshape(1, self.in_features).contiguous(), self.weight, res)
+        y = self._kernel.bf16_mm(x.reshape(1, self.in_features).contiguous(), self.weight, res)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _mv(self, x: torch.Tensor) -> torch.Tensor:
