@@ -307,6 +307,20 @@ def token_counts(tok, texts: list[str]) -> list[int]:
 # expert instead of a one-hot mask, the router in float32 outside autocast.
 
 
+def causal_attention(q, k, v, scale: float):
+    """SDPA's causal kernel; under a torch CPU capability below AVX-512 (ATEN_CPU_CAPABILITY=avx2
+    or default on a CPU with AMX) its flash kernel, bfloat16 under autocast, still takes the AMX
+    path and fails ("pack_vnni2 is only supported when avx512 is supported"), so there SDPA runs
+    its math backend: the same attention, without the fused kernel."""
+    capped = q.device.type == "cpu" and not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    if capped:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
 def attention_forward(self, hidden_states, position_embeddings, **_):
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
@@ -325,7 +339,7 @@ def attention_forward(self, hidden_states, position_embeddings, **_):
     k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, S, *]
     q = torch.cat([q_pass, q_rot], dim=-1)
     k = torch.cat([k_nope, k_rot.to(k_nope.dtype).expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-    o = F.scaled_dot_product_attention(q, k, v.to(q.dtype), is_causal=True, scale=self.scaling)
+    o = causal_attention(q, k, v.to(q.dtype), self.scaling)
     sup = getattr(self, "supervise", None)
     if sup is not None:  # attention supervision (see `supervised_attention`): one head's pattern
         h = sup["head"]
