@@ -95,6 +95,31 @@ def test_fixed_capacity_keeps_every_row_and_never_grows(tier_name):
         cache.fix_capacity(100)
 
 
+@pytest.mark.parametrize("tier_name", ["f32", "bf16"])
+def test_stored_in_reads_and_writes_other_tensors_then_gives_the_cache_back(tier_name):
+    """`stored_in` (an exported decode step is traced through it): inside, rows and keys go to
+    the tensors handed in at the length given; after, on an error too, the cache's own tensors
+    and length are back, untouched by what was written inside."""
+    tier = resolve_tier(LAYOUT, CacheConfig(tier_name))
+    cache = tier.make_cache()
+    _fill(cache, 20, seed=0)
+    cache.fix_capacity(64)
+    own = [t.clone() for t in cache.storage()]
+    other = [torch.zeros_like(t) for t in cache.storage()]
+    with cache.stored_in(other, 5):
+        assert cache.length == 5 and all(a is b for a, b in zip(cache.storage(), other, strict=True))
+        _fill(cache, 3, seed=1)
+    assert cache.length == 20  # (rows past the length are uninitialized: compared up to it)
+    assert all(torch.equal(a[:20], b[:20]) for a, b in zip(cache.storage(), own, strict=True))
+    assert any(bool(t[5:8].any()) for t in other) and not any(bool(t[8:].any()) for t in other)
+    with pytest.raises(RuntimeError, match="inside"), cache.stored_in(other, 2):
+        raise RuntimeError("inside")
+    assert cache.length == 20 and all(torch.equal(a[:20], b[:20]) for a, b in zip(cache.storage(), own, strict=True))
+    with pytest.raises(ValueError, match="1 tensors for a cache stored in"):
+        with cache.stored_in(other[:1], 2):
+            pass
+
+
 def test_many_single_row_appends_match_one_big_append():
     one, many = LatentCache(resolve_tier(LAYOUT)), LatentCache(resolve_tier(LAYOUT))
     written = _fill(one, 200, seed=3)

@@ -67,6 +67,28 @@ def test_compiled_decode_matches_eager_without_recompiling(compiled, ours):
     assert torch.equal(fast.view(0)[:30], slow.view(0)[:30])  # the prefill is eager in both
 
 
+def test_a_small_model_decodes_through_exported_programs_a_bigger_one_through_torch_compile(
+    compiled, tiny_dir, monkeypatch
+):
+    """builtin:tiny's step (the fixture above) is its AOTInductor programs, one below and one
+    above index_topk; a model past EXPORT_MAX_WEIGHT_BYTES, or whose whole context is not fixed,
+    gets torch.compile's step (built lazily: nothing is compiled here)."""
+    from latentkv.models import compiled as compiled_module
+
+    step = compiled.compiled
+    assert isinstance(step, compiled_module.ExportedDecode)
+    topk = compiled.cfg.dsa.index_topk
+    assert step.ranges() == [(3, topk), (topk + 1, compiled.cfg.max_position_embeddings)]
+    assert [(low, high) for low, high, _ in step._programs["f32"]] == step.ranges()
+    model = load_model(tiny_dir, device="cpu")  # its own: an exported step fixes its RoPE tables
+    assert isinstance(compiled_module.decode_step(model, model.f32), compiled_module.ExportedDecode)
+    monkeypatch.setattr(compiled_module, "EXPORT_MAX_WEIGHT_BYTES", model.weight_bytes() - 1)
+    assert isinstance(compiled_module.decode_step(model, model.f32), compiled_module.CompiledDecode)
+    monkeypatch.setattr(compiled_module, "EXPORT_MAX_WEIGHT_BYTES", 1 << 40)
+    monkeypatch.setattr(compiled_module, "FIXED_CACHE_MAX_BYTES", 0)
+    assert isinstance(compiled_module.decode_step(model, model.f32), compiled_module.CompiledDecode)
+
+
 def test_compiled_model_takes_a_one_token_prompt_and_refuses_past_its_context(compiled):
     """A one-token prompt is a prefill (eager), not a compiled step at length 0 (which would
     trace another graph); a step past max_position_embeddings is the eager step's ValueError,

@@ -84,7 +84,7 @@ class CpuDecode:
         positions: torch.Tensor | None,
     ) -> torch.Tensor:
         """query [H, S, Lkv+R]: one decode token over packed rows runs the kernel."""
-        if query.shape[1] != 1 or allowed is not None or not _fits(query, reader, len(reader)):
+        if query.shape[1] != 1 or allowed is not None or not _fits(query, reader):
             return REFERENCE.attend(query, reader, allowed, positions)
         return self._decode(query[:, 0], reader, None)[:, None]
 
@@ -135,9 +135,13 @@ class CpuDecode:
         )
 
 
-def _fits(query: torch.Tensor, reader: RowReader, rows: int) -> bool:
-    """Packed rows (not a windowed reader's), few enough for one call's scores."""
-    return isinstance(reader, PackedRows) and rows * query.shape[0] <= MAX_SCORES
+def _fits(query: torch.Tensor, reader: RowReader, rows: int | None = None) -> bool:
+    """Packed rows (not a windowed reader's), few enough for one call's scores: `rows` of them
+    read, or all the reader's (their tensors' size, not `len()`, which would make a traced
+    step's symbolic context a constant: `models.compiled.ExportedDecode`)."""
+    if not isinstance(reader, PackedRows):
+        return False
+    return (reader.c.codes.shape[0] if rows is None else rows) * query.shape[0] <= MAX_SCORES
 
 
 CPU = register_backend(CpuDecode())  # tried before the reference, which serves the rest

@@ -34,7 +34,8 @@ and the logits that follow are not bit-identical to an uninterrupted run's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -134,8 +135,8 @@ class _Buffer:
     def write(self, start: int, rows: torch.Tensor) -> None:
         end = start + rows.shape[0]
         self.reserve(end, start)
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # a forward pass
-            self.data[start:end] = rows
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.is_inference_mode_enabled():
+            self.data[start:end] = rows  # a forward pass, or one being traced
         else:  # e.g. re-encoding a KV file's rows
             with torch.inference_mode():
                 self.data[start:end] = rows
@@ -296,6 +297,30 @@ class SequenceCache:
 
     def _buffers_in_use(self) -> list[_Buffer]:
         return list(self._index.values())
+
+    def storage(self) -> list[torch.Tensor]:
+        """The tensors every row and indexer key is stored in, in a fixed order for the cache's
+        type and tier: what an exported decode step takes as its inputs (`models.compiled`)."""
+        return [b.data for b in self._buffers_in_use()]
+
+    @contextmanager
+    def stored_in(self, storage: Sequence[torch.Tensor], length: int) -> Iterator[None]:
+        """Read and write `storage` (tensors shaped as `storage()`'s) as this cache's, at `length`
+        tokens, until the block ends; then the cache's own tensors and length are back. An exported
+        decode step is traced through a cache this way, its inputs standing in for the storage."""
+        buffers = self._buffers_in_use()
+        if len(storage) != len(buffers):
+            raise ValueError(f"{len(storage)} tensors for a cache stored in {len(buffers)}")
+        own, own_length = [b.data for b in buffers], self.length
+        try:
+            for b, t in zip(buffers, storage, strict=True):
+                b.data = t
+            self.length = length
+            yield
+        finally:
+            for b, t in zip(buffers, own, strict=True):
+                b.data = t
+            self.length = own_length
 
     def hold_for_rollback(self, n: int) -> None:
         """Expect `trim` to take back up to n just-committed tokens (speculative decoding's

@@ -28,7 +28,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 import time
+import warnings
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -55,6 +57,10 @@ class _Model(Protocol):
     def _forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor: ...
 
     def check_context(self, length: int) -> None: ...
+
+    def make_cache(self, tier: KVTier | None = None): ...
+
+    def weight_bytes(self) -> int: ...
 
 
 class CompileUnavailable(RuntimeError):
@@ -164,6 +170,139 @@ def fixed_length(model: _Model) -> int | None:
     would pass FIXED_CACHE_MAX_BYTES keep growing storage."""
     n = model.cfg.max_position_embeddings
     return n if n * model.f32.bytes_per_token <= FIXED_CACHE_MAX_BYTES else None
+
+
+# A model whose weights take more than this keeps torch.compile's step: the exported program holds
+# its own copy of every weight (`ExportedDecode`).
+EXPORT_MAX_WEIGHT_BYTES = 256 << 20
+
+
+class DecodeStep(Protocol):
+    """A model's one-token step, installed by `Model.compile_decode` (`decode_step` picks it)."""
+
+    def __call__(
+        self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool = False
+    ) -> torch.Tensor: ...
+
+    def warm_up(self, make_cache, progress: bool = True) -> float: ...
+
+
+def decode_step(model: _Model, tier: KVTier) -> DecodeStep:
+    """The step `--compile` runs for `model`: its AOTInductor programs (`ExportedDecode`) for a
+    small model on the CPU (whole context fixed in advance, weights within
+    EXPORT_MAX_WEIGHT_BYTES), else the torch.compile'd step (`CompiledDecode`)."""
+    small = fixed_length(model) is not None and model.weight_bytes() <= EXPORT_MAX_WEIGHT_BYTES
+    if small and model.rope.inv_freq.device.type == "cpu":
+        return ExportedDecode(model, tier)
+    return CompiledDecode(model, tier)
+
+
+class ExportedDecode:
+    """A small model's one-token step as AOTInductor programs: the step is traced once per range
+    of context lengths its code branches on (below and above DSA's `index_topk`) by
+    `torch.export`, with the cache's length as a symbolic size, and built ahead of time into a
+    C++ library whose runner a call enters directly. The weights are constants inside the
+    program, so a call hands over only the token, the cache's storage tensors and a tensor whose
+    size is the context: no torch.compile frame, guards or ~130 weight inputs per call
+    (docs/performance.md: on builtin:fixture 0.65 -> 0.44 ms a step at int8).
+
+    What the program does not do is what `Model.forward`'s Python does around the graph: the
+    cache's length moves on here after the call (`commit`); its storage is fixed at the model's
+    whole context first (`fixed_length`). Each tier gets its programs on first use (`warm_up`
+    does it before timing or serving). The program keeps a copy of the weights: models above
+    EXPORT_MAX_WEIGHT_BYTES keep `CompiledDecode`."""
+
+    def __init__(self, model: _Model, tier: KVTier):
+        check_compilable(tier.name, tier.recent_window)
+        tag_inductor_cache()
+        fixed = fixed_length(model)
+        if fixed is None:
+            raise ValueError("an exported decode step needs a model whose whole context is fixed in advance")
+        self.model, self.fixed = model, fixed
+        model.rope.fix(fixed)
+        # sliced to the context T = length + 1: the program reads only the slice's size
+        self._sizes = torch.empty(fixed, dtype=torch.uint8)
+        self._programs: dict[str, list[tuple[int, int, object]]] = {}
+        self._dir = tempfile.TemporaryDirectory(prefix="latentkv-step-")
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The contexts T (cached tokens + the new one) each program serves, inclusive. From 3:
+        the step's code tells one cached token from more (traced from 2, the program specialized
+        to it), so the step after a one-token prompt runs eagerly."""
+        dsa = self.model.cfg.dsa
+        if dsa is not None and 3 <= dsa.index_topk < self.fixed:  # past index_topk the indexer selects
+            return [(3, dsa.index_topk), (dsa.index_topk + 1, self.fixed)]
+        return [(3, self.fixed)]
+
+    @torch.inference_mode()
+    def __call__(
+        self, tokens: torch.Tensor, cache: LatentCache | PackedLatentCache, all_logits: bool = False
+    ) -> torch.Tensor:
+        self.model.check_context(cache.length + tokens.shape[0])
+        if cache.fixed != self.fixed:
+            cache.fix_capacity(self.fixed)
+        context = cache.length + 1
+        for low, high, runner in self._tier_programs(cache.tier):
+            if low <= context <= high:
+                out = runner(tokens, self._sizes[:context], *cache.storage())
+                cache.commit(1)
+                return out if isinstance(out, torch.Tensor) else out[0]  # the logits [1, vocab]
+        return self.model._forward(tokens, cache, all_logits)  # a context no program serves (2)
+
+    def _tier_programs(self, tier: KVTier) -> list[tuple[int, int, object]]:
+        if tier.name not in self._programs:
+            self._programs[tier.name] = [self._export(tier, low, high) for low, high in self.ranges()]
+        return self._programs[tier.name]
+
+    def _export(self, tier: KVTier, low: int, high: int) -> tuple[int, int, object]:
+        """The program for contexts low..high: traced at context `low` through a scratch cache."""
+        model = self.model
+        device = model.rope.inv_freq.device
+        cache = model.make_cache(tier)
+        model.forward(torch.zeros(low - 1, dtype=torch.long, device=device), cache)
+        cache.fix_capacity(self.fixed)
+        token = torch.zeros(1, dtype=torch.long, device=device)
+        with torch.inference_mode():  # an eager step first: it builds the RoPE patterns the step reads
+            model._forward(token, cache)
+        length = cache.length  # context low + 1 for the trace (within the range unless low == high)
+        with torch.inference_mode(False):
+            # plain copies to trace with: the tracer does not record writes into inference tensors
+            # (the cache's own); the program then writes into whatever storage a call hands it
+            storage = [t.clone() for t in cache.storage()]
+
+        class _Step(torch.nn.Module):
+            def forward(self, tokens, sizes, *tensors):
+                with cache.stored_in(tensors, sizes.shape[0] - 1):
+                    return model._forward(tokens, cache)
+
+        context = torch.export.Dim("context", min=low, max=high)
+        example = self._sizes[: min(length + 1, high)]
+        path = os.path.join(self._dir.name, f"{tier.name}-{low}.pt2")
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations, not the user's
+            program = torch.export.export(
+                _Step(),
+                (token, example, *storage),
+                dynamic_shapes=(None, {0: context}, (None,) * len(storage)),
+                strict=False,
+            )
+            torch._inductor.aoti_compile_and_package(program, package_path=path)
+            return low, high, torch._inductor.aoti_load_package(path)
+
+    def warm_up(self, make_cache, progress: bool = True) -> float:
+        """Build the programs for the tier `make_cache` makes caches of; returns the seconds taken."""
+        t0 = time.perf_counter()
+        if progress:
+            print(
+                "building the decode step (torch.export + AOTInductor; tens of seconds)...",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._tier_programs(make_cache().tier)
+        seconds = time.perf_counter() - t0
+        if progress:
+            print(f"built in {seconds:.1f} s", file=sys.stderr, flush=True)
+        return seconds
 
 
 class CompiledDecode:

@@ -21,7 +21,7 @@ from latentkv.kv.cache import CacheLayout, KVTier, SequenceCache, resolve_tier
 from latentkv.kv.slots import SlotPool
 from latentkv.models import batch as batches
 from latentkv.models.batch import Batch, check_batch
-from latentkv.models.compiled import CompiledDecode, check_compilable
+from latentkv.models.compiled import DecodeStep, check_compilable, decode_step
 from latentkv.models.indexer import Indexer
 from latentkv.models.layers import RMSNorm, Rope, SwiGLU
 from latentkv.models.mla import MLA
@@ -77,7 +77,7 @@ class Model:
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim, self.device)
         self.layout = CacheLayout.for_model(cfg, self.device)
         self.f32 = resolve_tier(self.layout)  # the default tier, the reference
-        self.compiled: CompiledDecode | None = None
+        self.compiled: DecodeStep | None = None
 
     def tier(self, cache: CacheConfig | str | None = None) -> KVTier:
         """`--kv-cache-dtype` (a CacheConfig with its knobs, a bare tier name, or None for f32)
@@ -95,7 +95,7 @@ class Model:
         None; call again for each other tier in use). Returns the seconds compiling took."""
         tier = tier or self.f32
         if self.compiled is None:
-            self.compiled = CompiledDecode(self, tier)
+            self.compiled = decode_step(self, tier)
         else:
             check_compilable(tier.name, tier.recent_window)
         return self.compiled.warm_up(lambda: self.make_cache(tier), progress)

@@ -21,7 +21,7 @@ from latentkv.errors import UserError
 if TYPE_CHECKING:
     from latentkv.config import ClusterConfig
     from latentkv.engine.speculative import SpeculativeConfig
-    from latentkv.models.compiled import CompiledDecode
+    from latentkv.models.compiled import DecodeStep
 
 RANDOM_FILL_NOTE = (
     "fill random: the context is random rows appended straight to every layer's cache (no prompt "
@@ -275,16 +275,16 @@ def _speculative(args: argparse.Namespace):
     return None if spec is None else dataclasses.replace(spec, adaptive=False)
 
 
-def _compile(model, configs, notes: list[str], quiet: bool) -> tuple[CompiledDecode | None, set[str]]:
+def _compile(model, configs, notes: list[str], quiet: bool) -> tuple[DecodeStep | None, set[str]]:
     """Compile the decode step and warm it up for every tier that can be; -> (the compiled step,
     those tiers). The model itself stays eager: the rows that want the compiled step are handed it."""
-    from latentkv.models.compiled import CompiledDecode, CompileUnavailable, check_compilable
+    from latentkv.models.compiled import CompileUnavailable, check_compilable, decode_step
 
     try:
         check_compilable()  # is there a C++ compiler at all
     except CompileUnavailable as exc:
         raise UserError(str(exc)) from None
-    step: CompiledDecode | None = None
+    step: DecodeStep | None = None
     tiers = set()
     for config in configs:
         try:
@@ -293,7 +293,7 @@ def _compile(model, configs, notes: list[str], quiet: bool) -> tuple[CompiledDec
             notes.append(f"{config.kv_cache_dtype}: no compiled row ({exc})")
             continue
         tier = model.tier(config)
-        step = step or CompiledDecode(model, tier)
+        step = step or decode_step(model, tier)
         seconds = step.warm_up(partial(model.make_cache, tier), progress=not quiet)
         tiers.add(config.kv_cache_dtype)
         notes.append(f"{config.kv_cache_dtype}: compiled in {seconds:.1f} s before timing")

@@ -23,7 +23,7 @@ from latentkv.eval.bench.workload import (
 from latentkv.weights import dense_dtype
 
 if TYPE_CHECKING:
-    from latentkv.models.compiled import CompiledDecode
+    from latentkv.models.compiled import DecodeStep
 
 _GREEDY = SamplingParams()
 
@@ -76,7 +76,7 @@ def bench_latentkv(
     cache_config: CacheConfig | None = None,
     fill: str = "prefill",
     speculative=None,
-    compiled: CompiledDecode | None = None,
+    compiled: DecodeStep | None = None,
 ) -> BenchRow:
     """Prefill (or random-fill) `context` tokens, then time decode_tokens - 1 decode passes:
     eager, or through `compiled` (the model's decode step compiled and warmed up for this tier;
