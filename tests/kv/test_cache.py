@@ -114,10 +114,11 @@ def test_stored_in_reads_and_writes_other_tensors_then_gives_the_cache_back(tier
     assert any(bool(t[5:8].any()) for t in other) and not any(bool(t[8:].any()) for t in other)
     with pytest.raises(RuntimeError, match="inside"), cache.stored_in(other, 2):
         raise RuntimeError("inside")
-    assert cache.length == 20 and all(torch.equal(a[:20], b[:20]) for a, b in zip(cache.storage(), own, strict=True))
-    with pytest.raises(ValueError, match="1 tensors for a cache stored in"):
-        with cache.stored_in(other[:1], 2):
-            pass
+    assert cache.length == 20 and all(
+        torch.equal(a[:20], b[:20]) for a, b in zip(cache.storage(), own, strict=True)
+    )
+    with pytest.raises(ValueError, match="1 tensors for a cache stored in"), cache.stored_in(other[:1], 2):
+        pass
 
 
 def test_many_single_row_appends_match_one_big_append():

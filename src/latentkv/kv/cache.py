@@ -135,7 +135,11 @@ class _Buffer:
     def write(self, start: int, rows: torch.Tensor) -> None:
         end = start + rows.shape[0]
         self.reserve(end, start)
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.is_inference_mode_enabled():
+        if (
+            torch.compiler.is_compiling()
+            or torch.compiler.is_exporting()
+            or torch.is_inference_mode_enabled()
+        ):
             self.data[start:end] = rows  # a forward pass, or one being traced
         else:  # e.g. re-encoding a KV file's rows
             with torch.inference_mode():
