@@ -1,15 +1,25 @@
-"""`--compile`: the one-token decode step through torch.compile (inductor).
+"""`--compile`: the one-token decode step compiled by inductor, in one of two forms.
 
 A small model's decode step is a few hundred tiny torch ops, and eager PyTorch pays Python and
-dispatch overhead for each (3-6 us on a 2-core VM): that, not arithmetic, is its cost.
-torch.compile traces the whole step (embedding to logits, cache writes included) into one
-graph, fuses the elementwise work into generated C++ loops and calls the matmuls directly.
+dispatch overhead for each (3-6 us on a 2-core VM): that, not arithmetic, is its cost. Both
+forms trace the whole step (embedding to logits, cache writes included) into one graph, fuse
+the elementwise work into generated C++ loops and call the matmuls and latentkv's kernels
+directly:
+
+  - `ExportedDecode` (a model on the CPU whose whole context is fixed in advance and whose
+    weights are at most EXPORT_MAX_WEIGHT_BYTES: builtin:fixture, builtin:tiny): torch.export
+    and AOTInductor, the weights constants of a C++ program, a call straight into its runner.
+  - `CompiledDecode` (every other model): torch.compile, whose every call also runs its frame,
+    its guards and hands over every weight the graph reads (docs/performance.md: ~74 us a call
+    for ~130 tensors).
+
+`decode_step` picks; what follows holds for both unless it says.
 
 What it costs and guarantees:
   - Compiling takes tens of seconds once per process (inductor keeps its generated code in
     its on-disk cache, so later processes compile faster). `compile_decode` warms the graph
     up on a scratch cache so no request pays for it; DSA models warm a second graph for
-    contexts past `index_topk`.
+    contexts past `index_topk`. An exported step keeps its own copy of the weights.
   - Sizes are dynamic in the context length only, so one graph serves every length. A small
     model's caches and RoPE tables are given their full context at the first compiled step
     (`fixed_length`), so the cache's length is the graph's one symbolic size; a bigger model's
