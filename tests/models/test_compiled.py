@@ -89,6 +89,26 @@ def test_a_small_model_decodes_through_exported_programs_a_bigger_one_through_to
     assert isinstance(compiled_module.decode_step(model, model.f32), compiled_module.CompiledDecode)
 
 
+def test_a_step_that_cannot_be_exported_gives_way_to_torch_compile(tiny_dir, monkeypatch, capsys):
+    """When torch.export or AOTInductor fails on a model, `--compile` says so in one line and
+    compiles with torch.compile instead (its warm-up stubbed here: only the choice is tested)."""
+    from latentkv.models import compiled as compiled_module
+
+    def fail(*args):
+        raise RuntimeError("no exporting this\nsecond line")
+
+    monkeypatch.setattr(compiled_module.ExportedDecode, "_export", fail)
+    monkeypatch.setattr(
+        compiled_module.CompiledDecode, "warm_up", lambda self, make_cache, progress=True: 1.5
+    )
+    model = load_model(tiny_dir, device="cpu")
+    assert model.compile_decode(progress=False) == 1.5
+    assert isinstance(model.compiled, compiled_module.CompiledDecode)
+    err = capsys.readouterr().err
+    assert "could not be built (RuntimeError: no exporting this); compiling with torch.compile" in err
+    assert "second line" not in err
+
+
 def test_compiled_model_takes_a_one_token_prompt_and_refuses_past_its_context(compiled):
     """A one-token prompt is a prefill (eager), not a compiled step at length 0 (which would
     trace another graph); a step past max_position_embeddings is the eager step's ValueError,

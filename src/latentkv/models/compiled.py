@@ -207,6 +207,29 @@ def decode_step(model: _Model, tier: KVTier) -> DecodeStep:
     return CompiledDecode(model, tier)
 
 
+def warm_step(
+    model: _Model, tier: KVTier, step: DecodeStep | None, progress: bool = True
+) -> tuple[DecodeStep, float]:
+    """`step` (a new one from `decode_step` when None) built and warmed up for caches of `tier`
+    -> (the step, seconds taken). An exported step that cannot be built for this model gives way
+    to torch.compile's, with one line on stderr saying why."""
+    step = step or decode_step(model, tier)
+    try:
+        return step, step.warm_up(lambda: model.make_cache(tier), progress)
+    except Exception as exc:  # torch.export or AOTInductor could not build this model's step
+        if not isinstance(step, ExportedDecode):
+            raise
+        why = (str(exc).strip().splitlines() or [""])[0][:200]
+        print(
+            f"note: the ahead-of-time decode step could not be built ({type(exc).__name__}: {why}); "
+            "compiling with torch.compile instead",
+            file=sys.stderr,
+            flush=True,
+        )
+        step = CompiledDecode(model, tier)
+        return step, step.warm_up(lambda: model.make_cache(tier), progress)
+
+
 class ExportedDecode:
     """A small model's one-token step as AOTInductor programs: the step is traced once per range
     of context lengths its code branches on (below and above DSA's `index_topk`) by
@@ -214,7 +237,7 @@ class ExportedDecode:
     C++ library whose runner a call enters directly. The weights are constants inside the
     program, so a call hands over only the token, the cache's storage tensors and a tensor whose
     size is the context: no torch.compile frame, guards or ~130 weight inputs per call
-    (docs/performance.md: on builtin:fixture 0.65 -> 0.44 ms a step at int8).
+    (on builtin:fixture, int8 weights and KV bf16: 0.67 -> 0.49 ms a step).
 
     What the program does not do is what `Model.forward`'s Python does around the graph: the
     cache's length moves on here after the call (`commit`); its storage is fixed at the model's

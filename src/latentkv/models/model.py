@@ -21,7 +21,7 @@ from latentkv.kv.cache import CacheLayout, KVTier, SequenceCache, resolve_tier
 from latentkv.kv.slots import SlotPool
 from latentkv.models import batch as batches
 from latentkv.models.batch import Batch, check_batch
-from latentkv.models.compiled import DecodeStep, check_compilable, decode_step
+from latentkv.models.compiled import DecodeStep, check_compilable, warm_step
 from latentkv.models.indexer import Indexer
 from latentkv.models.layers import RMSNorm, Rope, SwiGLU
 from latentkv.models.mla import MLA
@@ -90,15 +90,15 @@ class Model:
         return resolve_tier(self.layout, cache)
 
     def compile_decode(self, tier: KVTier | None = None, progress: bool = True) -> float:
-        """Decode one token per step through torch.compile from now on (see
-        `latentkv.models.compiled`); compiles and warms up now, for caches of `tier` (f32 when
-        None; call again for each other tier in use). Returns the seconds compiling took."""
+        """Decode one token per step through a compiled step from now on (a small model's built
+        ahead of time, else torch.compile's: `latentkv.models.compiled`); builds and warms it up
+        now, for caches of `tier` (f32 when None; call again for each other tier in use).
+        Returns the seconds building took."""
         tier = tier or self.f32
-        if self.compiled is None:
-            self.compiled = decode_step(self, tier)
-        else:
+        if self.compiled is not None:
             check_compilable(tier.name, tier.recent_window)
-        return self.compiled.warm_up(lambda: self.make_cache(tier), progress)
+        self.compiled, seconds = warm_step(self, tier, self.compiled, progress)
+        return seconds
 
     def make_cache(self, tier: KVTier | None = None) -> Cache:
         """The cache one sequence needs: latent rows per layer (in `tier`, from `self.tier`;

@@ -278,7 +278,7 @@ def _speculative(args: argparse.Namespace):
 def _compile(model, configs, notes: list[str], quiet: bool) -> tuple[DecodeStep | None, set[str]]:
     """Compile the decode step and warm it up for every tier that can be; -> (the compiled step,
     those tiers). The model itself stays eager: the rows that want the compiled step are handed it."""
-    from latentkv.models.compiled import CompileUnavailable, check_compilable, decode_step
+    from latentkv.models.compiled import CompileUnavailable, check_compilable, warm_step
 
     try:
         check_compilable()  # is there a C++ compiler at all
@@ -292,9 +292,7 @@ def _compile(model, configs, notes: list[str], quiet: bool) -> tuple[DecodeStep 
         except CompileUnavailable as exc:
             notes.append(f"{config.kv_cache_dtype}: no compiled row ({exc})")
             continue
-        tier = model.tier(config)
-        step = step or decode_step(model, tier)
-        seconds = step.warm_up(partial(model.make_cache, tier), progress=not quiet)
+        step, seconds = warm_step(model, model.tier(config), step, progress=not quiet)
         tiers.add(config.kv_cache_dtype)
         notes.append(f"{config.kv_cache_dtype}: compiled in {seconds:.1f} s before timing")
     return step, tiers
