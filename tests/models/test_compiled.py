@@ -130,34 +130,28 @@ def test_compiled_model_takes_a_one_token_prompt_and_refuses_past_its_context(co
     assert cache.length == limit
 
 
-def test_compiled_models_in_one_process_each_run_their_own_graph(
-    compiled, ours, checkpoint, tiny_dir, monkeypatch
-):
-    """The step drops torch.compile's guards on the model's own blocks and weights
-    (`step_guard`), so nothing but the compile call itself may keep one model's graph from
-    another's: a model of the same shapes in other weights (bf16: the same caches, so every kept
-    guard passes) and one of another architecture, compiled in the same process as the module's
-    and decoding alternately with it, must each match their own eager twin.
+def test_compiled_models_in_one_process_each_run_their_own_graph(ours, checkpoint, monkeypatch):
+    """torch.compile's step (`CompiledDecode`: every model but the small ones, which are exported)
+    drops torch.compile's guards on the model's own blocks and weights (`step_guard`), so nothing
+    but the compile call itself may keep one model's graph from another's: two models of the
+    same shapes in other weights (f32 and bf16: the same caches, so every kept guard passes),
+    compiled in one process and decoding alternately, must each match their own eager twin.
 
-    The other architecture decodes with storage that grows, as a model whose full-context cache
-    passes FIXED_CACHE_MAX_BYTES (any big one) does: its buffer and RoPE-table lengths are
-    symbolic sizes of the graph. It then goes on alone past its 64-row buffers and 256-position
-    RoPE tables, with recompiling made an error."""
+    Both decode with storage that grows, as a model whose full-context cache passes
+    FIXED_CACHE_MAX_BYTES (any big one) does: its buffer and RoPE-table lengths are symbolic
+    sizes of the graph. One then goes on alone past its 64-row buffers and 256-position RoPE
+    tables, with recompiling made an error."""
     from latentkv.models import compiled as compiled_module
 
-    twins = [
-        (compiled, ours("glm5-tiny"), TOLERANCE),
-        (
-            load_model(tiny_dir, "bf16", device="cpu"),
-            load_model(tiny_dir, "bf16", device="cpu"),
-            BF16_TOLERANCE,
-        ),
-        (load_model(checkpoint("dsv3-tiny"), device="cpu"), ours("dsv3-tiny"), TOLERANCE),
-    ]
-    twins[1][0].compile_decode(progress=False)
     monkeypatch.setattr(compiled_module, "FIXED_CACHE_MAX_BYTES", 0)
-    twins[2][0].compile_decode(progress=False)
-    assert compiled.compiled.fixed and twins[2][0].compiled.fixed is None
+    path = checkpoint("dsv3-tiny")
+    twins = [
+        (load_model(path, device="cpu"), ours("dsv3-tiny"), TOLERANCE),
+        (load_model(path, "bf16", device="cpu"), load_model(path, "bf16", device="cpu"), BF16_TOLERANCE),
+    ]
+    for fast, _, _ in twins:
+        fast.compile_decode(progress=False)
+        assert isinstance(fast.compiled, compiled_module.CompiledDecode) and fast.compiled.fixed is None
     g = torch.Generator().manual_seed(6)
     caches = []
     for fast, slow, _ in twins:
@@ -170,7 +164,7 @@ def test_compiled_models_in_one_process_each_run_their_own_graph(
             a, b = fast.forward(token, fc)[-1], slow.forward(token, sc)[-1]
             assert a.shape == b.shape
             assert float((a - b).abs().max() / b.abs().max()) < tolerance
-    (fast, slow, tolerance), (fc, sc) = twins[2], caches[2]
+    (fast, slow, tolerance), (fc, sc) = twins[0], caches[0]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(250):
             token = torch.tensor([3 + step % 50])
