@@ -16,10 +16,11 @@ directly:
 `decode_step` picks; what follows holds for both unless it says.
 
 What it costs and guarantees:
-  - Compiling takes tens of seconds once per process (inductor keeps its generated code in
-    its on-disk cache, so later processes compile faster). `compile_decode` warms the graph
-    up on a scratch cache so no request pays for it; DSA models warm a second graph for
-    contexts past `index_topk`. An exported step keeps its own copy of the weights.
+  - Compiling takes tens of seconds once per process (torch.compile keeps its generated code
+    in inductor's on-disk cache, so later processes compile faster; an exported step is built
+    again in every process, ~28 s for builtin:fixture). `compile_decode` warms the graph up on
+    a scratch cache so no request pays for it; DSA models warm a second graph for contexts
+    past `index_topk`. An exported step keeps its own copy of the weights.
   - Sizes are dynamic in the context length only, so one graph serves every length. A small
     model's caches and RoPE tables are given their full context at the first compiled step
     (`fixed_length`), so the cache's length is the graph's one symbolic size; a bigger model's
