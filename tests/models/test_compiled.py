@@ -89,6 +89,29 @@ def test_a_small_model_decodes_through_exported_programs_a_bigger_one_through_to
     assert isinstance(compiled_module.decode_step(model, model.f32), compiled_module.CompiledDecode)
 
 
+def test_a_built_step_is_kept_and_loaded_by_the_next_process(compiled, tiny_dir, monkeypatch):
+    """The module's model built its programs into the cache of built steps; another model of the
+    same weights loads them from there (AOTInductor's compiler not called) and decodes as
+    eagerly; a damaged package is built again."""
+    from latentkv.models import compiled as compiled_module
+
+    built = []
+    real = torch._inductor.aoti_compile_and_package
+    monkeypatch.setattr(
+        torch._inductor, "aoti_compile_and_package", lambda *a, **k: built.append(1) or real(*a, **k)
+    )
+    model, eager = load_model(tiny_dir, device="cpu"), load_model(tiny_dir, device="cpu")
+    model.compile_decode(progress=False)
+    assert isinstance(model.compiled, compiled_module.ExportedDecode) and built == []
+    assert model.compiled.packages == compiled.compiled.packages  # the same keys: the same files
+    assert all(p.parent == compiled_module.cache_root() / "steps" for p in model.compiled.packages)
+    worst, tokens_a, tokens_b, _, _ = _decode_both(model, eager, None, 20, 60, seed=9)
+    assert worst < TOLERANCE and tokens_a == tokens_b
+    model.compiled.packages[0].write_bytes(b"not a package")
+    load_model(tiny_dir, device="cpu").compile_decode(progress=False)
+    assert len(built) == 1
+
+
 def test_a_step_that_cannot_be_exported_gives_way_to_torch_compile(tiny_dir, monkeypatch, capsys):
     """When torch.export or AOTInductor fails on a model, `--compile` says so in one line and
     compiles with torch.compile instead (its warm-up stubbed here: only the choice is tested)."""

@@ -16,11 +16,11 @@ directly:
 `decode_step` picks; what follows holds for both unless it says.
 
 What it costs and guarantees:
-  - Compiling takes tens of seconds once per process (torch.compile keeps its generated code
-    in inductor's on-disk cache, so later processes compile faster; an exported step is built
-    again in every process, ~28 s for builtin:fixture). `compile_decode` warms the graph up on
-    a scratch cache so no request pays for it; DSA models warm a second graph for contexts
-    past `index_topk`. An exported step keeps its own copy of the weights.
+  - Compiling takes tens of seconds once (torch.compile keeps its generated code in inductor's
+    on-disk cache, an exported step its built programs in the cache root's steps/, so later
+    processes start in seconds). `compile_decode` warms the graph up on a scratch cache so no
+    request pays for it; DSA models warm a second graph for contexts past `index_topk`. An
+    exported step keeps its own copy of the weights.
   - Sizes are dynamic in the context length only, so one graph serves every length. A small
     model's caches and RoPE tables are given their full context at the first compiled step
     (`fixed_length`), so the cache's length is the graph's one symbolic size; a bigger model's
@@ -36,17 +36,20 @@ What it costs and guarantees:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from latentkv import native
+from latentkv import fs, native
+from latentkv.config import cache_root
 from latentkv.weights.base import format_class
 
 if TYPE_CHECKING:
@@ -231,6 +234,31 @@ def warm_step(
         return step, step.warm_up(lambda: model.make_cache(tier), progress)
 
 
+def program_key(program) -> str:
+    """What a built step depends on, hashed: the exported program's graph, signature and ranges,
+    every constant's name, dtype, shape and bytes, torch's version, its CPU capability and the
+    cache tag (inductor's generated code differs by all three)."""
+    h = hashlib.sha256()
+    for part in (
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+        str(torch.compiler.config.cache_key_tag),
+        program.graph_module.code,
+        str(program.graph_signature),
+        str(program.range_constraints),
+    ):
+        h.update(part.encode() + b"\0")
+    for name, value in sorted({**program.constants, **program.state_dict}.items()):
+        h.update(name.encode() + b"\0")
+        if isinstance(value, torch.Tensor):
+            t = value.detach().contiguous().cpu()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(value).encode())
+    return h.hexdigest()[:32]
+
+
 class ExportedDecode:
     """A small model's one-token step as AOTInductor programs: the step is traced once per range
     of context lengths its code branches on (below and above DSA's `index_topk`) by
@@ -258,6 +286,7 @@ class ExportedDecode:
         self._sizes = torch.empty(fixed, dtype=torch.uint8)
         self._programs: dict[str, list[tuple[int, int, object]]] = {}
         self._dir = tempfile.TemporaryDirectory(prefix="latentkv-step-")
+        self.packages: list[Path] = []  # the built programs' files, in the order built or loaded
 
     def ranges(self) -> list[tuple[int, int]]:
         """The contexts T (cached tokens + the new one) each program serves, inclusive. From 3:
@@ -311,7 +340,6 @@ class ExportedDecode:
 
         context = torch.export.Dim("context", min=low, max=high)
         example = self._sizes[: min(length + 1, high)]
-        path = os.path.join(self._dir.name, f"{tier.name}-{low}.pt2")
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations, not the user's
             program = torch.export.export(
@@ -320,8 +348,32 @@ class ExportedDecode:
                 dynamic_shapes=(None, {0: context}, (None,) * len(storage)),
                 strict=False,
             )
-            torch._inductor.aoti_compile_and_package(program, package_path=path)
-            return low, high, torch._inductor.aoti_load_package(path)
+            return low, high, self._built(program, f"{tier.name}-{low}")
+
+    def _built(self, program, name: str):
+        """The runner of `program`: loaded from the cache of built steps when this very program
+        (its graph, its constants: the weights) was built before under this torch and CPU
+        capability, else built now (~12 s) and kept there (published by rename; where the cache
+        cannot be written, the build stays in a temporary directory)."""
+        path = cache_root() / "steps" / f"{program_key(program)}.pt2"
+        if path.is_file():
+            try:
+                runner = torch._inductor.aoti_load_package(str(path))
+                self.packages.append(path)
+                return runner
+            except Exception:  # a damaged or foreign file: built again below
+                fs.remove(path)
+        tmp = fs.temp_name(path).with_suffix(".pt2")  # AOTInductor takes only a .pt2 name
+        try:
+            fs.make_dirs(path.parent, "keeping a built decode step")
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+            fs.rename(tmp, path, "keeping a built decode step")
+        except fs.DiskError:
+            fs.remove(tmp)
+            path = Path(self._dir.name) / f"{name}.pt2"
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        self.packages.append(path)
+        return torch._inductor.aoti_load_package(str(path))
 
     def warm_up(self, make_cache, progress: bool = True) -> float:
         """Build the programs for the tier `make_cache` makes caches of; returns the seconds taken."""
