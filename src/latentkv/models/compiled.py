@@ -285,7 +285,7 @@ class ExportedDecode:
         # sliced to the context T = length + 1: the program reads only the slice's size
         self._sizes = torch.empty(fixed, dtype=torch.uint8)
         self._programs: dict[str, list[tuple[int, int, object]]] = {}
-        self._dir = tempfile.TemporaryDirectory(prefix="latentkv-step-")
+        self._dir: tempfile.TemporaryDirectory | None = None  # builds the cache could not keep
         self.packages: list[Path] = []  # the built programs' files, in the order built or loaded
 
     def ranges(self) -> list[tuple[int, int]]:
@@ -370,6 +370,7 @@ class ExportedDecode:
             fs.rename(tmp, path, "keeping a built decode step")
         except fs.DiskError:
             fs.remove(tmp)
+            self._dir = self._dir or tempfile.TemporaryDirectory(prefix="latentkv-step-")
             path = Path(self._dir.name) / f"{name}.pt2"
             torch._inductor.aoti_compile_and_package(program, package_path=str(path))
         self.packages.append(path)
